@@ -1,0 +1,184 @@
+"""Pure metadata algebra: slot mappings and the attention metadata of every draft step.
+
+The metadata of step i+1 is a function of the metadata of step i, computed on the device with fixed shapes and
+no host sync, so it runs inside a captured CUDA graph. (vLLM's Model Runner V2 built draft metadata once and
+read stale slots from the second MTP step on; its fix, PR #41162, rebuilds it on the host before each step.)
+
+Slot of a token at position `pos` of request `b`: ``block_table[b, pos // block_size] * block_size +
+pos % block_size``; -1 (do not write) where `pos < 0`.
+
+The public `slot_mapping` validates its inputs; the underscore functions are branch-free and trust them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fspec.state import AttnMetadata
+
+
+def _slot_mapping(
+    block_table: torch.Tensor, positions: torch.Tensor, block_size: int, request: torch.Tensor
+) -> torch.Tensor:
+    """Branch-free slots of `positions` (any shape) of requests `request` (same shape).
+
+    -1 where the position is < 0, lies past the table, or its block entry is < 0 (unallocated).
+    """
+    pos = positions.clamp(min=0)
+    col = pos // block_size
+    beyond = col >= block_table.shape[1]
+    # Clamping keeps the gather in bounds for padding and out-of-table tokens; their slot becomes -1 below.
+    block = block_table[request.long(), col.clamp(max=block_table.shape[1] - 1)]  # same shape as positions
+    slot = block.long() * block_size + pos % block_size
+    # An unallocated block (-1) or a position past the table never yields a slot: writing there would
+    # corrupt another request's K/V.
+    return torch.where((positions < 0) | beyond | (block < 0), torch.full_like(slot, -1), slot)
+
+
+def token_requests(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[T] int64: the request each query token belongs to (rows query_start_loc[b]:query_start_loc[b+1])."""
+    tokens = torch.arange(num_tokens, device=query_start_loc.device, dtype=torch.int64)
+    return torch.searchsorted(query_start_loc[1:].to(torch.int64), tokens, right=True)
+
+
+def slot_mapping(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slots of `positions` ([B] or [B, T]) through `block_table` [B, max_blocks]; int64, same shape.
+
+    -1 where the position is < 0 (padding). A position beyond the table, or one whose block entry is
+    negative (not allocated), raises ValueError.
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
+    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.is_floating_point():
+        raise ValueError(
+            f"block_table: expected an integer [B, max_blocks] tensor, got {_describe(block_table)}"
+        )
+    if (
+        not isinstance(positions, torch.Tensor)
+        or positions.dim() not in (1, 2)
+        or positions.is_floating_point()
+    ):
+        raise ValueError(f"positions: expected an integer [B] or [B, T] tensor, got {_describe(positions)}")
+    if positions.shape[0] != block_table.shape[0]:
+        raise ValueError(
+            f"positions: expected {block_table.shape[0]} rows (block_table's B), got {positions.shape[0]}"
+        )
+    if positions.device != block_table.device:
+        raise ValueError(f"positions: expected device {block_table.device}, got {positions.device}")
+    if bool((positions < -1).any()):
+        raise ValueError(f"positions: expected values >= -1 (-1 = padding), got min {int(positions.min())}")
+    capacity = block_table.shape[1] * block_size
+    if bool((positions >= capacity).any()):
+        raise ValueError(
+            f"positions: expected values < {capacity} (block_table holds {block_table.shape[1]} blocks of "
+            f"{block_size}), got max {int(positions.max())}"
+        )
+    b = positions.shape[0]
+    request = torch.arange(b, device=positions.device).view(b, *([1] * (positions.dim() - 1)))
+    request = request.expand_as(positions)
+    live = positions >= 0
+    blocks = block_table[request[live], positions[live] // block_size]
+    if bool((blocks < 0).any()):
+        raise ValueError(
+            "block_table: expected allocated (>= 0) blocks at every live position, got -1 entries"
+        )
+    return _slot_mapping(block_table, positions.long(), block_size, request)
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"shape {tuple(x.shape)}, dtype {x.dtype}"
+    return f"{type(x).__name__}"
+
+
+def decode_metadata(positions: torch.Tensor, block_table: torch.Tensor, *, block_size: int) -> AttnMetadata:
+    """Metadata of a decode step: one query token per request at `positions` [B] (-1 = padding row)."""
+    positions = positions.to(torch.int64)
+    b = positions.shape[0]
+    device = positions.device
+    live = positions >= 0
+    seq_lens = torch.where(live, positions + 1, torch.zeros_like(positions)).to(torch.int32)
+    request = torch.arange(b, device=device)
+    return AttnMetadata(
+        positions=positions,
+        query_start_loc=torch.arange(b + 1, device=device, dtype=torch.int32),
+        seq_lens=seq_lens,
+        block_table=block_table.to(torch.int32),
+        slot_mapping=_slot_mapping(block_table, positions, block_size, request),
+    )
+
+
+def first_step_metadata(
+    start_positions: torch.Tensor,
+    num_tokens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    num_query: int,
+    block_size: int,
+) -> AttnMetadata:
+    """Metadata of the first draft step: up to `num_query` tokens per request (T = B * num_query).
+
+    Request b's tokens sit at positions start_positions[b] + j for j < num_tokens[b]; the rest of its
+    `num_query` rows are padding (-1). A request with start_positions[b] < 0 is a padding row. Typical use:
+    the K+1 tokens the target just verified, of which num_accepted + 1 are live.
+    """
+    start = start_positions.to(torch.int64)
+    b = start.shape[0]
+    device = start.device
+    j = torch.arange(num_query, device=device, dtype=torch.int64)
+    row_live = start >= 0
+    live = row_live[:, None] & (j[None, :] < num_tokens.to(torch.int64)[:, None])  # [B, Q]
+    positions = torch.where(live, start[:, None] + j[None, :], torch.full_like(live, -1, dtype=torch.int64))
+    seq_lens = torch.where(row_live, start + num_tokens.to(torch.int64), torch.zeros_like(start)).to(
+        torch.int32
+    )
+    request = torch.arange(b, device=device)[:, None].expand(b, num_query)
+    slots = _slot_mapping(block_table, positions, block_size, request)
+    return AttnMetadata(
+        positions=positions.reshape(-1),
+        query_start_loc=(torch.arange(b + 1, device=device, dtype=torch.int32) * num_query),
+        seq_lens=seq_lens,
+        block_table=block_table.to(torch.int32),
+        slot_mapping=slots.reshape(-1),
+    )
+
+
+def advance(meta: AttnMetadata, *, block_size: int, max_model_len: int) -> AttnMetadata:
+    """The metadata of the next decode step (one token per request, T = B).
+
+    positions + 1 and seq_lens + 1, clamped to max_model_len - 1 and max_model_len; padding rows (-1) stay
+    padding; the slot mapping is recomputed from the block table. Branch-free: runs inside a CUDA graph.
+    """
+    pos = meta.positions
+    live = pos >= 0
+    new_pos = torch.where(live, (pos + 1).clamp(max=max_model_len - 1), pos)
+    new_lens = torch.where(live, (meta.seq_lens + 1).clamp(max=max_model_len), meta.seq_lens)
+    request = torch.arange(pos.shape[0], device=pos.device)
+    return AttnMetadata(
+        positions=new_pos,
+        query_start_loc=meta.query_start_loc,
+        seq_lens=new_lens,
+        block_table=meta.block_table,
+        slot_mapping=_slot_mapping(meta.block_table, new_pos, block_size, request),
+    )
+
+
+def decode_after(meta: AttnMetadata, *, block_size: int, max_model_len: int) -> AttnMetadata:
+    """Decode metadata for the token that follows each request's last cached token (any T, result T = B).
+
+    After a multi-token step (the first draft step, target verification) the next token of request b sits at
+    position seq_lens[b]; requests with seq_lens 0 are padding. Positions clamp at max_model_len - 1.
+    """
+    lens = meta.seq_lens.to(torch.int64)
+    live = lens > 0
+    pos = torch.where(live, lens.clamp(max=max_model_len - 1), torch.full_like(lens, -1))
+    new_lens = torch.where(live, pos + 1, torch.zeros_like(pos)).to(torch.int32)
+    b = lens.shape[0]
+    request = torch.arange(b, device=lens.device)
+    return AttnMetadata(
+        positions=pos,
+        query_start_loc=torch.arange(b + 1, device=lens.device, dtype=torch.int32),
+        seq_lens=new_lens,
+        block_table=meta.block_table,
+        slot_mapping=_slot_mapping(meta.block_table, pos, block_size, request),
+    )

@@ -1,0 +1,1 @@
+"""Functional target models and draft heads."""
