@@ -1,0 +1,113 @@
+"""A real corpus present on every machine: the Python standard library's source, and a BPE tokenizer for it.
+
+The embedded default model is trained on these files (the GPU host's Python 3.12 standard library), with a
+deterministic held-out split by file path, so "held-out text" means files the model never saw. The split
+hashes the path relative to the library root, so it is the same on every machine and Python version for the
+files they share.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>")
+_SKIP_PARTS = {"site-packages", "dist-packages", "__pycache__", "idlelib", "lib2to3", "turtledemo"}
+
+
+def stdlib_root() -> Path:
+    """The directory of this interpreter's standard library source."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files(root: str | Path | None = None) -> list[Path]:
+    """Every `.py` file of the standard library under `root` (default: this interpreter's), sorted.
+
+    Installed third-party packages (site-packages) are excluded, as are a few directories of generated or
+    legacy code.
+    """
+    root = stdlib_root() if root is None else Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"root: expected a directory of Python source, got {str(root)!r}")
+    files = [p for p in root.rglob("*.py") if not _SKIP_PARTS.intersection(p.relative_to(root).parts)]
+    if not files:
+        raise FileNotFoundError(f"root: expected .py files under {str(root)!r}, found none")
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def is_held_out(relative_path: str, *, eval_fraction: float = 0.05) -> bool:
+    """Deterministic held-out membership of a file, by a hash of its path relative to the library root."""
+    digest = hashlib.sha256(relative_path.encode()).digest()
+    return int.from_bytes(digest[:8], "little") / 2**64 < eval_fraction
+
+
+def split_files(
+    files: Sequence[Path], root: str | Path | None = None, *, eval_fraction: float = 0.05
+) -> tuple[list[Path], list[Path]]:
+    """(train, held_out) file lists."""
+    if not 0.0 < eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction: expected a value in (0, 1), got {eval_fraction!r}")
+    root = stdlib_root() if root is None else Path(root)
+    train, held = [], []
+    for f in files:
+        (held if is_held_out(f.relative_to(root).as_posix(), eval_fraction=eval_fraction) else train).append(
+            f
+        )
+    return train, held
+
+
+def read_texts(files: Sequence[Path]) -> Iterator[str]:
+    """File contents, skipping files that are not valid UTF-8 (a handful of test fixtures)."""
+    for f in files:
+        try:
+            yield f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+
+
+def train_tokenizer(files: Sequence[Path], *, vocab_size: int = 4096):
+    """A byte-level BPE tokenizer (the `tokenizers` library) trained on `files`; token 0 is <|endoftext|>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 300:
+        raise ValueError(f"vocab_size: expected at least 300 (256 bytes + merges), got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(read_texts(files), trainer=trainer)
+    return tok
+
+
+def encode_files(tokenizer, files: Sequence[Path]) -> torch.Tensor:
+    """All files' tokens concatenated, each file followed by <|endoftext|>: a 1-D int32 tensor."""
+    eos = tokenizer.token_to_id(SPECIAL_TOKENS[0])
+    chunks: list[torch.Tensor] = []
+    texts = list(read_texts(files))
+    for enc in tokenizer.encode_batch(texts):
+        chunks.append(torch.tensor(enc.ids + [eos], dtype=torch.int32))
+    if not chunks:
+        raise ValueError("files: expected at least one readable file, got none")
+    return torch.cat(chunks)
+
+
+def sample_windows(
+    tokens: torch.Tensor, *, batch_size: int, seq_len: int, generator: torch.Generator
+) -> torch.Tensor:
+    """[batch_size, seq_len] int64 windows at random offsets of a 1-D token tensor."""
+    if tokens.dim() != 1 or tokens.numel() <= seq_len:
+        raise ValueError(
+            f"tokens: expected a 1-D tensor longer than seq_len={seq_len}, got {tuple(tokens.shape)}"
+        )
+    starts = torch.randint(0, tokens.numel() - seq_len, (batch_size,), generator=generator)
+    idx = starts[:, None] + torch.arange(seq_len)[None, :]
+    return tokens[idx].long()
