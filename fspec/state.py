@@ -48,12 +48,17 @@ class DraftState:
 
     Naming convention: p = target distribution, q = draft distribution.
 
+    A round's first step carries T = B·Q query tokens (Q rows per request: the tokens the target just
+    verified, live ones first, padding -1 after; or a ragged prompt after prefill); every later step carries
+    one token per request (T = B). Across decode steps every leaf keeps its shape, dtype and device.
+
     Attributes:
-        input_ids: [B] int64, the token each request feeds the head at this step.
-        hidden: [B, H] float, the hidden state paired with `input_ids` (the target's for the first step, the
-            head's own output afterwards).
-        attn: `AttnMetadata` of this step (one query token per request, T = B).
-        step: 0-d int64, index of the draft column this step writes (0..K-1).
+        input_ids: [T] int64, the (target-vocabulary) token of each query row.
+        hidden: [T, H] float, the hidden paired with each row's token (EAGLE pairs the hidden of position
+            i with the token at i + 1): the target's (projected by the head's fc for EAGLE-3) at the first
+            step, the head's own output afterwards.
+        attn: `AttnMetadata` of this step's T query tokens.
+        step: 0-d int64, index of the draft column this step writes (0..K-1; K after the last step).
         draft_tokens: [B, K] int64, proposed tokens (column k written by step k; -1 before).
         draft_probs: [B, K, Vd] float32, q of each proposed token's distribution (processed: temperature
             applied; one-hot at temperature 0), needed for lossless verification. [B, K, 0] when the config
@@ -73,7 +78,7 @@ class DraftState:
 
     @property
     def batch_size(self) -> int:
-        return self.input_ids.shape[0]
+        return self.draft_tokens.shape[0]
 
 
 def init_draft_state(
@@ -87,8 +92,10 @@ def init_draft_state(
 ) -> DraftState:
     """A fresh `DraftState` at step 0, draft buffers allocated once (they keep their shape afterwards)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
-        raise ValueError(f"input_ids: expected a [B] tensor, got {_describe(input_ids)}")
-    b, device = input_ids.shape[0], input_ids.device
+        raise ValueError(f"input_ids: expected a [T] tensor, got {_describe(input_ids)}")
+    if not isinstance(attn, AttnMetadata):
+        raise ValueError(f"attn: expected an AttnMetadata, got {type(attn).__name__}")
+    b, device = attn.num_requests, input_ids.device
     temperature = torch.as_tensor(temperature, dtype=torch.float32, device=device).expand(b).clone()
     seed = torch.as_tensor(seed, dtype=torch.int64, device=device).expand(b).clone()
     k = cfg.num_speculative_steps
@@ -204,18 +211,19 @@ def validate_draft_state(state: DraftState, *, cfg: DraftConfig, num_blocks: int
     """Check every leaf of `state` against `cfg`; raise ValueError naming the field. Eager only."""
     if not isinstance(state, DraftState):
         raise ValueError(f"state: expected a DraftState, got {type(state).__name__}")
+    if not isinstance(state.attn, AttnMetadata):
+        raise ValueError(f"state.attn: expected an AttnMetadata, got {type(state.attn).__name__}")
     _expect("state.input_ids", state.input_ids, shape=(None,), dtype=torch.int64)
-    b, dev, k = state.input_ids.shape[0], state.input_ids.device, cfg.num_speculative_steps
+    _expect("state.attn.seq_lens", state.attn.seq_lens, shape=(None,))
+    dev, k = state.input_ids.device, cfg.num_speculative_steps
+    t, b = state.input_ids.shape[0], state.attn.seq_lens.shape[0]
     if b == 0:
-        raise ValueError("state.input_ids: expected at least one request, got an empty batch")
+        raise ValueError("state.attn: expected at least one request, got an empty batch")
+    if t == 0 or t % b:
+        raise ValueError(f"state.input_ids: expected T = B·Q tokens for B={b} requests, got T={t}")
     vd = 0 if cfg.greedy_drafts else cfg.draft_vocab_size
-    _expect(
-        "state.hidden",
-        state.hidden,
-        shape=(b, None),
-        dtype=(torch.float32, torch.bfloat16, torch.float16),
-        device=dev,
-    )
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    _expect("state.hidden", state.hidden, shape=(t, None), dtype=floats, device=dev)
     _expect("state.step", state.step, shape=(), dtype=torch.int64, device=dev)
     _expect("state.draft_tokens", state.draft_tokens, shape=(b, k), dtype=torch.int64, device=dev)
     _expect("state.draft_probs", state.draft_probs, shape=(b, k, vd), dtype=torch.float32, device=dev)
@@ -230,8 +238,10 @@ def validate_draft_state(state: DraftState, *, cfg: DraftConfig, num_blocks: int
     temp = state.temperature
     if not bool(torch.isfinite(temp).all()) or bool((temp < 0).any()):
         raise ValueError(f"state.temperature: expected finite values >= 0, got {temp.tolist()}")
-    if not 0 <= int(state.step) < k:
-        raise ValueError(f"state.step: expected a value in [0, K={k}), got {int(state.step)}")
+    if not 0 <= int(state.step) <= k:
+        raise ValueError(f"state.step: expected a value in [0, K={k}], got {int(state.step)}")
+    if state.attn.positions.device != dev:
+        raise ValueError(f"state.attn: expected device {dev}, got {state.attn.positions.device}")
     validate_attn_metadata(
         state.attn,
         block_size=cfg.block_size,
@@ -239,10 +249,7 @@ def validate_draft_state(state: DraftState, *, cfg: DraftConfig, num_blocks: int
         num_blocks=num_blocks,
         name="state.attn",
     )
-    if state.attn.num_requests != b or state.attn.num_tokens != b:
+    if state.attn.num_tokens != t:
         raise ValueError(
-            f"state.attn: expected one query token per request (B = T = {b}), "
-            f"got B={state.attn.num_requests}, T={state.attn.num_tokens}"
+            f"state.attn.positions: expected T={t} query tokens (input_ids'), got {state.attn.num_tokens}"
         )
-    if state.attn.positions.device != dev:
-        raise ValueError(f"state.attn: expected device {dev}, got {state.attn.positions.device}")

@@ -46,7 +46,7 @@ def test_init_draft_state_allocates_buffers_of_the_declared_shapes(tiny_draft_cf
             r"state.input_ids: expected token ids in \[0, 97\)",
         ),
         (lambda s: {"hidden": torch.zeros(2, 32)}, r"state.hidden: expected shape \[3, \*\]"),
-        (lambda s: {"step": torch.tensor(3)}, r"state.step: expected a value in \[0, K=3\)"),
+        (lambda s: {"step": torch.tensor(4)}, r"state.step: expected a value in \[0, K=3\]"),
         (lambda s: {"step": torch.tensor([0])}, r"state.step: expected shape \[\]"),
         (lambda s: {"temperature": torch.tensor([0.0, -1.0, 1.0])}, "state.temperature: expected finite"),
         (
@@ -89,12 +89,18 @@ def test_validate_attn_metadata_catches_stale_or_out_of_range_fields(tiny_draft_
         fspec.validate_attn_metadata(bad_lens, **kw)
 
 
-def test_validate_rejects_multi_token_metadata_in_a_draft_state(tiny_draft_cfg):
-    """A DraftState carries decode metadata (T = B)."""
+def test_validate_accepts_first_step_states_and_rejects_mismatched_token_counts(tiny_draft_cfg):
+    """A first-step state carries T = B·Q tokens; input_ids, hidden and attn must agree on T."""
     s = _state(tiny_draft_cfg)
     table = s.attn.block_table
     first = fspec.first_step_metadata(
-        torch.tensor([1, 2, 3]), torch.tensor([2, 2, 2]), table, num_query=2, block_size=4
+        torch.tensor([1, 2, 3]), torch.tensor([2, 1, 2]), table, num_query=2, block_size=4
     )
-    with pytest.raises(ValueError, match="one query token per request"):
+    ok = dataclasses.replace(s, attn=first, input_ids=torch.arange(6), hidden=torch.zeros(6, 32))
+    fspec.validate_draft_state(ok, cfg=tiny_draft_cfg)
+    with pytest.raises(ValueError, match="state.attn.positions: expected T=3 query tokens"):
         fspec.validate_draft_state(dataclasses.replace(s, attn=first), cfg=tiny_draft_cfg)
+    with pytest.raises(
+        ValueError, match=r"state.input_ids: expected T = B·Q tokens for B=3 requests, got T=4"
+    ):
+        fspec.validate_draft_state(dataclasses.replace(ok, input_ids=torch.arange(4)), cfg=tiny_draft_cfg)
