@@ -4,41 +4,75 @@ Naming convention everywhere: p = target distribution, q = draft distribution.
 """
 
 # Pytrees: one namespace ("fspec") shared by optree, torch.func and torch.compile.
+from fspec.pytree import pytree_dataclass, replace, static_field, tree
+
 # Static configuration.
 from fspec.config import BATCH_BUCKETS, DraftConfig, ModelConfig, bucket_for
 
+# State pytrees.
+from fspec.state import AttnMetadata, DraftState, init_draft_state
+from fspec.state import validate_attn_metadata, validate_draft_state
+
 # Metadata algebra.
 from fspec.metadata import advance, decode_after, decode_metadata, first_step_metadata, slot_mapping
-from fspec.pytree import pytree_dataclass, replace, static_field, tree
 
-# State pytrees.
-from fspec.state import (
-    AttnMetadata,
-    DraftState,
-    init_draft_state,
-    validate_attn_metadata,
-    validate_draft_state,
+# Models, checkpoints, KV cache, attention.
+from fspec.attention import attention, dense_attention
+from fspec.cache import BlockAllocator, KVCache, block_table_row, blocks_needed, mark_static, write_kv
+from fspec.checkpoint import Draft, Target, init_draft, load_draft, load_target, save_draft, save_target
+from fspec.models import (
+    TargetHidden,
+    draft_to_target,
+    eagle3_layer_ids,
+    head_forward,
+    head_forward_dense,
+    head_init,
+    project_target_hidden,
+    vocab_maps,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "advance",
+    "attention",
     "AttnMetadata",
     "BATCH_BUCKETS",
-    "DraftConfig",
-    "DraftState",
-    "ModelConfig",
-    "advance",
+    "block_table_row",
+    "BlockAllocator",
+    "blocks_needed",
     "bucket_for",
     "decode_after",
     "decode_metadata",
+    "dense_attention",
+    "Draft",
+    "draft_to_target",
+    "DraftConfig",
+    "DraftState",
+    "eagle3_layer_ids",
     "first_step_metadata",
+    "head_forward",
+    "head_forward_dense",
+    "head_init",
+    "init_draft",
     "init_draft_state",
+    "KVCache",
+    "load_draft",
+    "load_target",
+    "mark_static",
+    "ModelConfig",
+    "project_target_hidden",
     "pytree_dataclass",
     "replace",
+    "save_draft",
+    "save_target",
     "slot_mapping",
     "static_field",
+    "Target",
+    "TargetHidden",
     "tree",
     "validate_attn_metadata",
     "validate_draft_state",
+    "vocab_maps",
+    "write_kv",
 ]

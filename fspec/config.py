@@ -284,8 +284,9 @@ class DraftConfig:
         draft_vocab_size: Vd, the head's output vocabulary (EAGLE-3 maps it back with d2t); equals
             `model.vocab_size` for heads without a reduced vocabulary.
         target_hidden_size: hidden size of the target the head reads.
-        target_layer_ids: for "eagle3", the target layers whose outputs the head's fc combines (low, mid,
-            high); empty for other kinds.
+        target_layer_ids: for "eagle3", the target layers at whose INPUT the hidden states are taken (HF's
+            `hidden_states[i]`, as EAGLE-3 and vLLM do) and combined by the head's fc (low, mid, high); empty
+            for other kinds.
         block_size: tokens per KV-cache block.
         max_model_len: positions are clamped below it; the cache holds at most this many per request.
         greedy_drafts: drafts are argmax (q is one-hot, no probabilities stored); otherwise sampled at the

@@ -1,0 +1,184 @@
+"""Attention behind one pure signature, with two backends that need no custom kernel.
+
+    attention(q [T, N, D], k [T, Nkv, D], v [T, Nkv, D], meta, cache, *, layer, backend)
+        -> (out [T, N, D], cache)
+
+* ``"reference"`` (paged): writes this call's K/V into `cache` at `meta.slot_mapping` (slot -1 = padding, not
+  written; see `fspec.cache.write_kv`), gathers each request's blocks from `meta.block_table` up to a static
+  context length, and runs masked SDPA where the query at position p of request b sees cache positions <= p
+  of b. The cache is donated: written in place and returned (the same object).
+* ``"dense"``: attention among this call's T tokens only (same request, key position <= query position), no
+  cache read or write; differentiable. `dense_attention` is the batched `[B, S]` form for training.
+
+GQA everywhere: query head n reads KV head n // (N / Nkv), as HF's `repeat_kv`. Padding queries (position -1)
+return zeros. Compile-friendly: fixed shapes, integer gathers, no `.item()`, no boolean-mask indexing, no
+Python branch on tensor values.
+
+Why queries are padded to [B, max_query_len]: gathering the context once per *request* costs B·C·Nkv·D
+elements, once per *token* T·C·Nkv·D (a 2k-token prefill at C = 2k, 8 KV heads of 128 in bf16 would gather
+8.6 GB). Decode passes max_query_len = 1, the first draft step K + 1, a prefill its bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from fspec.cache import KVCache, write_kv
+from fspec.metadata import token_requests
+from fspec.state import AttnMetadata
+
+BACKENDS = ("reference", "dense")
+
+#: attend(q [..., N, D], k [..., Nkv, D], v [..., Nkv, D], layer) -> [..., N, D]: what a model's layers call.
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """q [B, N, Q, D], k/v [B, Nkv, C, D], visible [B, 1, Q, C] bool -> [B, N, Q, D]; blind rows give 0.
+
+    A row with no visible key would give NaN (softmax of all -inf), and NaN leaks into gradients even through
+    `where`; such rows are allowed key 0 and their output is zeroed afterwards.
+    """
+    row_live = visible.any(dim=-1, keepdim=True)  # [B, 1, Q, 1]
+    first = torch.arange(visible.shape[-1], device=visible.device) == 0
+    safe = visible | (~row_live & first)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=safe, enable_gqa=True)
+    return torch.where(row_live, out, torch.zeros_like(out))
+
+
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Differentiable attention over explicit q [B, S, N, D], k/v [B, Sk, Nkv, D] -> [B, S, N, D].
+
+    mask: bool, True = may attend, broadcastable to [B, S, Sk]; None = causal (S == Sk). Rows with no
+    visible key return zeros.
+    """
+    qh = rearrange(q, "b s n d -> b n s d")
+    kh = rearrange(k, "b s n d -> b n s d")
+    vh = rearrange(v, "b s n d -> b n s d")
+    if mask is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    else:
+        visible = mask.expand(q.shape[0], q.shape[1], k.shape[1])[:, None]  # [B, 1, S, Sk]
+        out = _sdpa(qh, kh, vh, visible)
+    return rearrange(out, "b n s d -> b s n d")
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttnMetadata,
+    cache: KVCache | None,
+    *,
+    layer: int,
+    backend: str = "reference",
+    max_query_len: int | None = None,
+    max_context: int | None = None,
+) -> tuple[torch.Tensor, KVCache | None]:
+    """Attention of T query tokens of B requests; see the module docstring. Returns (out [T, N, D], cache).
+
+    max_query_len: static bound on any request's query count (default T). max_context: static bound on any
+    request's seq_len (default: the block table's capacity); keys beyond it are not read.
+    """
+    if backend == "reference":
+        return paged_attention(
+            q, k, v, meta, cache, layer=layer, max_query_len=max_query_len, max_context=max_context
+        )
+    if backend == "dense":
+        return _dense_over_tokens(q, k, v, meta), cache
+    raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+
+
+def _dense_over_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+    """Attention among the T tokens of this call: same request, key position <= query position, both live."""
+    t = q.shape[0]
+    req = token_requests(meta.query_start_loc, t)  # [T]
+    pos = meta.positions
+    mask = (req[:, None] == req[None, :]) & (pos[None, :] <= pos[:, None]) & (pos[None, :] >= 0)  # [Tq, Tk]
+    return dense_attention(q[None], k[None], v[None], mask=mask[None])[0]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttnMetadata,
+    cache: KVCache,
+    *,
+    layer: int,
+    max_query_len: int | None = None,
+    max_context: int | None = None,
+) -> tuple[torch.Tensor, KVCache]:
+    """The "reference" backend: write K/V at meta.slot_mapping, then attend over each request's blocks."""
+    cache = write_kv(cache, layer, k, v, meta.slot_mapping)
+    t, n, d = q.shape
+    b, max_blocks = meta.block_table.shape
+    bs = cache.block_size
+    qmax = t if max_query_len is None else max_query_len
+    ctx = max_blocks * bs if max_context is None else min(max_context, max_blocks * bs)
+    nblk = -(-ctx // bs)  # blocks that hold positions < ctx
+    # 1. Each request's context: [B, nblk * bs] slots; unallocated (-1) entries read the scratch block.
+    table = meta.block_table[:, :nblk].long()  # [B, nblk]
+    table = torch.where(table < 0, torch.full_like(table, cache.num_blocks), table)
+    offs = torch.arange(bs, device=q.device)
+    slots = rearrange(table[:, :, None] * bs + offs, "b m s -> b (m s)")  # [B, C]
+    kc = rearrange(cache.k[layer].flatten(0, 1)[slots], "b c h d -> b h c d")  # [B, Nkv, C, D]
+    vc = rearrange(cache.v[layer].flatten(0, 1)[slots], "b c h d -> b h c d")
+    # 2. Scatter the ragged queries into [B, Q]: token t goes to row (request, t - query_start_loc[request]).
+    req = token_requests(meta.query_start_loc, t).clamp(max=b - 1)  # [T]
+    local = (torch.arange(t, device=q.device) - meta.query_start_loc.long()[req]).clamp(0, qmax - 1)
+    dest = req * qmax + local  # [T]
+    qp = q.new_zeros(b * qmax, n, d).index_copy(0, dest, q)
+    qp = rearrange(qp, "(b s) n d -> b n s d", b=b)  # [B, N, Q, D]
+    pos = torch.full((b * qmax,), -1, dtype=torch.int64, device=q.device).index_copy(0, dest, meta.positions)
+    # 3. Query at position p sees context positions j <= p (its own K/V was written above).
+    j = torch.arange(slots.shape[1], device=q.device)
+    pos = rearrange(pos, "(b s) -> b s", b=b)  # [B, Q], -1 = no query in that row
+    visible = (j[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, Q, C]
+    out = _sdpa(qp, kc.to(q.dtype), vc.to(q.dtype), visible)  # [B, N, Q, D]
+    # Padding tokens (position -1) sit in rows that see nothing, which `_sdpa` already zeroed.
+    return rearrange(out, "b n s d -> (b s) n d")[dest], cache  # [T, N, D]
+
+
+def bind(
+    meta: AttnMetadata,
+    cache: KVCache | None,
+    *,
+    backend: str = "reference",
+    max_query_len: int | None = None,
+    max_context: int | None = None,
+) -> Attend:
+    """`attend(q, k, v, layer) -> out` over `meta` and `cache`, for a model's layers.
+
+    The cache is donated (written in place), so the caller returns the `cache` it passed in.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if backend == "reference" and not isinstance(cache, KVCache):
+        raise ValueError(f"cache: expected a KVCache for the reference backend, got {type(cache).__name__}")
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        return attention(
+            q,
+            k,
+            v,
+            meta,
+            cache,
+            layer=layer,
+            backend=backend,
+            max_query_len=max_query_len,
+            max_context=max_context,
+        )[0]
+
+    return attend
+
+
+def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """`attend` for the dense [B, S] path: causal attention within each sequence (`layer` unused)."""
+    return dense_attention(q, k, v)

@@ -1,0 +1,129 @@
+"""EAGLE-1 draft head (Li et al. 2024), and what every head kind shares.
+
+Every head module (`eagle`, `eagle3`, `mtp`) has the same functions:
+
+    init(cfg: DraftConfig, target_params, *, seed, device=None) -> params
+    project_target_hidden(params, target_hidden: TargetHidden, *, cfg) -> [T, H]
+    forward(params, input_ids [T], hidden [T, H], meta, cache, *, cfg, backend="reference",
+            max_query_len=None, max_context=None) -> (logits [T, Vd], new_hidden [T, H], cache)
+    forward_dense(params, input_ids [B, S], hidden [B, S, H], *, cfg)
+        -> (logits [B, S, Vd], new_hidden [B, S, H])
+
+`hidden` always has the head's width H: the first draft step feeds
+`project_target_hidden(params, target_hidden)` (computed once from the target's outputs), later steps feed the
+head's own `new_hidden`. So `forward` keeps one shape per call, unlike EAGLE-3's reference, which decides by
+`hidden.shape[-1]` whether to apply fc.
+
+EAGLE-1, as in SafeAILab/EAGLE eagle/model/cnets1.py:
+* x = fc(cat(embed(ids), hidden)), fc 2H -> H with a bias (`Model(..., bias=True)`; configs may say
+  "bias": false, then `fc_bias` is absent from the params);
+* decoder layers whose layer 0 has no input_layernorm (`LlamaDecoderLayer`: ``if self.index != 0``);
+* logits = lm_head(x) with the *target's* lm_head and no final norm (`topK_generate`: ``head(last_hidden)``);
+* `hidden` of the first step is the target's last hidden after its final norm (`TargetHidden.last`), the next
+  step's is the layers' output x.
+The embedding and lm_head are the target's Parameter objects (shared, never saved with the head).
+
+Draft params: {"embed": [V, H] (target's), "fc": [H, 2H], "fc_bias": [H], "layers": [layer dicts; layer 0 has
+no "input_norm"], "lm_head": [V, H] (target's)}.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fspec.attention import bind, causal
+from fspec.cache import KVCache
+from fspec.config import DraftConfig
+from fspec.models import layers as L
+from fspec.models import llama
+from fspec.state import AttnMetadata
+
+
+def target_shape(cfg: DraftConfig, target_params: dict, *, kind: str) -> tuple[torch.dtype, torch.device]:
+    """Check `cfg` against the target's parameters; return the target's (dtype, device)."""
+    if cfg.kind != kind:
+        raise ValueError(f"cfg.kind: expected {kind!r} for this head module, got {cfg.kind!r}")
+    embed = target_params["embed"]
+    v, ht = embed.shape
+    if v != cfg.model.vocab_size or ht != cfg.target_hidden_size:
+        raise ValueError(
+            f"target_params['embed']: expected shape [{cfg.model.vocab_size}, {cfg.target_hidden_size}] "
+            f"(cfg.model.vocab_size, cfg.target_hidden_size), got {list(embed.shape)}"
+        )
+    if kind != "eagle3" and cfg.model.hidden_size != ht:
+        raise ValueError(
+            f"cfg.model.hidden_size: expected the target's hidden size {ht} for a {kind!r} head, "
+            f"got {cfg.model.hidden_size}"
+        )
+    return embed.dtype, embed.device
+
+
+def init(cfg: DraftConfig, target_params: dict, *, seed: int, device=None, fc_bias: bool = True) -> dict:
+    """A fresh EAGLE-1 head sharing the target's embedding and lm_head (HF init for the rest)."""
+    dtype, tdev = target_shape(cfg, target_params, kind="eagle")
+    kw = {"dtype": dtype, "device": tdev if device is None else device}
+    gen = torch.Generator().manual_seed(seed)
+    h = cfg.model.hidden_size
+    params = {"embed": target_params["embed"], "fc": L.normal(gen, h, 2 * h, **kw)}
+    if fc_bias:
+        params["fc_bias"] = L.zeros(h, **kw)
+    params["layers"] = [
+        L.init_layer(gen, cfg.model, attn_in=h, input_norm=i > 0, **kw)
+        for i in range(cfg.model.num_hidden_layers)
+    ]
+    params["lm_head"] = llama.lm_head(target_params)
+    return params
+
+
+def project_target_hidden(
+    params: dict, target_hidden: llama.TargetHidden, *, cfg: DraftConfig
+) -> torch.Tensor:
+    """The first step's hidden input: the target's final-normed last hidden [..., H]."""
+    return target_hidden.last
+
+
+def _hidden(params: dict, input_ids, hidden, positions, attend, *, cfg: DraftConfig):
+    m = cfg.model
+    emb = F.embedding(input_ids, params["embed"])  # [..., H]
+    x = F.linear(torch.cat((emb, hidden.to(emb.dtype)), dim=-1), params["fc"], params.get("fc_bias"))
+    cos, sin = L.rope_cos_sin(positions, cfg=m, dtype=x.dtype)
+    for i, p in enumerate(params["layers"]):
+        attn_in = x if i == 0 else L.rms_norm(x, p["input_norm"], m.rms_norm_eps)  # layer 0: no input norm
+        x = L.decoder_layer(p, attn_in, x, cos, sin, attend, cfg=m, layer=i)
+    return x
+
+
+def logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
+    """[..., V] logits of the head's output [..., H]: the target's lm_head, no final norm (EAGLE-1)."""
+    return F.linear(out, params["lm_head"])
+
+
+def forward(
+    params: dict,
+    input_ids: torch.Tensor,
+    hidden: torch.Tensor,
+    meta: AttnMetadata,
+    cache: KVCache | None,
+    *,
+    cfg: DraftConfig,
+    backend: str = "reference",
+    max_query_len: int | None = None,
+    max_context: int | None = None,
+    logit_rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, KVCache | None]:
+    """One EAGLE-1 step over T tokens: (logits [T, V], new_hidden [T, H], cache (donated))."""
+    attend = bind(meta, cache, backend=backend, max_query_len=max_query_len, max_context=max_context)
+    new_hidden = _hidden(params, input_ids, hidden, meta.positions, attend, cfg=cfg)  # [T, H]
+    rows = new_hidden if logit_rows is None else new_hidden.index_select(0, logit_rows)
+    return logits(params, rows, cfg=cfg), new_hidden, cache
+
+
+def forward_dense(
+    params: dict, input_ids: torch.Tensor, hidden: torch.Tensor, *, cfg: DraftConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal, cache-free, differentiable: input_ids [B, S], hidden [B, S, H] -> ([B, S, V], [B, S, H])."""
+    b, s = input_ids.shape
+    positions = torch.arange(s, device=input_ids.device).expand(b, s)
+    out = _hidden(params, input_ids, hidden, positions, causal, cfg=cfg)
+    return logits(params, out, cfg=cfg), out

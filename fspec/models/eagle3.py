@@ -1,0 +1,157 @@
+"""EAGLE-3 draft head (Li et al. 2025), with a reduced draft vocabulary.
+
+As in SafeAILab/EAGLE eagle/model/cnets.py (`Model`, `LlamaDecoderLayeremb`):
+* the target's hidden states at the input of three layers (low, middle, high; `llama.eagle3_layer_ids`) are
+  concatenated [T, 3·Ht] and projected by fc (3·Ht -> H, no bias) — here once, by `project_target_hidden`,
+  before the first draft step; later steps feed the head's own [T, H] output, which skips fc;
+* the layer's attention input is cat(input_layernorm(embed(ids)), hidden_norm(hidden)) [T, 2H] (q/k/v read
+  2H), its residual is the un-normed `hidden`;
+* logits over the draft vocabulary Vd = lm_head(norm(out)) with the head's own `norm` and `lm_head` [Vd, H]
+  (`topK_genrate`: ``self.lm_head(self.norm(last_hidden))``); the next step's hidden is `out`, before the
+  norm.
+* `d2t` [Vd] int64 offsets (target id = draft id + d2t[draft id]) and `t2d` [V] bool (target id is in the
+  draft vocabulary), the buffers of published checkpoints.
+
+Draft params: {"embed": [V, H] (the target's when H == Ht, else the head's own), "fc": [H, 3·Ht],
+"layer": {..., "q": [N·D, 2H], "input_norm", "hidden_norm", ...}, "norm": [H], "lm_head": [Vd, H],
+"d2t": [Vd] int64, "t2d": [V] bool} (d2t/t2d are frozen Parameters, so CUDA graphs treat them as static).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fspec.attention import bind, causal
+from fspec.cache import KVCache
+from fspec.config import DraftConfig
+from fspec.models import layers as L
+from fspec.models import llama
+from fspec.models.eagle import target_shape
+from fspec.state import AttnMetadata
+
+
+def draft_to_target(ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
+    """Target token ids of draft ids (any shape): ids + d2t[ids]; negative ids (padding) stay as they are."""
+    mapped = ids + d2t[ids.clamp(min=0)]
+    return torch.where(ids < 0, ids, mapped)
+
+
+def vocab_maps(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t [Vd] int64, t2d [V] bool) from `draft_ids`, the draft vocab's target ids (increasing)."""
+    ids = torch.as_tensor(draft_ids, dtype=torch.int64)
+    if ids.dim() != 1 or ids.numel() == 0 or bool((ids[1:] <= ids[:-1]).any()):
+        raise ValueError(
+            f"draft_ids: expected a non-empty strictly increasing [Vd] tensor, got {ids.tolist()[:8]}"
+        )
+    if int(ids[0]) < 0 or int(ids[-1]) >= vocab_size:
+        raise ValueError(
+            f"draft_ids: expected ids in [0, {vocab_size}), got min {int(ids[0])}, max {int(ids[-1])}"
+        )
+    d2t = ids - torch.arange(ids.numel(), dtype=torch.int64)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return d2t, t2d
+
+
+def init(
+    cfg: DraftConfig, target_params: dict, *, seed: int, device=None, draft_ids: torch.Tensor | None = None
+) -> dict:
+    """A fresh EAGLE-3 head. draft_ids: the Vd target ids of the draft vocabulary (default 0..Vd-1).
+
+    When H == Ht the embedding is the target's and lm_head starts as the target's lm_head rows of the draft
+    vocabulary (a copy the head owns); otherwise both are random.
+    """
+    dtype, tdev = target_shape(cfg, target_params, kind="eagle3")
+    device = tdev if device is None else device
+    kw = {"dtype": dtype, "device": device}
+    m, v, vd = cfg.model, cfg.model.vocab_size, cfg.draft_vocab_size
+    h, ht = m.hidden_size, cfg.target_hidden_size
+    draft_ids = torch.arange(vd) if draft_ids is None else torch.as_tensor(draft_ids, dtype=torch.int64).cpu()
+    if draft_ids.shape != (vd,):
+        raise ValueError(
+            f"draft_ids: expected shape [{vd}] (cfg.draft_vocab_size), got {list(draft_ids.shape)}"
+        )
+    d2t, t2d = vocab_maps(draft_ids, v)
+    gen = torch.Generator().manual_seed(seed)
+    shared = h == ht
+    layer = L.init_layer(gen, m, attn_in=2 * h, **kw)
+    layer["hidden_norm"] = L.ones(h, **kw)
+    params = {
+        "embed": target_params["embed"] if shared else L.normal(gen, v, h, **kw),
+        "fc": L.normal(gen, h, 3 * ht, **kw),
+        "layer": layer,
+        "norm": L.ones(h, **kw),
+    }
+    if shared and torch.device(device).type != "meta":
+        rows = llama.lm_head(target_params).detach().index_select(0, draft_ids.to(tdev))
+        params["lm_head"] = L.param(rows.to(**kw).clone())
+    else:
+        params["lm_head"] = L.normal(gen, vd, h, **kw)
+    params["d2t"] = L.param(d2t.to(device))
+    params["t2d"] = L.param(t2d.to(device))
+    return params
+
+
+def project_target_hidden(
+    params: dict, target_hidden: llama.TargetHidden, *, cfg: DraftConfig
+) -> torch.Tensor:
+    """fc over the target's aux hidden [..., 3·Ht] -> [..., H]: the first draft step's hidden input."""
+    aux = target_hidden.aux
+    if aux.shape[-1] != 3 * cfg.target_hidden_size:
+        raise ValueError(
+            f"target_hidden.aux: expected last dim 3·Ht = {3 * cfg.target_hidden_size} (run the target with "
+            f"aux_layer_ids=cfg.target_layer_ids={cfg.target_layer_ids}), got {aux.shape[-1]}"
+        )
+    return F.linear(aux.to(params["fc"].dtype), params["fc"])
+
+
+def _hidden(params: dict, input_ids, hidden, positions, attend, *, cfg: DraftConfig):
+    m, p = cfg.model, params["layer"]
+    emb = F.embedding(input_ids, params["embed"])  # [..., H]
+    hidden = hidden.to(emb.dtype)
+    cos, sin = L.rope_cos_sin(positions, cfg=m, dtype=emb.dtype)
+    attn_in = torch.cat(
+        (
+            L.rms_norm(emb, p["input_norm"], m.rms_norm_eps),
+            L.rms_norm(hidden, p["hidden_norm"], m.rms_norm_eps),
+        ),
+        dim=-1,
+    )  # [..., 2H]
+    out = L.decoder_layer(p, attn_in, hidden, cos, sin, attend, cfg=m, layer=0)
+    return out
+
+
+def logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
+    """[..., Vd] logits over the DRAFT vocabulary: lm_head(norm(out))."""
+    return F.linear(L.rms_norm(out, params["norm"], cfg.model.rms_norm_eps), params["lm_head"])
+
+
+def forward(
+    params: dict,
+    input_ids: torch.Tensor,
+    hidden: torch.Tensor,
+    meta: AttnMetadata,
+    cache: KVCache | None,
+    *,
+    cfg: DraftConfig,
+    backend: str = "reference",
+    max_query_len: int | None = None,
+    max_context: int | None = None,
+    logit_rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, KVCache | None]:
+    """One EAGLE-3 step over T tokens: (logits [T, Vd] over the DRAFT vocab, new_hidden [T, H], cache)."""
+    attend = bind(meta, cache, backend=backend, max_query_len=max_query_len, max_context=max_context)
+    new_hidden = _hidden(params, input_ids, hidden, meta.positions, attend, cfg=cfg)  # [T, H]
+    rows = new_hidden if logit_rows is None else new_hidden.index_select(0, logit_rows)
+    return logits(params, rows, cfg=cfg), new_hidden, cache
+
+
+def forward_dense(
+    params: dict, input_ids: torch.Tensor, hidden: torch.Tensor, *, cfg: DraftConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal, cache-free, differentiable: input_ids [B, S], hidden [B, S, H] -> ([B, S, Vd], [B, S, H])."""
+    b, s = input_ids.shape
+    positions = torch.arange(s, device=input_ids.device).expand(b, s)
+    out = _hidden(params, input_ids, hidden, positions, causal, cfg=cfg)
+    return logits(params, out, cfg=cfg), out

@@ -1,0 +1,220 @@
+"""Building blocks shared by the target and the draft heads: RMSNorm, RoPE, attention projections, SwiGLU.
+
+Every function works on any leading shape (`[T, ...]` for the paged path, `[B, S, ...]` for the dense path):
+attention itself is passed in as `attend(q, k, v, layer) -> out`, so one decoder layer serves both.
+
+Numerics follow transformers' Llama (v5.24): RMSNorm in fp32 then cast back before the weight multiply;
+RoPE's cos/sin computed in fp32 from `positions * inv_freq` and cast to the activation dtype; rotate-half
+convention (the HF checkpoint layout, not the interleaved one of Meta's original code).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from fspec.attention import Attend
+from fspec.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last axis, computed in fp32 like HF's LlamaRMSNorm; result in x's dtype."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig, device: torch.device | str) -> torch.Tensor:
+    """[D/2] fp32 inverse frequencies for `cfg.rope_type` ("default", "linear", "llama3").
+
+    "llama3" reproduces transformers' `_compute_llama3_parameters`: wavelengths shorter than
+    original_max / high_freq_factor are kept, longer than original_max / low_freq_factor divided by `factor`,
+    and the band between interpolated with smooth = (original_max / wavelen - low) / (high - low).
+    """
+    d = cfg.head_dim
+    exponent = torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d
+    inv_freq = 1.0 / (cfg.rope_theta**exponent)
+    if cfg.rope_type == "linear":
+        return inv_freq / cfg.rope_factor
+    if cfg.rope_type == "default":
+        return inv_freq
+    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old_len = cfg.rope_original_max_position_embeddings
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, *, cfg: ModelConfig, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [..., D] for integer `positions` [...]; padding positions (-1) get position 0's values."""
+    inv_freq = rope_inv_freq(cfg, positions.device)  # [D/2]
+    freqs = positions.clamp(min=0).float()[..., None] * inv_freq  # [..., D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [..., D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [..., heads, D] by cos/sin [..., D] (rotate-half convention)."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def bias_layout(cfg: ModelConfig) -> tuple[bool, bool]:
+    """(q/k/v carry a bias, o carries a bias), as transformers builds each model type.
+
+    Qwen2 hard-codes bias=True on q/k/v and False on o (whatever `attention_bias` says); Mistral never has
+    biases; Llama and Qwen3 put `attention_bias` on all four projections.
+    """
+    if cfg.model_type == "qwen2":
+        return True, False
+    if cfg.model_type == "mistral":
+        return False, False
+    return cfg.attention_bias, cfg.attention_bias
+
+
+def project_qkv(
+    p: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, cfg: ModelConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [..., N, D], k/v [..., Nkv, D] from x [..., Hin]: bias, per-head q/k norm (Qwen3), then RoPE."""
+    q = F.linear(x, p["q"], p.get("q_bias"))
+    k = F.linear(x, p["k"], p.get("k_bias"))
+    v = F.linear(x, p["v"], p.get("v_bias"))
+    q = rearrange(q, "... (n d) -> ... n d", d=cfg.head_dim)
+    k = rearrange(k, "... (n d) -> ... n d", d=cfg.head_dim)
+    v = rearrange(v, "... (n d) -> ... n d", d=cfg.head_dim)
+    if cfg.qk_norm:  # Qwen3: RMSNorm over each head's D, before RoPE
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    return F.linear(F.silu(F.linear(x, p["gate"])) * F.linear(x, p["up"]), p["down"])
+
+
+def decoder_layer(
+    p: dict,
+    attn_in: torch.Tensor,
+    residual: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    attend: Attend,
+    *,
+    cfg: ModelConfig,
+    layer: int,
+) -> torch.Tensor:
+    """One pre-norm Llama layer given its (already normalized) attention input.
+
+    attn_in [..., Hin] feeds q/k/v (Hin = H for a target layer, 2H for an EAGLE-3 layer); residual [..., H] is
+    what the attention output is added to. Returns [..., H].
+    """
+    q, k, v = project_qkv(p, attn_in, cos, sin, cfg=cfg)
+    out = rearrange(attend(q, k, v, layer), "... n d -> ... (n d)")
+    h = residual + F.linear(out, p["o"], p.get("o_bias"))
+    return h + mlp(p, rms_norm(h, p["post_norm"], cfg.rms_norm_eps))
+
+
+# --- initialization ---------------------------------------------------------------------------------------
+
+
+def param(t: torch.Tensor) -> torch.nn.Parameter:
+    """A frozen Parameter: CUDA graphs treat Parameters as static inputs (no copy per replay)."""
+    return torch.nn.Parameter(t, requires_grad=False)
+
+
+def normal(
+    gen: torch.Generator,
+    *shape: int,
+    std: float = 0.02,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> torch.nn.Parameter:
+    """N(0, std²) drawn on the CPU from `gen` (reproducible on every device), as a frozen Parameter.
+
+    On the "meta" device nothing is drawn: checkpoint loaders build shape templates that way.
+    """
+    if torch.device(device).type == "meta":
+        return param(torch.empty(*shape, dtype=dtype, device="meta"))
+    return param(
+        torch.randn(*shape, generator=gen, dtype=torch.float32).mul_(std).to(device=device, dtype=dtype)
+    )
+
+
+def ones(
+    *shape: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> torch.nn.Parameter:
+    return param(torch.ones(*shape, dtype=dtype, device=device))
+
+
+def zeros(
+    *shape: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> torch.nn.Parameter:
+    return param(torch.zeros(*shape, dtype=dtype, device=device))
+
+
+def init_layer(
+    gen: torch.Generator,
+    cfg: ModelConfig,
+    *,
+    attn_in: int,
+    input_norm: bool = True,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> dict[str, torch.nn.Parameter]:
+    """Parameters of one decoder layer whose q/k/v read `attn_in` features (HF init: N(0, 0.02), norms 1)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    nq, nkv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    kw = {"dtype": dtype, "device": device}
+    p = {
+        "q": normal(gen, nq, attn_in, **kw),
+        "k": normal(gen, nkv, attn_in, **kw),
+        "v": normal(gen, nkv, attn_in, **kw),
+        "o": normal(gen, h, nq, **kw),
+        "gate": normal(gen, cfg.intermediate_size, h, **kw),
+        "up": normal(gen, cfg.intermediate_size, h, **kw),
+        "down": normal(gen, h, cfg.intermediate_size, **kw),
+        "post_norm": ones(h, **kw),
+    }
+    if input_norm:
+        p["input_norm"] = ones(h, **kw)
+    qkv_bias, o_bias = bias_layout(cfg)
+    if qkv_bias:
+        p.update(q_bias=zeros(nq, **kw), k_bias=zeros(nkv, **kw), v_bias=zeros(nkv, **kw))
+    if o_bias:
+        p["o_bias"] = zeros(h, **kw)
+    if cfg.qk_norm:
+        p.update(q_norm=ones(d, **kw), k_norm=ones(d, **kw))
+    return p
+
+
+#: HF name of each decoder-layer parameter, relative to the layer's prefix.
+LAYER_KEYS = {
+    "q": "self_attn.q_proj.weight",
+    "k": "self_attn.k_proj.weight",
+    "v": "self_attn.v_proj.weight",
+    "o": "self_attn.o_proj.weight",
+    "q_bias": "self_attn.q_proj.bias",
+    "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias",
+    "o_bias": "self_attn.o_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    "gate": "mlp.gate_proj.weight",
+    "up": "mlp.up_proj.weight",
+    "down": "mlp.down_proj.weight",
+    "input_norm": "input_layernorm.weight",
+    "post_norm": "post_attention_layernorm.weight",
+    "hidden_norm": "hidden_norm.weight",  # EAGLE-3's norm of the incoming hidden state
+}

@@ -1,0 +1,106 @@
+"""MTP draft head in DeepSeek-V3's multi-token-prediction style, with a Llama decoder layer.
+
+DeepSeek-V3 (tech report §2.2): module k combines the previous depth's representation h with the embedding
+of the next token: h' = M · [RMSNorm(h); RMSNorm(Emb(t))], runs one transformer block, and shares the
+embedding and the output head with the main model. Following vLLM's vllm/model_executor/models/deepseek_mtp.py
+(`DeepSeekMultiTokenPredictorLayer`, `SharedHead`):
+* the embedding at position 0 is zeroed ("masking inputs at position 0, as not needed by MTP"; branch-free
+  here, `where(positions == 0, 0, emb)`);
+* x = eh_proj(cat(enorm(emb), hnorm(hidden))), eh_proj 2H -> H without bias (embedding first, then hidden);
+* out = decoder_layer(x) (DeepSeek's block is MLA + MoE; ours is a Llama layer);
+* logits = lm_head(shared_head.norm(out)): the module's own final norm, then the target's lm_head;
+* the next step's hidden is `out` (before the norm); the first step's is the target's last hidden after its
+  final norm (`TargetHidden.last`), which is what vLLM's DeepseekV2Model returns to the proposer.
+
+Draft params: {"embed": [V, H] (target's), "enorm": [H], "hnorm": [H], "eh_proj": [H, 2H], "layer": {...},
+"final_norm": [H], "lm_head": [V, H] (target's)}. Checkpoint names are DeepSeek's MTP-layer names without the
+``model.layers.{L}.`` prefix (see `fspec.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fspec.attention import bind, causal
+from fspec.cache import KVCache
+from fspec.config import DraftConfig
+from fspec.models import layers as L
+from fspec.models import llama
+from fspec.models.eagle import target_shape
+from fspec.state import AttnMetadata
+
+
+def init(cfg: DraftConfig, target_params: dict, *, seed: int, device=None) -> dict:
+    """A fresh MTP head sharing the target's embedding and lm_head (HF init for the rest)."""
+    dtype, tdev = target_shape(cfg, target_params, kind="mtp")
+    kw = {"dtype": dtype, "device": tdev if device is None else device}
+    gen = torch.Generator().manual_seed(seed)
+    h = cfg.model.hidden_size
+    return {
+        "embed": target_params["embed"],
+        "enorm": L.ones(h, **kw),
+        "hnorm": L.ones(h, **kw),
+        "eh_proj": L.normal(gen, h, 2 * h, **kw),
+        "layer": L.init_layer(gen, cfg.model, attn_in=h, **kw),
+        "final_norm": L.ones(h, **kw),
+        "lm_head": llama.lm_head(target_params),
+    }
+
+
+def project_target_hidden(
+    params: dict, target_hidden: llama.TargetHidden, *, cfg: DraftConfig
+) -> torch.Tensor:
+    """The first step's hidden input: the target's final-normed last hidden [..., H]."""
+    return target_hidden.last
+
+
+def _hidden(params: dict, input_ids, hidden, positions, attend, *, cfg: DraftConfig):
+    m, p, eps = cfg.model, params["layer"], cfg.model.rms_norm_eps
+    emb = F.embedding(input_ids, params["embed"])  # [..., H]
+    emb = torch.where((positions == 0)[..., None], torch.zeros_like(emb), emb)
+    x = F.linear(
+        torch.cat(
+            (L.rms_norm(emb, params["enorm"], eps), L.rms_norm(hidden.to(emb.dtype), params["hnorm"], eps)),
+            -1,
+        ),
+        params["eh_proj"],
+    )  # [..., H]
+    cos, sin = L.rope_cos_sin(positions, cfg=m, dtype=x.dtype)
+    out = L.decoder_layer(p, L.rms_norm(x, p["input_norm"], eps), x, cos, sin, attend, cfg=m, layer=0)
+    return out
+
+
+def logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
+    """[..., V] logits: the module's final norm (shared_head.norm), then the target's lm_head."""
+    return F.linear(L.rms_norm(out, params["final_norm"], cfg.model.rms_norm_eps), params["lm_head"])
+
+
+def forward(
+    params: dict,
+    input_ids: torch.Tensor,
+    hidden: torch.Tensor,
+    meta: AttnMetadata,
+    cache: KVCache | None,
+    *,
+    cfg: DraftConfig,
+    backend: str = "reference",
+    max_query_len: int | None = None,
+    max_context: int | None = None,
+    logit_rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, KVCache | None]:
+    """One MTP step over T tokens: (logits [T, V], new_hidden [T, H], cache (donated))."""
+    attend = bind(meta, cache, backend=backend, max_query_len=max_query_len, max_context=max_context)
+    new_hidden = _hidden(params, input_ids, hidden, meta.positions, attend, cfg=cfg)  # [T, H]
+    rows = new_hidden if logit_rows is None else new_hidden.index_select(0, logit_rows)
+    return logits(params, rows, cfg=cfg), new_hidden, cache
+
+
+def forward_dense(
+    params: dict, input_ids: torch.Tensor, hidden: torch.Tensor, *, cfg: DraftConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal, cache-free, differentiable: input_ids [B, S], hidden [B, S, H] -> ([B, S, V], [B, S, H])."""
+    b, s = input_ids.shape
+    positions = torch.arange(s, device=input_ids.device).expand(b, s)
+    out = _hidden(params, input_ids, hidden, positions, causal, cfg=cfg)
+    return logits(params, out, cfg=cfg), out
