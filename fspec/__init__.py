@@ -31,6 +31,13 @@ from fspec.models import (
     vocab_maps,
 )
 
+# Sampling and verification (p = target, q = draft).
+from fspec.sampling import gumbel_sample
+from fspec.verify import rejection_sample
+
+# The draft loop.
+from fspec.draft import draft_step, propose
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -46,11 +53,13 @@ __all__ = [
     "decode_metadata",
     "dense_attention",
     "Draft",
+    "draft_step",
     "draft_to_target",
     "DraftConfig",
     "DraftState",
     "eagle3_layer_ids",
     "first_step_metadata",
+    "gumbel_sample",
     "head_forward",
     "head_forward_dense",
     "head_init",
@@ -62,7 +71,9 @@ __all__ = [
     "mark_static",
     "ModelConfig",
     "project_target_hidden",
+    "propose",
     "pytree_dataclass",
+    "rejection_sample",
     "replace",
     "save_draft",
     "save_target",

@@ -1,11 +1,30 @@
-"""Shared fixtures: tiny configs and the GPU marker's skip."""
+"""Shared fixtures: tiny configs, the GPU marker's skip, and the Triton interpreter switch.
+
+Triton decides at import time whether `@triton.jit` kernels are interpreted, so on a machine without CUDA the
+interpreter is switched on here, before anything imports triton. The ops read the variable again at call time:
+tests outside tests/kernels switch it off (autouse fixture below) and run the fast PyTorch references; the
+kernel tests keep it on and run the Triton kernels on CPU tensors.
+"""
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
 
-import fspec
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import pytest  # noqa: E402
+
+import fspec  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _reference_ops_outside_kernel_tests(request, monkeypatch):
+    if torch.cuda.is_available() or "tests/kernels" in request.node.nodeid.replace("\\", "/"):
+        return
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
 def pytest_collection_modifyitems(config, items):

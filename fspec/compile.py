@@ -1,0 +1,195 @@
+"""Every `torch.compile` call of fspec, in one place.
+
+Two ways to run the draft loop as CUDA graphs (COMPILE-FACTS.md records why these two and not the obvious
+`state = compiled_step(state)`, which raises "accessing tensor output of CUDAGraphs that has been overwritten"
+on its second call):
+
+* `compile_propose` (the primary path): the whole K-step loop is one function, compiled with
+  `mode="reduce-overhead", fullgraph=True`, so the K intermediate states never leave the graph. One graph per
+  batch bucket: callers pad with `pad_to_bucket` (padding rows: positions and slots -1).
+* `compile_step` (to compare): one step compiled, replayed K times; the draft buffers are allocated once per
+  bucket, given static addresses and written in place (donated), and the small outputs (tokens, hidden,
+  metadata, step) are copied out after each replay, before the next replay overwrites them.
+
+The KV cache is written inside the graph: its buffers get static addresses (`fspec.cache.mark_static`), or the
+graph would be skipped for "mutated inputs". Parameters are `nn.Parameter`s, static by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from fspec.cache import KVCache, mark_static
+from fspec.config import BATCH_BUCKETS, DraftConfig, bucket_for
+from fspec.draft import _step, propose
+from fspec.pytree import replace
+from fspec.state import AttnMetadata, DraftState
+
+# Nine batch buckets, each one graph, plus the first-step shape of the per-step path: dynamo's default limit
+# of 8 recompiles per code object would fall back to eager on the ninth bucket.
+_RECOMPILE_LIMIT = 2 * len(BATCH_BUCKETS) + 2
+
+
+def _configure_dynamo() -> None:
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(config, name) and getattr(config, name) < _RECOMPILE_LIMIT:
+            setattr(config, name, _RECOMPILE_LIMIT)
+
+
+def compile_propose(
+    *,
+    cfg: DraftConfig,
+    backend: str = "reference",
+    max_context: int | None = None,
+    mode: str | None = "reduce-overhead",
+) -> Callable[[dict, DraftState, KVCache], tuple[DraftState, KVCache]]:
+    """`propose` compiled whole: `(params, state, cache) -> (state, cache)`, one graph per batch bucket.
+
+    The returned state's tensors belong to the graph and are overwritten by the next call: read (or copy)
+    them before calling again. The cache is donated and must have static addresses (`mark_static`, done
+    here on first use of each cache object).
+    """
+    _configure_dynamo()
+
+    def run(params: dict, state: DraftState, cache: KVCache) -> DraftState:
+        return propose(params, state, cache, cfg=cfg, backend=backend, max_context=max_context)[0]
+
+    compiled = torch.compile(run, mode=mode, fullgraph=True, dynamic=False)
+    marked: set[int] = set()
+
+    def call(params: dict, state: DraftState, cache: KVCache) -> tuple[DraftState, KVCache]:
+        if id(cache) not in marked:
+            mark_static(cache)
+            marked.add(id(cache))
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        return compiled(params, state, cache), cache
+
+    return call
+
+
+def compile_step(
+    *,
+    cfg: DraftConfig,
+    backend: str = "reference",
+    max_context: int | None = None,
+    mode: str | None = "reduce-overhead",
+) -> Callable[[dict, DraftState, KVCache], tuple[DraftState, KVCache]]:
+    """The per-step alternative to `compile_propose`, with the same signature and result.
+
+    One compiled step (a graph for the first step's shape, one for the decode shape) replayed K times. The
+    draft buffers of each batch shape are allocated once, marked static and written in place by every
+    replay; the result's `draft_tokens` / `draft_probs` are those buffers (overwritten by the next call).
+    """
+    _configure_dynamo()
+
+    def run(params: dict, state: DraftState, cache: KVCache) -> DraftState:
+        return _step(params, state, cache, cfg=cfg, backend=backend, max_context=max_context)[0]
+
+    compiled = torch.compile(run, mode=mode, fullgraph=True, dynamic=False)
+    buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+    marked: set[int] = set()
+
+    def call(params: dict, state: DraftState, cache: KVCache) -> tuple[DraftState, KVCache]:
+        if id(cache) not in marked:
+            mark_static(cache)
+            marked.add(id(cache))
+        key = (tuple(state.draft_probs.shape), state.draft_probs.device)
+        if key not in buffers:
+            toks = torch.full(
+                state.draft_tokens.shape, -1, dtype=torch.int64, device=state.draft_tokens.device
+            )
+            probs = torch.zeros_like(state.draft_probs)
+            torch._dynamo.mark_static_address(toks)
+            torch._dynamo.mark_static_address(probs)
+            buffers[key] = (toks, probs)
+        toks, probs = buffers[key]
+        step = torch.zeros((), dtype=torch.int64, device=toks.device)
+        state = replace(state, draft_tokens=toks, draft_probs=probs, step=step)
+        for _ in range(cfg.num_speculative_steps):
+            if mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()
+            out = compiled(params, state, cache)
+            # Copy the outputs the next replay reads: the graph overwrites its outputs on every replay.
+            state = replace(
+                out,
+                input_ids=out.input_ids.clone(),
+                hidden=out.hidden.clone(),
+                attn=_clone_meta(out.attn),
+                step=out.step.clone(),
+                draft_tokens=toks,
+                draft_probs=probs,
+            )
+        return state, cache
+
+    return call
+
+
+def _clone_meta(meta: AttnMetadata) -> AttnMetadata:
+    return AttnMetadata(*(getattr(meta, n).clone() for n in AttnMetadata.__fspec_children__))
+
+
+def pad_to_bucket(state: DraftState, *, cfg: DraftConfig) -> tuple[DraftState, int]:
+    """Pad `state` with padding requests up to its batch bucket; returns (padded state, real batch size).
+
+    Padding requests have no live tokens (positions -1, slot -1, seq_len 0, block table -1), token 0, zero
+    hidden, temperature 0 and seed 0: they read nothing live and write nothing to the cache.
+    """
+    b = state.attn.num_requests
+    bucket = bucket_for(b)
+    if bucket == b:
+        return state, b
+    extra = bucket - b
+    q = state.attn.num_tokens // b
+    attn = state.attn
+    t_extra = extra * q
+    padded_attn = AttnMetadata(
+        positions=torch.cat([attn.positions, attn.positions.new_full((t_extra,), -1)]),
+        query_start_loc=torch.arange(bucket + 1, dtype=torch.int32, device=attn.positions.device) * q,
+        seq_lens=torch.cat([attn.seq_lens, attn.seq_lens.new_zeros(extra)]),
+        block_table=torch.cat(
+            [attn.block_table, attn.block_table.new_full((extra, attn.block_table.shape[1]), -1)]
+        ),
+        slot_mapping=torch.cat([attn.slot_mapping, attn.slot_mapping.new_full((t_extra,), -1)]),
+    )
+    padded = replace(
+        state,
+        input_ids=torch.cat([state.input_ids, state.input_ids.new_zeros(t_extra)]),
+        hidden=torch.cat([state.hidden, state.hidden.new_zeros(t_extra, state.hidden.shape[1])]),
+        attn=padded_attn,
+        draft_tokens=torch.cat(
+            [state.draft_tokens, state.draft_tokens.new_full((extra, cfg.num_speculative_steps), -1)]
+        ),
+        draft_probs=torch.cat(
+            [state.draft_probs, state.draft_probs.new_zeros(extra, *state.draft_probs.shape[1:])]
+        ),
+        temperature=torch.cat([state.temperature, state.temperature.new_zeros(extra)]),
+        seed=torch.cat([state.seed, state.seed.new_zeros(extra)]),
+    )
+    return padded, b
+
+
+def unpad(state: DraftState, batch_size: int) -> DraftState:
+    """The first `batch_size` requests' draft results of a padded state (draft_tokens, draft_probs, ...)."""
+    q = state.attn.num_tokens // state.attn.num_requests
+    t = batch_size * q
+    attn = state.attn
+    return replace(
+        state,
+        input_ids=state.input_ids[:t],
+        hidden=state.hidden[:t],
+        attn=AttnMetadata(
+            positions=attn.positions[:t],
+            query_start_loc=attn.query_start_loc[: batch_size + 1],
+            seq_lens=attn.seq_lens[:batch_size],
+            block_table=attn.block_table[:batch_size],
+            slot_mapping=attn.slot_mapping[:t],
+        ),
+        draft_tokens=state.draft_tokens[:batch_size],
+        draft_probs=state.draft_probs[:batch_size],
+        temperature=state.temperature[:batch_size],
+        seed=state.seed[:batch_size],
+    )

@@ -1,0 +1,155 @@
+"""The draft loop: a pure step function over `DraftState`, and the K-step rollout `propose`.
+
+Naming convention: p = target distribution, q = draft distribution.
+
+A round's first draft step runs over the tokens the target just verified (Q = K + 1 rows per request, of
+which num_accepted + 1 are live; or a whole prompt, ragged, after prefill); every later step runs over one
+token per request. One function covers both: the step samples from each request's LAST live row, and the next
+state's metadata is `decode_after(attn)`, a pure function of this step's metadata computed on the device —
+there is no host work between steps, so a captured graph can never replay stale metadata (vLLM's Model
+Runner V2 did, and crashed with an illegal memory access past two MTP steps; its PR #41162 rebuilds the
+metadata on the host before every step instead).
+
+EAGLE pairs the hidden state of position i with the token at position i + 1 (EAGLE's `input_ids[:, 1:]`
+shift): a head row at cache position i predicts the token at position i + 2. With seq_lens = last row + 1,
+the sampled token's position is seq_lens + 1, and that position keys the sampler's Philox noise.
+
+Purity and donation: `draft_step` and `propose` never change their input state. The KV cache is donated
+(written in place and returned, like `jax.jit(donate_argnums=...)`): callers must use the returned handle.
+`draft_step` copies the [B, K] and [B, K, Vd] draft buffers before writing one column; `propose` allocates
+fresh ones once (it writes every column), so inside the compiled whole loop the K intermediate states write
+in place and never leave the graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fspec.cache import KVCache
+from fspec.config import DraftConfig
+from fspec.kernels.salts import SALT_DRAFT
+from fspec.metadata import decode_after, token_requests
+from fspec.models import draft_to_target, head_forward
+from fspec.pytree import replace
+from fspec.sampling import gumbel_sample
+from fspec.state import AttnMetadata, DraftState, validate_draft_state
+
+
+def last_live_rows(attn: AttnMetadata) -> torch.Tensor:
+    """[B] int64: the row of each request's last live query token (its first row when it has none).
+
+    Builders put a request's live tokens first among its rows, so the last live row is
+    query_start_loc[b] + (live tokens of b) - 1. Branch-free.
+    """
+    t, b = attn.num_tokens, attn.num_requests
+    req = token_requests(attn.query_start_loc, t)  # [T]
+    live = (attn.positions >= 0).to(torch.int64)
+    count = torch.zeros(b, dtype=torch.int64, device=live.device).index_add(0, req, live)  # [B]
+    last = attn.query_start_loc[:-1].to(torch.int64) + (count - 1).clamp(min=0)
+    return last.clamp(max=t - 1)
+
+
+def _write_column(buffer: torch.Tensor, col: torch.Tensor, values: torch.Tensor) -> None:
+    """buffer[:, col] = values, with col a 0-d device tensor (no host read of the step counter)."""
+    buffer.index_copy_(1, col.view(1), values.unsqueeze(1))
+
+
+def _step(
+    params: dict,
+    state: DraftState,
+    cache: KVCache,
+    *,
+    cfg: DraftConfig,
+    backend: str,
+    max_context: int | None,
+) -> tuple[DraftState, KVCache]:
+    """One draft step that WRITES column `state.step` of the state's draft buffers in place (donated)."""
+    attn = state.attn
+    b = attn.num_requests
+    rows = last_live_rows(attn)  # [B]
+    # 1-3. embed + combine with hidden, one decoder layer (K/V written at slot_mapping), logits of last rows.
+    logits, hidden_all, cache = head_forward(
+        params,
+        state.input_ids,
+        state.hidden,
+        attn,
+        cache,
+        cfg=cfg,
+        backend=backend,
+        max_query_len=attn.num_tokens // b,
+        max_context=max_context,
+        logit_rows=rows,
+    )  # [B, Vd], [T, H]
+    hidden = hidden_all.index_select(0, rows)  # [B, H]
+    # 4. sample into column `step`: the column comes from the tensor, never from a Python int.
+    position = attn.seq_lens.to(torch.int64) + 1  # position of the token being sampled
+    if cfg.greedy_drafts:
+        tokens = logits.float().nan_to_num(nan=float("-inf")).argmax(-1)  # q is one-hot: nothing to store
+    else:
+        tokens = gumbel_sample(
+            logits,
+            state.temperature,
+            state.seed,
+            position,
+            salt=SALT_DRAFT,
+            out_tokens=state.draft_tokens,
+            out_probs=state.draft_probs,
+            col=state.step,
+        )
+    if cfg.kind == "eagle3":  # reduced draft vocabulary: store and feed TARGET ids
+        tokens = draft_to_target(tokens, params["d2t"])
+    _write_column(state.draft_tokens, state.step, tokens)
+    # 5. the next state; its metadata is a pure function of this step's.
+    nxt = decode_after(attn, block_size=cfg.block_size, max_model_len=cfg.max_model_len)
+    return replace(state, input_ids=tokens, hidden=hidden, attn=nxt, step=state.step + 1), cache
+
+
+def draft_step(
+    params: dict,
+    state: DraftState,
+    cache: KVCache,
+    *,
+    cfg: DraftConfig,
+    backend: str = "reference",
+    max_context: int | None = None,
+) -> tuple[DraftState, KVCache]:
+    """One draft step: (next state, cache). Pure in `state`; the cache is donated.
+
+    Samples the token for column `state.step` from each request's last live row (temperature and seed per
+    request, Philox noise keyed by the sampled token's position and the draft salt), writes it and its
+    processed probabilities q into a copy of the draft buffers, and advances the metadata on the device.
+    Validates `state` when called eagerly.
+    """
+    if not torch.compiler.is_compiling():
+        validate_draft_state(state, cfg=cfg, num_blocks=cache.num_blocks)
+    state = replace(state, draft_tokens=state.draft_tokens.clone(), draft_probs=state.draft_probs.clone())
+    return _step(params, state, cache, cfg=cfg, backend=backend, max_context=max_context)
+
+
+def propose(
+    params: dict,
+    state: DraftState,
+    cache: KVCache,
+    *,
+    cfg: DraftConfig,
+    backend: str = "reference",
+    max_context: int | None = None,
+) -> tuple[DraftState, KVCache]:
+    """All K draft steps from `state` (its step counter is ignored: a rollout fills columns 0..K-1).
+
+    Returns the state after step K — `draft_tokens` [B, K] (target ids), `draft_probs` [B, K, Vd]
+    (q; [B, K, 0] for greedy drafts), `step` = K — and the donated cache. Pure in `state`.
+    """
+    if not torch.compiler.is_compiling():
+        validate_draft_state(state, cfg=cfg, num_blocks=cache.num_blocks)
+    b, k = state.attn.num_requests, cfg.num_speculative_steps
+    device = state.draft_tokens.device
+    state = replace(
+        state,
+        step=torch.zeros((), dtype=torch.int64, device=device),
+        draft_tokens=torch.full((b, k), -1, dtype=torch.int64, device=device),
+        draft_probs=torch.empty_like(state.draft_probs),  # every column is written before it is read
+    )
+    for _ in range(k):
+        state, cache = _step(params, state, cache, cfg=cfg, backend=backend, max_context=max_context)
+    return state, cache

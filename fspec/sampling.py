@@ -1,0 +1,140 @@
+"""Sampling: per-row temperature, counter-based Philox noise, Gumbel-max; dispatch to the kernels.
+
+Randomness is explicit and stateless: a row's sample is a pure function of its logits, temperature,
+`seed` and `position` (and the `salt` naming the decision, see `fspec.kernels.salts`), never of the global
+RNG, the batch it sits in, or padding. The same Philox stream drives the Triton kernel and the PyTorch
+reference, so CPU and GPU agree token for token on the same fp32 logits.
+
+Validation runs eagerly at this boundary (it reads values, e.g. temperature >= 0, so it syncs) and is
+skipped while `torch.compile` traces; the calls below it are branch-free and sync-free.
+"""
+
+import torch
+from torch import Tensor
+
+from fspec.kernels import ops  # noqa: F401  (registers the torch.ops.fspec ops)
+from fspec.kernels.philox import MAX_VOCAB, POSITION_MASK
+from fspec.kernels.salts import MAX_SALT, SALT_ACCEPT, SALT_BONUS, SALT_DRAFT, SALT_RESIDUAL
+
+__all__ = ["SALT_ACCEPT", "SALT_BONUS", "SALT_DRAFT", "SALT_RESIDUAL", "gumbel_sample"]
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def argument_error(name: str, expected: str, actual: object) -> ValueError:
+    return ValueError(f"{name}: expected {expected}, got {actual}")
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    shape: tuple[int, ...] | None = None,
+    ndim: int | None = None,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+    device: torch.device | None = None,
+    contiguous: bool = False,
+) -> None:
+    """Raise ValueError naming `name` when `t` is not a tensor of the given shape/ndim/dtype/device."""
+    if not isinstance(t, Tensor):
+        raise argument_error(name, "a torch.Tensor", type(t).__name__)
+    if ndim is not None and t.dim() != ndim:
+        raise argument_error(name, f"a {ndim}-d tensor", f"shape {tuple(t.shape)}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise argument_error(name, f"shape {tuple(shape)}", f"shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise argument_error(name, f"dtype in {[str(d) for d in dtypes]}", t.dtype)
+    if device is not None and t.device != device:
+        raise argument_error(name, f"device {device} (that of the logits)", t.device)
+    if contiguous and not t.is_contiguous():
+        raise argument_error(name, "a contiguous tensor (it is written in place)", f"strides {t.stride()}")
+
+
+def check_temperature(temperature: Tensor) -> None:
+    """Temperatures must be finite and >= 0 (0 = greedy)."""
+    bad = ~torch.isfinite(temperature) | (temperature < 0)
+    if bool(bad.any()):
+        raise argument_error(
+            "temperature", "finite values >= 0", f"{temperature[bad][:4].tolist()} (first bad values)"
+        )
+
+
+def check_positions(positions: Tensor, *, span: int) -> None:
+    """Positions (plus `span` slots after them) must lie in [-1, 2^31), the Philox position field."""
+    bad = (positions < -1) | (positions > POSITION_MASK - span)
+    if bool(bad.any()):
+        raise argument_error(
+            "positions", f"values in [-1, 2^31 - {span + 1}]", f"{positions[bad][:4].tolist()}"
+        )
+
+
+def _validate_gumbel(logits, temperature, seed, positions, salt, out_tokens, out_probs, col) -> None:
+    check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
+    n, v = logits.shape
+    if not 1 <= v < MAX_VOCAB:
+        raise argument_error("logits", f"a vocabulary size in [1, {MAX_VOCAB})", v)
+    dev = logits.device
+    check_tensor("temperature", temperature, shape=(n,), dtypes=(torch.float32,), device=dev)
+    check_tensor("seed", seed, shape=(n,), dtypes=(torch.int64,), device=dev)
+    check_tensor("positions", positions, shape=(n,), dtypes=(torch.int64,), device=dev)
+    if isinstance(salt, bool) or not isinstance(salt, int) or not 0 <= salt < MAX_SALT:
+        raise argument_error("salt", f"an int in [0, {MAX_SALT})", repr(salt))
+    given = [x is not None for x in (out_tokens, out_probs, col)]
+    if any(given) and not all(given):
+        raise argument_error("out_tokens, out_probs, col", "all three or none", f"given={given}")
+    check_temperature(temperature)
+    check_positions(positions, span=0)
+    if out_tokens is None:
+        return
+    check_tensor("out_tokens", out_tokens, ndim=2, dtypes=(torch.int64,), device=dev, contiguous=True)
+    k = out_tokens.shape[1]
+    check_tensor("out_tokens", out_tokens, shape=(n, k))
+    check_tensor(
+        "out_probs", out_probs, shape=(n, k, v), dtypes=(torch.float32,), device=dev, contiguous=True
+    )
+    check_tensor("col", col, shape=(), dtypes=(torch.int64,), device=dev)
+    if not 0 <= int(col) < k:
+        raise argument_error("col", f"a value in [0, {k}) (columns of out_tokens)", int(col))
+
+
+def gumbel_sample(
+    logits: Tensor,
+    temperature: Tensor,
+    seed: Tensor,
+    positions: Tensor,
+    *,
+    salt: int = SALT_DRAFT,
+    out_tokens: Tensor | None = None,
+    out_probs: Tensor | None = None,
+    col: Tensor | None = None,
+) -> Tensor:
+    """Sample one token per row: argmax(logits / T + Gumbel noise), or argmax(logits) where T = 0.
+
+    Args:
+        logits: [N, V] float32 / bfloat16 / float16 (computed in float32). Any row stride is fine; a
+            vocabulary stride other than 1 costs a contiguous copy. NaN counts as -inf; a row without a
+            finite logit returns token 0. Ties go to the smallest token id.
+        temperature: [N] float32, finite, >= 0; 0 = greedy. Greedy and sampled rows mix freely.
+        seed: [N] int64 Philox key per row.
+        positions: [N] int64 in [-1, 2^31): the position the sampled token is for (Philox counter;
+            -1 marks padding rows).
+        salt: which decision this is (`fspec.kernels.salts`; default SALT_DRAFT).
+        out_tokens: [N, K] int64, contiguous; receives the tokens in column `col`.
+        out_probs: [N, K, V] float32, contiguous; receives softmax(logits / T) (one-hot at the token where
+            T = 0 or no logit is finite) in column `col`. No other column is touched.
+        col: 0-d int64 tensor on the logits' device, in [0, K); read on the device, so a step counter in the
+            state can drive it without recompiling or syncing.
+
+    Returns:
+        tokens [N] int64 (a fresh tensor).
+
+    Raises:
+        ValueError naming the argument (eager calls only; skipped under torch.compile).
+    """
+    if not torch.compiler.is_compiling():
+        _validate_gumbel(logits, temperature, seed, positions, salt, out_tokens, out_probs, col)
+    if out_tokens is None:
+        return torch.ops.fspec.gumbel_sample(logits, temperature, seed, positions, salt)
+    return torch.ops.fspec.gumbel_sample_into(
+        logits, temperature, seed, positions, salt, out_tokens, out_probs, col
+    )

@@ -1,0 +1,116 @@
+"""torch.library registrations of fspec's kernels (namespace "fspec"), one section per op.
+
+Each op runs the Triton kernel when its tensors are on CUDA, or when the kernels were built by the Triton
+interpreter (`TRITON_INTERPRET=1` before import, e.g. in tests/kernels) and nothing is being traced;
+otherwise it runs the plain-PyTorch reference beside the kernel (COMPILE-FACTS.md, "Triton ops under
+torch.compile": `triton_op` cannot trace on a CPU-only machine). Every op has a fake implementation, so
+`torch.compile(fullgraph=True)` traces through it; a raw Triton call in compiled code breaks tracing.
+
+Ops never return an alias of an input (custom ops cannot), and `mutates_args` names exactly the buffers a
+kernel writes; callers pass whole buffers plus the column tensor, never views (pytorch#198031).
+
+    fspec::gumbel_sample        (logits, temperature, seed, positions, salt) -> tokens [N]
+    fspec::gumbel_sample_into   (... , out_tokens!, out_probs!, col) -> tokens [N] (fresh tensor)
+    fspec::rejection_sample     (target_logits, draft_tokens, draft_probs?, temperature, seed, positions)
+                                -> (tokens [B, K+1], num_accepted [B])
+"""
+
+import os
+
+import torch
+from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+
+from . import gumbel, rejection
+
+
+def kernels_interpreted() -> bool:
+    """True when the Triton kernels were built by the interpreter (TRITON_INTERPRET=1 at import time)."""
+    return os.environ.get("TRITON_INTERPRET") == "1" and isinstance(
+        gumbel._gumbel_block_kernel, InterpretedFunction
+    )
+
+
+def _use_triton(t: Tensor) -> bool:
+    return t.is_cuda or (kernels_interpreted() and not torch.compiler.is_compiling())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# fspec::gumbel_sample, fspec::gumbel_sample_into (kernels/gumbel.py)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fspec::gumbel_sample", mutates_args=())
+def gumbel_sample(logits: Tensor, temperature: Tensor, seed: Tensor, positions: Tensor, salt: int) -> Tensor:
+    """Gumbel-max sample per row of logits [N, V] -> int64 [N]."""
+    impl = gumbel.gumbel_sample if _use_triton(logits) else gumbel.gumbel_sample_ref
+    return impl(logits, temperature, seed, positions, salt=salt)
+
+
+@gumbel_sample.register_fake
+def _(logits: Tensor, temperature: Tensor, seed: Tensor, positions: Tensor, salt: int) -> Tensor:
+    return logits.new_empty(logits.shape[0], dtype=torch.int64)
+
+
+@torch.library.custom_op("fspec::gumbel_sample_into", mutates_args=("out_tokens", "out_probs"))
+def gumbel_sample_into(
+    logits: Tensor,
+    temperature: Tensor,
+    seed: Tensor,
+    positions: Tensor,
+    salt: int,
+    out_tokens: Tensor,
+    out_probs: Tensor,
+    col: Tensor,
+) -> Tensor:
+    """Gumbel-max sample, also written to out_tokens[:, col] and out_probs[:, col, :]; fresh tokens [N]."""
+    impl = gumbel.gumbel_sample if _use_triton(logits) else gumbel.gumbel_sample_ref
+    return impl(
+        logits, temperature, seed, positions, salt=salt, out_tokens=out_tokens, out_probs=out_probs, col=col
+    )
+
+
+@gumbel_sample_into.register_fake
+def _(
+    logits: Tensor,
+    temperature: Tensor,
+    seed: Tensor,
+    positions: Tensor,
+    salt: int,
+    out_tokens: Tensor,
+    out_probs: Tensor,
+    col: Tensor,
+) -> Tensor:
+    return logits.new_empty(logits.shape[0], dtype=torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# fspec::rejection_sample (kernels/rejection.py)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fspec::rejection_sample", mutates_args=())
+def rejection_sample(
+    target_logits: Tensor,
+    draft_tokens: Tensor,
+    draft_probs: Tensor | None,
+    temperature: Tensor,
+    seed: Tensor,
+    positions: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Lossless rejection sampling -> (tokens [B, K+1] int64, num_accepted [B] int64)."""
+    impl = rejection.rejection_sample if _use_triton(target_logits) else rejection.rejection_sample_ref
+    return impl(target_logits, draft_tokens, draft_probs, temperature, seed, positions)
+
+
+@rejection_sample.register_fake
+def _(
+    target_logits: Tensor,
+    draft_tokens: Tensor,
+    draft_probs: Tensor | None,
+    temperature: Tensor,
+    seed: Tensor,
+    positions: Tensor,
+) -> tuple[Tensor, Tensor]:
+    b, k1, _ = target_logits.shape
+    return target_logits.new_empty((b, k1), dtype=torch.int64), target_logits.new_empty(b, dtype=torch.int64)

@@ -1,0 +1,164 @@
+"""Counter-based RNG: Philox4x32-10 exactly as Triton's `tl.randint4x` / `tl.rand`, plus a PyTorch twin.
+
+Every random number in fspec is a pure function of `(seed, position, token id, salt)`:
+
+    key     = (seed mod 2^32, (seed >> 32) mod 2^32)        # the whole int64 seed, two's complement
+    offset  = salt * 2^53 + (position mod 2^31) * 2^22 + token_id // 4          # int64, fields disjoint
+    counter = (offset mod 2^32, offset >> 32, 0, 0)          # what `tl.randint4x(seed, offset)` builds
+    word    = Philox4x32-10(counter, key)[token_id mod 4]    # uint32
+    u       = uniform(word)                                  # float32 in [0, 1), `tl.uint_to_uniform_float`
+    gumbel  = -log(-log(u))                                  # u = 0 gives -inf: that token never wins
+
+Field widths: token_id < 2^24 (22 bits of token groups), position < 2^31, salt < 2^10 (10 bits; the sign bit
+stays 0), so streams of distinct (position, token id, salt) never share a counter, and distinct seeds never
+share a key. Negative positions (padding rows use -1) are taken mod 2^31: -1 reads the stream of position
+2^31 - 1, which is harmless because padding outputs are discarded.
+
+Four tokens share one Philox evaluation (one per output word). Estimate, not yet measured: ten rounds cost
+~60 integer instructions per evaluation, so one evaluation per token would make a 256 x 128256 Gumbel pass
+compute-bound on an H200 (~2e9 instructions, ~120 us at ~16.7 int32 Tops/s, versus ~30 us to read the 131 MB
+of logits at 4.2 TB/s); four tokens per evaluation bring Philox under the memory time.
+
+The reference functions emulate uint32 arithmetic in int64 tensors (values kept in [0, 2^32)), splitting the
+32 x 32-bit products into 16-bit halves so nothing overflows int64. They reproduce Random123's known-answer
+vectors and Triton's output bit for bit (tests/kernels/test_philox.py).
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+# Philox4x32 constants (Random123 / triton.language.random).
+PHILOX_KEY_A = 0x9E3779B9  # Weyl increment of key word 0 per round
+PHILOX_KEY_B = 0xBB67AE85  # Weyl increment of key word 1 per round
+PHILOX_ROUND_A = 0xD2511F53  # multiplier of counter word 0
+PHILOX_ROUND_B = 0xCD9E8D57  # multiplier of counter word 2
+PHILOX_ROUNDS = 10
+# `uint_to_uniform_float`: largest scale with (2^31 - 1) * scale < 1 after float32 rounding.
+UNIFORM_SCALE = 4.6566127342e-10
+
+SALT_SHIFT = 53  # offset bits [53, 63): salt
+POSITION_SHIFT = 22  # offset bits [22, 53): position mod 2^31
+POSITION_MASK = (1 << 31) - 1
+MAX_VOCAB = 1 << 24  # token_id // 4 must fit in the 22 low bits
+_MASK32 = 0xFFFFFFFF
+
+_SALT_UNIT: tl.constexpr = tl.constexpr(1 << SALT_SHIFT)
+_POSITION_UNIT: tl.constexpr = tl.constexpr(1 << POSITION_SHIFT)
+_POSITION_MASK: tl.constexpr = tl.constexpr(POSITION_MASK)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton side (inlined into the sampling kernels)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def philox_offset(
+    position,  # int64 scalar or block: the token's position in its sequence
+    group,  # int64 scalar or block: token_id // 4
+    salt,  # int (constexpr) or int64 scalar: stream salt, < 2^10
+):
+    """The int64 Philox offset of `(position, token group, salt)`; see the module docstring."""
+    # tensor terms first: constexpr + tensor would wrap the sum in a constexpr under the interpreter
+    return (position & _POSITION_MASK) * _POSITION_UNIT + group + salt * _SALT_UNIT
+
+
+@triton.jit
+def philox_uniform_tile(
+    seed,  # int64 scalar: the request's seed (the Philox key)
+    position,  # int64 scalar: position of the row being sampled
+    salt,  # int (constexpr) or int64 scalar: stream salt
+    start,  # int64 scalar, a multiple of 4: first token id of the tile
+    GROUPS: tl.constexpr,  # tile covers tokens [start, start + 4 * GROUPS)
+):
+    """Uniforms of tokens `start + 4 * g + w` as a [GROUPS, 4] float32 tile (one Philox call per row g)."""
+    group = start // 4 + tl.arange(0, GROUPS).to(tl.int64)  # [GROUPS]
+    r0, r1, r2, r3 = tl.randint4x(seed, philox_offset(position, group, salt))
+    w = tl.arange(0, 4)[None, :]  # [1, 4]: output word = token id mod 4
+    r = tl.where(
+        w == 0, r0[:, None], tl.where(w == 1, r1[:, None], tl.where(w == 2, r2[:, None], r3[:, None]))
+    )
+    return tl.uint_to_uniform_float(r)  # [GROUPS, 4]
+
+
+@triton.jit
+def philox_gumbel_tile(
+    seed,  # int64 scalar: Philox key
+    position,  # int64 scalar: position of the row being sampled
+    salt,  # int (constexpr) or int64 scalar: stream salt
+    start,  # int64 scalar, a multiple of 4: first token id of the tile
+    GROUPS: tl.constexpr,  # tile covers tokens [start, start + 4 * GROUPS)
+):
+    """Gumbel noise -log(-log(u)) of tokens `start + 4 * g + w` as a [GROUPS, 4] float32 tile."""
+    u = philox_uniform_tile(seed, position, salt, start, GROUPS)
+    return -tl.log(-tl.log(u))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# PyTorch reference (int64 tensors holding uint32 values)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _mulhilo(a: int, x: Tensor) -> tuple[Tensor, Tensor]:
+    """(hi, lo) 32-bit words of the 64-bit product a * x, for a uint32 constant and uint32 values x.
+
+    a * x = (x * a_hi + (x * a_lo >> 16)) * 2^16 + (x * a_lo mod 2^16); every term stays below 2^49.
+    """
+    low = x * (a & 0xFFFF)
+    mid = x * (a >> 16) + (low >> 16)
+    return mid >> 16, ((mid & 0xFFFF) << 16) | (low & 0xFFFF)
+
+
+def philox4x32_ref(
+    c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, k0: Tensor, k1: Tensor, *, rounds: int = PHILOX_ROUNDS
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Philox4x32 of counter (c0..c3) and key (k0, k1): int64 tensors (broadcastable) of uint32 values."""
+    c0, c1, c2, c3, k0, k1 = torch.broadcast_tensors(c0, c1, c2, c3, k0, k1)
+    for _ in range(rounds):
+        hi_b, lo_b = _mulhilo(PHILOX_ROUND_B, c2)
+        hi_a, lo_a = _mulhilo(PHILOX_ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = (k0 + PHILOX_KEY_A) & _MASK32
+        k1 = (k1 + PHILOX_KEY_B) & _MASK32
+    return c0, c1, c2, c3
+
+
+def randint4x_ref(seed: Tensor, offset: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`tl.randint4x(seed, offset)` for broadcastable int64 seed/offset: four uint32 words in int64."""
+    zero = torch.zeros_like(offset)
+    return philox4x32_ref(
+        offset & _MASK32, (offset >> 32) & _MASK32, zero, zero, seed & _MASK32, (seed >> 32) & _MASK32
+    )
+
+
+def uint_to_uniform_float_ref(x: Tensor) -> Tensor:
+    """`tl.uint_to_uniform_float` of uint32 values held in int64: float32 in [0, 1)."""
+    signed = torch.where(x >= 1 << 31, x - (1 << 32), x)  # bitcast to int32
+    folded = torch.where(signed < 0, -signed - 1, signed)  # [0, 2^31 - 1]
+    return folded.to(torch.float32) * torch.tensor(UNIFORM_SCALE, dtype=torch.float32, device=x.device)
+
+
+def philox_offset_ref(position: Tensor, group: Tensor, salt: int) -> Tensor:
+    """The int64 Philox offset of `(position, token_id // 4, salt)`; see the module docstring."""
+    return (salt << SALT_SHIFT) + ((position & POSITION_MASK) << POSITION_SHIFT) + group
+
+
+def philox_uniform_ref(seed: Tensor, position: Tensor, token_id: Tensor, salt: int) -> Tensor:
+    """Uniform u(seed, position, token id, salt) in [0, 1), float32, broadcasting the int64 inputs."""
+    words = randint4x_ref(seed, philox_offset_ref(position, token_id >> 2, salt))
+    stacked = torch.stack(torch.broadcast_tensors(*words), dim=-1)  # [..., 4]
+    word = torch.broadcast_to(token_id & 3, stacked.shape[:-1]).unsqueeze(-1)
+    return uint_to_uniform_float_ref(torch.gather(stacked, -1, word).squeeze(-1))
+
+
+def philox_gumbel_ref(seed: Tensor, position: Tensor, vocab_size: int, salt: int) -> Tensor:
+    """Gumbel noise of every token id in [0, vocab_size): [..., V] float32 for int64 seed/position [...]."""
+    groups = torch.arange((vocab_size + 3) // 4, dtype=torch.int64, device=position.device)  # [G]
+    words = randint4x_ref(
+        seed[..., None], philox_offset_ref(position[..., None], groups, salt)
+    )  # 4 x [..., G]
+    stacked = torch.stack(torch.broadcast_tensors(*words), dim=-1)  # [..., G, 4]
+    u = uint_to_uniform_float_ref(stacked.flatten(-2)[..., :vocab_size])  # [..., V]
+    return -torch.log(-torch.log(u))

@@ -1,0 +1,340 @@
+"""Lossless rejection sampling of K draft tokens against the target (p = target, q = draft).
+
+For draft k (at position positions[b] + k): accept x_k iff u_k * q(x_k) < p(x_k), i.e. u_k < p/q without a
+division (u_k = Philox uniform, salt SALT_ACCEPT; greedy drafts have q one-hot, so accept iff u_k < p(x_k)).
+At the first rejection emit a sample of norm(max(p - q, 0)) (Gumbel-max over log of the residual, salt
+SALT_RESIDUAL, keyed at the rejected slot's position) and stop; if the residual has no mass (p == q), sample
+from p with the same noise instead. If all K are accepted, emit a bonus token from p at slot K (salt
+SALT_BONUS, position positions[b] + K). Greedy target (T = 0): accept iff argmax p == x_k, and the
+replacement / bonus is argmax p. Output: tokens [B, K+1] = accepted drafts, the replacement or bonus, then -1;
+num_accepted [B] in [0, K].
+
+NaN target logits count as -inf; a target row without any finite logit is a one-hot at token 0 (as in
+`gumbel_sample`). Draft token ids are clamped into [0, V) for memory safety; validation happens upstream.
+
+Four launches, none per k on the host: softmax statistics per (row, vocabulary block); their per-row
+reduction; the residual / bonus Gumbel block maxima; one program per request walks k with fixed-shape masks.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .gumbel import DEFAULT_BLOCK, block_argmax, clean_logits_ref, first_argmax_ref, softmax_ref
+from .philox import philox_gumbel_ref, philox_gumbel_tile, philox_offset, philox_uniform_ref
+from .salts import SALT_ACCEPT, SALT_BONUS, SALT_RESIDUAL
+
+_SALT_ACCEPT: tl.constexpr = tl.constexpr(SALT_ACCEPT)
+_SALT_RESIDUAL: tl.constexpr = tl.constexpr(SALT_RESIDUAL)
+_SALT_BONUS: tl.constexpr = tl.constexpr(SALT_BONUS)
+
+
+@triton.jit
+def _one_hot_if_degenerate(
+    x,  # float32 block: logits / T of one row
+    token,  # int64 block: token ids of x
+    m,  # float32 scalar or block: row max of logits / T
+    s,  # float32 scalar or block: row sum of exp(logits / T - m)
+):
+    """A row without any finite logit (max -inf) becomes logits 0 at token 0 and -inf elsewhere."""
+    degenerate = m == float("-inf")
+    x = tl.where(degenerate, tl.where(token == 0, 0.0, float("-inf")), x)
+    return x, tl.where(degenerate, 0.0, m), tl.where(degenerate, 1.0, s)
+
+
+@triton.jit
+def _rejection_stats_kernel(
+    logits_ptr,  # [B, K+1, V] float32/bfloat16/float16, vocabulary stride 1
+    stride_b,  # elements between requests of logits
+    stride_k,  # elements between slots of logits
+    temperature_ptr,  # [B] float32, 0 = greedy target
+    block_max_ptr,  # [R, NB] float32 out (R = B * (K+1)): block max of logits / T (logits if greedy)
+    block_sum_ptr,  # [R, NB] float32 out: sum of exp(logits / T - block max)
+    block_token_ptr,  # [R, NB] int64 out: smallest token id attaining the block max
+    V,  # vocabulary size
+    NB,  # vocabulary blocks, cdiv(V, BLOCK)
+    K1,  # K + 1 slots per request
+    BLOCK: tl.constexpr,  # tokens per program
+):
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1).to(tl.int64)
+    b = row // K1
+    token = blk * BLOCK + tl.arange(0, BLOCK)
+    valid = token < V
+    x = tl.load(logits_ptr + b * stride_b + (row % K1) * stride_k + token, mask=valid, other=float("-inf"))
+    x = x.to(tl.float32)
+    x = tl.where(x != x, float("-inf"), x)
+    t = tl.load(temperature_ptr + b)
+    x = x / tl.where(t > 0, t, 1.0)
+    m = tl.max(x, axis=0)
+    e = tl.exp(x - tl.where(m == float("-inf"), 0.0, m))
+    tl.store(block_max_ptr + row * NB + blk, m)
+    tl.store(block_sum_ptr + row * NB + blk, tl.sum(e, axis=0))
+    tl.store(block_token_ptr + row * NB + blk, tl.min(tl.where(valid & (x == m), token, V), axis=0))
+
+
+@triton.jit
+def _rejection_row_kernel(
+    block_max_ptr,  # [R, NB] float32: block max of logits / T
+    block_sum_ptr,  # [R, NB] float32: block sum of exp(logits / T - block max)
+    block_token_ptr,  # [R, NB] int64: block argmax
+    row_max_ptr,  # [R] float32 out: max of logits / T (-inf for a row without finite logits)
+    row_sum_ptr,  # [R] float32 out: sum of exp(logits / T - row max) (0 for such a row)
+    greedy_ptr,  # [R] int64 out: argmax of the row, smallest id on ties (0 for such a row)
+    V,  # vocabulary size (sentinel token id)
+    NB,  # vocabulary blocks
+    NB_POW2: tl.constexpr,  # next power of two >= NB
+):
+    row = tl.program_id(0).to(tl.int64)
+    nb = tl.arange(0, NB_POW2)
+    in_row = nb < NB
+    bmax = tl.load(block_max_ptr + row * NB + nb, mask=in_row, other=float("-inf"))
+    bsum = tl.load(block_sum_ptr + row * NB + nb, mask=in_row, other=0.0)
+    btok = tl.load(block_token_ptr + row * NB + nb, mask=in_row, other=V)
+    m = tl.max(bmax, axis=0)
+    s = tl.sum(bsum * tl.exp(bmax - tl.where(m == float("-inf"), 0.0, m)), axis=0)
+    tl.store(row_max_ptr + row, m)
+    tl.store(row_sum_ptr + row, s)
+    # all blocks -inf: every block matches and block 0 starts at token 0
+    tl.store(greedy_ptr + row, tl.min(tl.where(in_row & (bmax == m), btok, V), axis=0))
+
+
+@triton.jit
+def _rejection_residual_kernel(
+    logits_ptr,  # [B, K+1, V] float32/bfloat16/float16, vocabulary stride 1
+    stride_b,  # elements between requests of logits
+    stride_k,  # elements between slots of logits
+    draft_tokens_ptr,  # [B, K] int64
+    draft_probs_ptr,  # [B, K, V] float32 q (HAS_Q; otherwise q is the one-hot of the draft token)
+    temperature_ptr,  # [B] float32
+    seed_ptr,  # [B] int64
+    positions_ptr,  # [B] int64: position of draft 0; slot k sits at positions[b] + k
+    row_max_ptr,  # [R] float32: max of logits / T, -inf for a row without finite logits
+    row_sum_ptr,  # [R] float32: sum of exp(logits / T - row max)
+    res_key_ptr,  # [R, NB] float32 out (T > 0 rows only): block max of log(max(p - q, 0)) + g
+    res_token_ptr,  # [R, NB] int64 out: its token id
+    res_mass_ptr,  # [R, NB] float32 out: block max of max(p - q, 0); 0 = no residual mass
+    p_key_ptr,  # [R, NB] float32 out: block max of logits / T + g (fallback for k < K, bonus for k = K)
+    p_token_ptr,  # [R, NB] int64 out: its token id
+    V,  # vocabulary size
+    NB,  # vocabulary blocks
+    K,  # draft tokens per request
+    HAS_Q: tl.constexpr,  # draft_probs given (sampled drafts)
+    BLOCK: tl.constexpr,  # tokens per program, a power of two >= 4
+):
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1).to(tl.int64)
+    b = row // (K + 1)
+    k = row % (K + 1)
+    GROUPS: tl.constexpr = BLOCK // 4
+    start = blk * BLOCK
+    token = start + 4 * tl.arange(0, GROUPS).to(tl.int64)[:, None] + tl.arange(0, 4)[None, :]  # [GROUPS, 4]
+    valid = token < V
+    is_draft = k < K
+    t = tl.load(temperature_ptr + b)
+    # Greedy targets (T = 0) need none of this: the accept kernel uses their argmax, so skip the pass (no
+    # logits, q or Philox traffic for greedy verification).
+    if t > 0:
+        salt = tl.where(is_draft, _SALT_RESIDUAL, _SALT_BONUS).to(tl.int64)
+        noise = philox_gumbel_tile(tl.load(seed_ptr + b), tl.load(positions_ptr + b) + k, salt, start, GROUPS)
+        x = tl.load(logits_ptr + b * stride_b + k * stride_k + token, mask=valid, other=float("-inf"))
+        x = x.to(tl.float32)
+        x = tl.where(x != x, float("-inf"), x) / t
+        x, m, s = _one_hot_if_degenerate(x, token, tl.load(row_max_ptr + row), tl.load(row_sum_ptr + row))
+        p = tl.exp(x - m) / s  # [GROUPS, 4]
+        if HAS_Q:
+            q = tl.load(draft_probs_ptr + (b * K + k) * V + token, mask=valid & is_draft, other=0.0)
+        else:
+            x_k = tl.load(draft_tokens_ptr + b * K + k, mask=is_draft, other=0)
+            q = tl.where(token == tl.minimum(tl.maximum(x_k, 0), V - 1), 1.0, 0.0)
+        r = tl.maximum(p - q, 0.0)  # residual max(p - q, 0); with one-hot q: p without x_k
+        res_key = tl.where(r > 0, tl.log(tl.where(r > 0, r, 1.0)), float("-inf")) + noise
+        res_best, res_token = block_argmax(res_key, token, valid, V)
+        p_best, p_token = block_argmax(x + noise, token, valid, V)
+        out = row * NB + blk
+        tl.store(res_key_ptr + out, res_best)
+        tl.store(res_token_ptr + out, res_token)
+        tl.store(res_mass_ptr + out, tl.max(tl.max(r, axis=1), axis=0))
+        tl.store(p_key_ptr + out, p_best)
+        tl.store(p_token_ptr + out, p_token)
+    else:  # defined values (never selected) instead of uninitialised scratch
+        out = row * NB + blk
+        tl.store(res_key_ptr + out, float("-inf"))
+        tl.store(res_token_ptr + out, 0)
+        tl.store(res_mass_ptr + out, 0.0)
+        tl.store(p_key_ptr + out, float("-inf"))
+        tl.store(p_token_ptr + out, 0)
+
+
+@triton.jit
+def _rejection_accept_kernel(
+    logits_ptr,  # [B, K+1, V] float32/bfloat16/float16, vocabulary stride 1
+    stride_b,  # elements between requests of logits
+    stride_k,  # elements between slots of logits
+    draft_tokens_ptr,  # [B, K] int64
+    draft_probs_ptr,  # [B, K, V] float32 q (HAS_Q)
+    temperature_ptr,  # [B] float32
+    seed_ptr,  # [B] int64
+    positions_ptr,  # [B] int64: position of draft 0
+    row_max_ptr,  # [R] float32: max of logits / T
+    row_sum_ptr,  # [R] float32: sum of exp(logits / T - row max)
+    greedy_ptr,  # [R] int64: argmax of each row
+    res_key_ptr,  # [R, NB] float32: residual Gumbel block maxima
+    res_token_ptr,  # [R, NB] int64: their tokens
+    res_mass_ptr,  # [R, NB] float32: block max of the residual
+    p_key_ptr,  # [R, NB] float32: block maxima of logits / T + g
+    p_token_ptr,  # [R, NB] int64: their tokens
+    tokens_ptr,  # [B, K+1] int64 out: accepted drafts, replacement or bonus, then -1
+    num_accepted_ptr,  # [B] int64 out: accepted drafts, 0..K
+    V,  # vocabulary size
+    NB,  # vocabulary blocks
+    K,  # draft tokens per request
+    HAS_Q: tl.constexpr,  # draft_probs given (sampled drafts)
+    K1_POW2: tl.constexpr,  # next power of two >= K + 1
+    NB_POW2: tl.constexpr,  # next power of two >= NB
+):
+    b = tl.program_id(0).to(tl.int64)
+    kk = tl.arange(0, K1_POW2).to(tl.int64)  # slot index k
+    in_row = kk < K + 1
+    is_draft = kk < K
+    rows = b * (K + 1) + kk  # [K1_POW2]
+    t = tl.load(temperature_ptr + b)
+    # 1. Each slot's candidate: residual sample (or p-sample without residual mass), bonus, or argmax.
+    nb = tl.arange(0, NB_POW2)
+    at = rows[:, None] * NB + nb[None, :]  # [K1_POW2, NB_POW2]
+    live = in_row[:, None] & (nb[None, :] < NB)
+    res_key = tl.load(res_key_ptr + at, mask=live, other=float("-inf"))
+    res_best = tl.max(res_key, axis=1)
+    res_tok = tl.min(
+        tl.where(live & (res_key == res_best[:, None]), tl.load(res_token_ptr + at, mask=live), V), 1
+    )
+    has_mass = tl.max(tl.load(res_mass_ptr + at, mask=live, other=0.0), axis=1) > 0
+    p_key = tl.load(p_key_ptr + at, mask=live, other=float("-inf"))
+    p_best = tl.max(p_key, axis=1)
+    p_tok = tl.min(tl.where(live & (p_key == p_best[:, None]), tl.load(p_token_ptr + at, mask=live), V), 1)
+    greedy = tl.load(greedy_ptr + rows, mask=in_row, other=0)
+    final = tl.where(t > 0, tl.where(is_draft & has_mass, res_tok, p_tok), greedy)  # [K1_POW2]
+    # 2. Acceptance: u_k * q(x_k) < p(x_k) (no division); greedy target: argmax p == x_k.
+    x = tl.load(draft_tokens_ptr + b * K + kk, mask=is_draft, other=-1)
+    xc = tl.minimum(tl.maximum(x, 0), V - 1)
+    lx = tl.load(logits_ptr + b * stride_b + kk * stride_k + xc, mask=is_draft, other=float("-inf"))
+    lx = lx.to(tl.float32)
+    lx = tl.where(lx != lx, float("-inf"), lx) / tl.where(t > 0, t, 1.0)
+    m = tl.load(row_max_ptr + rows, mask=in_row, other=0.0)
+    s = tl.load(row_sum_ptr + rows, mask=in_row, other=1.0)
+    lx, m, s = _one_hot_if_degenerate(lx, xc, m, s)
+    p_x = tl.exp(lx - m) / s
+    if HAS_Q:
+        q_x = tl.load(draft_probs_ptr + (b * K + kk) * V + xc, mask=is_draft, other=1.0)
+    else:
+        q_x = tl.full([K1_POW2], 1.0, tl.float32)
+    u = tl.rand(tl.load(seed_ptr + b), philox_offset(tl.load(positions_ptr + b) + kk, 0, _SALT_ACCEPT))
+    accept = tl.where(t > 0, u * q_x < p_x, greedy == x)
+    # 3. n = index of the first rejection (K if none); emit drafts before it, the candidate at it, -1 after.
+    n = tl.min(tl.where(is_draft & (accept == 0), kk, K), axis=0)
+    final_n = tl.sum(tl.where(kk == n, final, 0), axis=0)
+    out = tl.where(kk < n, x, tl.where(kk == n, final_n, -1))
+    tl.store(tokens_ptr + b * (K + 1) + kk, out, mask=in_row)
+    tl.store(num_accepted_ptr + b, n)
+
+
+def rejection_sample(
+    target_logits: Tensor,
+    draft_tokens: Tensor,
+    draft_probs: Tensor | None,
+    temperature: Tensor,
+    seed: Tensor,
+    positions: Tensor,
+    *,
+    block: int = DEFAULT_BLOCK,
+) -> tuple[Tensor, Tensor]:
+    """Launch the rejection-sampling kernels: (tokens [B, K+1] int64, num_accepted [B] int64).
+
+    Inputs are assumed validated (fspec.verify.rejection_sample checks them). `block` is a power of two >= 4.
+    """
+    b, k1, v = target_logits.shape
+    k = k1 - 1
+    dev = target_logits.device
+    if target_logits.stride(-1) != 1:
+        target_logits = target_logits.contiguous()
+    draft_tokens = draft_tokens.contiguous()
+    has_q = draft_probs is not None
+    draft_probs = draft_probs.contiguous() if has_q else draft_tokens  # dummy pointer when q is one-hot
+    tokens = torch.empty((b, k1), dtype=torch.int64, device=dev)
+    num_accepted = torch.empty(b, dtype=torch.int64, device=dev)
+    if b == 0:
+        return tokens, num_accepted
+    r, nb = b * k1, triton.cdiv(v, block)
+    f32, i64 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int64, device=dev)
+    # scratch: per (row, block) partial results, then per row; R * NB = 1512 * 126 at B = 256, K = 5
+    block_max, block_sum, res_key, res_mass, p_key = (torch.empty((r, nb), **f32) for _ in range(5))
+    block_token, res_token, p_token = (torch.empty((r, nb), **i64) for _ in range(3))
+    row_max, row_sum, greedy = torch.empty(r, **f32), torch.empty(r, **f32), torch.empty(r, **i64)
+    sb, sk = target_logits.stride(0), target_logits.stride(1)
+    _rejection_stats_kernel[(r, nb)](
+        target_logits, sb, sk, temperature, block_max, block_sum, block_token, v, nb, k1, BLOCK=block
+    )
+    _rejection_row_kernel[(r,)](
+        block_max, block_sum, block_token, row_max, row_sum, greedy, v, nb, NB_POW2=triton.next_power_of_2(nb)
+    )
+    _rejection_residual_kernel[(r, nb)](
+        target_logits, sb, sk, draft_tokens, draft_probs, temperature, seed, positions, row_max, row_sum,
+        res_key, res_token, res_mass, p_key, p_token, v, nb, k, HAS_Q=has_q, BLOCK=block,
+    )  # fmt: skip
+    _rejection_accept_kernel[(b,)](
+        target_logits, sb, sk, draft_tokens, draft_probs, temperature, seed, positions, row_max, row_sum,
+        greedy, res_key, res_token, res_mass, p_key, p_token, tokens, num_accepted, v, nb, k,
+        HAS_Q=has_q, K1_POW2=triton.next_power_of_2(k1), NB_POW2=triton.next_power_of_2(nb),
+    )  # fmt: skip
+    return tokens, num_accepted
+
+
+# ----------------------------------------------------------------------------------------------------------
+# PyTorch reference (same Philox streams: agrees with the kernels token for token on the same logits)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def rejection_sample_ref(
+    target_logits: Tensor,
+    draft_tokens: Tensor,
+    draft_probs: Tensor | None,
+    temperature: Tensor,
+    seed: Tensor,
+    positions: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Plain-PyTorch twin of `rejection_sample`: (tokens [B, K+1] int64, num_accepted [B] int64)."""
+    b, k1, v = target_logits.shape
+    k = k1 - 1
+    ids = torch.arange(v, device=target_logits.device)
+    sampled = temperature > 0  # [B]
+    x = clean_logits_ref(target_logits) / torch.where(sampled, temperature, 1.0)[:, None, None]  # [B, K+1, V]
+    # a row without any finite logit becomes a one-hot at token 0
+    x = torch.where(x.amax(-1, keepdim=True) == float("-inf"), torch.where(ids == 0, 0.0, float("-inf")), x)
+    p, _, _ = softmax_ref(x)  # [B, K+1, V]
+    greedy = first_argmax_ref(x)  # [B, K+1]
+    slot_pos = positions[:, None] + torch.arange(k1, device=positions.device)  # [B, K+1]
+    # 1. Acceptance: u_k * q(x_k) < p(x_k); greedy target: argmax p == x_k.
+    xc = draft_tokens.clamp(0, v - 1)  # [B, K]
+    p_x = p[:, :k].gather(-1, xc[..., None]).squeeze(-1)  # [B, K]
+    q = draft_probs if draft_probs is not None else torch.nn.functional.one_hot(xc, v).float()  # [B, K, V]
+    q_x = q.gather(-1, xc[..., None]).squeeze(-1)
+    u = philox_uniform_ref(seed[:, None], slot_pos[:, :k], torch.zeros_like(xc), SALT_ACCEPT)  # [B, K]
+    accept = torch.where(sampled[:, None], u * q_x < p_x, greedy[:, :k] == draft_tokens)
+    n = accept.long().cumprod(dim=-1).sum(dim=-1)  # [B]
+    # 2. Candidates: residual sample norm(max(p - q, 0)) (p itself if no mass), bonus from p, or argmax.
+    r = (p[:, :k] - q).clamp_min(0.0)  # [B, K, V]
+    noise = philox_gumbel_ref(seed[:, None], slot_pos[:, :k], v, SALT_RESIDUAL)  # [B, K, V]
+    log_r = torch.where(r > 0, torch.log(torch.where(r > 0, r, 1.0)), float("-inf"))
+    residual = torch.where(
+        r.amax(-1) > 0, first_argmax_ref(log_r + noise), first_argmax_ref(x[:, :k] + noise)
+    )  # [B, K]
+    bonus = first_argmax_ref(x[:, k] + philox_gumbel_ref(seed, slot_pos[:, k], v, SALT_BONUS))  # [B]
+    final = torch.where(sampled[:, None], torch.cat([residual, bonus[:, None]], dim=1), greedy)  # [B, K+1]
+    # 3. Assemble: drafts before n, the candidate at n, -1 after.
+    slot = torch.arange(k1, device=draft_tokens.device)
+    drafts = torch.nn.functional.pad(draft_tokens, (0, 1), value=-1)  # [B, K+1]
+    tokens = torch.where(
+        slot < n[:, None], drafts, torch.where(slot == n[:, None], final.gather(1, n[:, None]), -1)
+    )
+    return tokens, n

@@ -1,0 +1,131 @@
+"""Gumbel kernel (interpreted) against its PyTorch reference and against plain softmax / argmax."""
+
+import pytest
+import torch
+
+from fspec.kernels.gumbel import gumbel_sample, gumbel_sample_ref
+from fspec.kernels.salts import SALT_DRAFT, SALT_RESIDUAL
+
+# float32 probabilities from block-wise vs whole-row sums differ by a few ulps
+PROB_TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-6, torch.float16: 2e-6}
+POISON_TOKEN, POISON_PROB = -77, -3.0
+
+
+def _inputs(n: int, v: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(n, v, generator=gen) * 3).to(dtype)
+    temperature = torch.tensor([0.0, 0.7, 1.0, 0.0, 2.0, 0.3, 1.3])[:n]  # greedy and sampled rows mixed
+    seeds = torch.randint(-(1 << 62), 1 << 62, (n,), generator=gen)
+    positions = torch.randint(0, 1 << 31, (n,), generator=gen)
+    return logits, temperature, seeds, positions
+
+
+def _buffers(n: int, k: int, v: int):
+    return torch.full((n, k), POISON_TOKEN, dtype=torch.int64), torch.full((n, k, v), POISON_PROB)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n, v, block", [(7, 401, 128), (3, 1823, 256)])
+def test_gumbel_kernel_matches_reference_and_writes_only_col(n, v, block, dtype):
+    """Tokens equal the reference and land in column col of out_tokens / out_probs; other columns kept."""
+    logits, temperature, seeds, positions = _inputs(n, v, dtype)
+    k, col = 4, torch.tensor(2)
+    out_tokens, out_probs = _buffers(n, k, v)
+    tokens = gumbel_sample(
+        logits,
+        temperature,
+        seeds,
+        positions,
+        out_tokens=out_tokens,
+        out_probs=out_probs,
+        col=col,
+        block=block,
+    )
+    ref_tokens, ref_probs = _buffers(n, k, v)
+    expected = gumbel_sample_ref(
+        logits, temperature, seeds, positions, out_tokens=ref_tokens, out_probs=ref_probs, col=col
+    )
+    assert torch.equal(tokens, expected)
+    assert torch.equal(out_tokens, ref_tokens)
+    torch.testing.assert_close(out_probs, ref_probs, rtol=1e-5, atol=PROB_TOL[dtype])
+    others = [0, 1, 3]
+    assert bool((out_tokens[:, others] == POISON_TOKEN).all()) and bool(
+        (out_probs[:, others] == POISON_PROB).all()
+    )
+    assert torch.equal(out_tokens[:, 2], tokens)
+    # independent checks: greedy rows are argmax; probs are softmax(l / T) or one-hot
+    x = logits.float()
+    greedy = temperature == 0
+    assert torch.equal(tokens[greedy], x[greedy].argmax(-1))
+    soft = torch.softmax(x / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
+    expected_probs = torch.where(greedy[:, None], torch.nn.functional.one_hot(tokens, v).float(), soft)
+    torch.testing.assert_close(out_probs[:, 2], expected_probs, rtol=1e-5, atol=PROB_TOL[dtype])
+    # the sampled rows are not all their argmax: the noise is really there
+    assert not torch.equal(tokens[~greedy], x[~greedy].argmax(-1))
+
+
+def test_gumbel_kernel_without_out_buffers_matches_reference_and_salt_matters():
+    """The tokens-only launch equals the reference; another salt draws different tokens."""
+    logits, temperature, seeds, positions = _inputs(7, 401, torch.float32, seed=1)
+    temperature = torch.full((7,), 2.0)
+    tokens = gumbel_sample(logits, temperature, seeds, positions, block=64)
+    assert torch.equal(tokens, gumbel_sample_ref(logits, temperature, seeds, positions))
+    other = gumbel_sample(logits, temperature, seeds, positions, salt=SALT_RESIDUAL, block=64)
+    assert torch.equal(other, gumbel_sample_ref(logits, temperature, seeds, positions, salt=SALT_RESIDUAL))
+    assert not torch.equal(tokens, other)
+    assert SALT_DRAFT != SALT_RESIDUAL
+
+
+def test_gumbel_kernel_ties_go_to_the_smallest_token_id():
+    """Equal maxima inside one block and across blocks resolve to the smallest token id."""
+    v = 300
+    logits = torch.zeros(3, v)
+    logits[0, [7, 8, 250]] = 5.0  # tie inside block 0 and with block 3 (block 64)
+    logits[1, [70, 130, 299]] = 5.0  # first maximum in block 1
+    logits[2] = 1.0  # all equal
+    temperature, seeds, positions = torch.zeros(3), torch.arange(3), torch.arange(3)
+    out_tokens, out_probs = _buffers(3, 1, v)
+    tokens = gumbel_sample(
+        logits,
+        temperature,
+        seeds,
+        positions,
+        out_tokens=out_tokens,
+        out_probs=out_probs,
+        col=torch.tensor(0),
+        block=64,
+    )
+    assert tokens.tolist() == [7, 70, 0]
+    assert torch.equal(out_probs[:, 0], torch.nn.functional.one_hot(tokens, v).float())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_gumbel_kernel_nan_never_wins_and_dead_rows_return_token_zero(temperature):
+    """NaN logits are -inf; a row of NaN / -inf returns token 0 with a one-hot probability."""
+    v = 200
+    logits = torch.randn(4, v, generator=torch.Generator().manual_seed(3))
+    nan_at = [0, 5, 64, 199]
+    logits[0, nan_at] = float("nan")
+    logits[1] = float("nan")
+    logits[2] = float("-inf")
+    logits[3] = float("nan")
+    logits[3, 150] = float("-inf")
+    logits[3, 97] = -1e30  # the only finite logit
+    t = torch.full((4,), temperature)
+    seeds, positions = torch.arange(4), torch.arange(4)
+    out_tokens, out_probs = _buffers(4, 2, v)
+    tokens = gumbel_sample(
+        logits, t, seeds, positions, out_tokens=out_tokens, out_probs=out_probs, col=torch.tensor(1), block=64
+    )
+    ref_tokens, ref_probs = _buffers(4, 2, v)
+    gumbel_sample_ref(
+        logits, t, seeds, positions, out_tokens=ref_tokens, out_probs=ref_probs, col=torch.tensor(1)
+    )
+    assert int(tokens[0]) not in nan_at
+    assert tokens[1:].tolist() == [0, 0, 97]
+    one_hot = torch.nn.functional.one_hot(tokens[1:], v).float()
+    assert torch.equal(out_probs[1:, 1], one_hot) and torch.equal(ref_probs[1:, 1], one_hot)
+    assert torch.equal(out_tokens, ref_tokens)
+    assert bool(torch.isfinite(out_probs).all())
+    assert float(out_probs[0, 1, nan_at].abs().max()) == 0.0
+    torch.testing.assert_close(out_probs, ref_probs, rtol=1e-5, atol=2e-6)

@@ -1,0 +1,83 @@
+"""torch.library registrations: schema / fake / dispatch checks, and the interpreted kernel runs in eager."""
+
+import pytest
+import torch
+
+from fspec.kernels import gumbel, ops, rejection
+
+
+def _gumbel_args(n: int = 3, v: int = 37):
+    gen = torch.Generator().manual_seed(0)
+    return (
+        torch.randn(n, v, generator=gen),
+        torch.tensor([0.0, 0.9, 1.4])[:n],
+        torch.arange(n),
+        torch.arange(n),
+    )
+
+
+def _rejection_args(b: int = 3, k: int = 2, v: int = 37):
+    gen = torch.Generator().manual_seed(1)
+    target = torch.randn(b, k + 1, v, generator=gen)
+    drafts = torch.randint(0, v, (b, k), generator=gen)
+    q = torch.softmax(torch.randn(b, k, v, generator=gen), -1)
+    return target, drafts, q, torch.tensor([0.0, 1.0, 0.6])[:b], torch.arange(b), torch.arange(b) * 5
+
+
+def test_ops_pass_torch_library_opcheck():
+    """Schemas, fake implementations and mutation declarations are consistent (torch.library.opcheck)."""
+    logits, t, seeds, positions = _gumbel_args()
+    torch.library.opcheck(torch.ops.fspec.gumbel_sample.default, (logits, t, seeds, positions, 2))
+    out_tokens, out_probs = torch.zeros(3, 4, dtype=torch.int64), torch.zeros(3, 4, 37)
+    torch.library.opcheck(
+        torch.ops.fspec.gumbel_sample_into.default,
+        (logits, t, seeds, positions, 0, out_tokens, out_probs, torch.tensor(3)),
+    )
+    args = _rejection_args()
+    torch.library.opcheck(torch.ops.fspec.rejection_sample.default, args)
+    torch.library.opcheck(torch.ops.fspec.rejection_sample.default, (*args[:2], None, *args[3:]))
+
+
+def test_ops_run_the_interpreted_kernels_in_eager(monkeypatch):
+    """With TRITON_INTERPRET=1 the eager ops call the Triton launchers, not the references."""
+    logits, t, seeds, positions = _gumbel_args()
+    args = _rejection_args()
+    want_tokens = gumbel.gumbel_sample_ref(logits, t, seeds, positions)
+    want_verified = rejection.rejection_sample_ref(*args)
+
+    def refuse(*a, **k):
+        raise AssertionError("the reference ran instead of the kernel")
+
+    monkeypatch.setattr(gumbel, "gumbel_sample_ref", refuse)
+    monkeypatch.setattr(rejection, "rejection_sample_ref", refuse)
+    assert ops.kernels_interpreted()
+    assert torch.equal(torch.ops.fspec.gumbel_sample(logits, t, seeds, positions, 0), want_tokens)
+    got = torch.ops.fspec.rejection_sample(*args)
+    assert torch.equal(got[0], want_verified[0]) and torch.equal(got[1], want_verified[1])
+
+
+def test_ops_fall_back_to_the_reference_when_not_interpreted(monkeypatch):
+    """Without the interpreter, CPU tensors run the PyTorch reference."""
+    logits, t, seeds, positions = _gumbel_args()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not ops.kernels_interpreted()
+
+    def refuse(*a, **k):
+        raise AssertionError("the kernel ran on a CPU tensor without the interpreter")
+
+    monkeypatch.setattr(gumbel, "gumbel_sample", refuse)
+    tokens = torch.ops.fspec.gumbel_sample(logits, t, seeds, positions, 0)
+    monkeypatch.undo()
+    assert torch.equal(tokens, gumbel.gumbel_sample_ref(logits, t, seeds, positions))
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_rejection_fake_shapes(k):
+    """The fake rejection op returns [B, K+1] and [B] int64 on the input's device."""
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        target = torch.empty(4, k + 1, 11)
+        ids = torch.empty(4, dtype=torch.int64)
+        drafts = torch.empty(4, k, dtype=torch.int64)
+        tokens, n = torch.ops.fspec.rejection_sample(target, drafts, None, torch.empty(4), ids, ids)
+        assert tokens.shape == (4, k + 1) and n.shape == (4,)
+        assert tokens.dtype == n.dtype == torch.int64

@@ -1,0 +1,127 @@
+"""Rejection-sampling kernels (interpreted) against the PyTorch reference, token for token."""
+
+import pytest
+import torch
+
+from fspec.kernels.gumbel import gumbel_sample_ref
+from fspec.kernels.rejection import rejection_sample, rejection_sample_ref
+from fspec.kernels.salts import SALT_BONUS, SALT_DRAFT, SALT_RESIDUAL
+
+
+def _draft(target_logits, temperature, seeds, positions, *, sampled: bool, closeness: float, gen):
+    """Draft tokens and q from draft logits = target logits + noise, sampled like a real draft step."""
+    b, k1, v = target_logits.shape
+    k = k1 - 1
+    draft_logits = target_logits[:, :k].float() + torch.randn(b, k, v, generator=gen) * closeness
+    tokens = torch.empty((b, k), dtype=torch.int64)
+    probs = torch.empty((b, k, v))
+    draft_t = temperature if sampled else torch.zeros_like(temperature)
+    for i in range(k):
+        gumbel_sample_ref(
+            draft_logits[:, i], draft_t, seeds, positions + i, salt=SALT_DRAFT,
+            out_tokens=tokens, out_probs=probs, col=torch.tensor(i),
+        )  # fmt: skip
+    return tokens, (probs if sampled else None)
+
+
+def _check_layout(tokens, num_accepted, drafts, v):
+    k = drafts.shape[1]
+    slot = torch.arange(k + 1)
+    assert bool(((num_accepted >= 0) & (num_accepted <= k)).all())
+    padded = torch.nn.functional.pad(drafts, (0, 1), value=-1)
+    before = slot < num_accepted[:, None]
+    assert torch.equal(tokens[before], padded[before])
+    assert bool((tokens[slot > num_accepted[:, None]] == -1).all())
+    emitted = tokens.gather(1, num_accepted[:, None])
+    assert bool(((emitted >= 0) & (emitted < v)).all())
+
+
+CASES = {
+    # name: (B, K, V, block, dtype, temperatures, sampled drafts)
+    "sampled_fp32": (5, 3, 401, 128, torch.float32, [0.8, 1.0, 0.5, 1.3, 0.9], True),
+    "sampled_bf16": (5, 3, 401, 256, torch.bfloat16, [0.8, 1.0, 0.5, 1.3, 0.9], True),
+    "greedy_drafts": (5, 3, 401, 256, torch.float32, [0.8, 1.0, 0.5, 1.3, 0.9], False),
+    "greedy_target": (5, 3, 401, 256, torch.float32, [0.0] * 5, True),
+    "mixed": (5, 3, 401, 256, torch.float16, [0.0, 1.0, 0.0, 1.3, 0.7], True),
+    "long_k": (2, 8, 150, 64, torch.float32, [1.0, 0.0], True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_rejection_kernel_matches_reference(case):
+    """Kernel tokens and acceptance counts equal the reference on irregular shapes."""
+    b, k, v, block, dtype, temps, sampled = CASES[case]
+    gen = torch.Generator().manual_seed(len(case))
+    target = (torch.randn(b, k + 1, v, generator=gen) * 2).to(dtype)
+    temperature = torch.tensor(temps)
+    seeds = torch.randint(-(1 << 62), 1 << 62, (b,), generator=gen)
+    positions = torch.randint(0, (1 << 31) - k - 1, (b,), generator=gen)
+    drafts, q = _draft(target, temperature, seeds, positions, sampled=sampled, closeness=0.3, gen=gen)
+    drafts[0] = target[0, :k].float().argmax(-1)  # row 0: greedy target accepts all of these
+    if q is not None:
+        q[0] = torch.nn.functional.one_hot(drafts[0], v).float()  # keep (drafts, q) consistent for row 0
+    tokens, n = rejection_sample(target, drafts, q, temperature, seeds, positions, block=block)
+    ref_tokens, ref_n = rejection_sample_ref(target, drafts, q, temperature, seeds, positions)
+    assert torch.equal(tokens, ref_tokens) and torch.equal(n, ref_n)
+    _check_layout(tokens, n, drafts, v)
+    assert len(set(n.tolist())) > 1, f"want both early rejections and acceptances in one batch, got {n}"
+
+
+def test_rejection_kernel_draft_equal_to_target_accepts_all_and_samples_the_bonus():
+    """q = p accepts every draft; the bonus equals gumbel_sample at slot K with SALT_BONUS."""
+    b, k, v = 4, 3, 301
+    gen = torch.Generator().manual_seed(5)
+    target = torch.randn(b, k + 1, v, generator=gen) * 2
+    temperature = torch.tensor([0.6, 1.0, 1.7, 0.0])
+    seeds, positions = torch.arange(b) * 31 + 1, torch.arange(b) * 1000
+    drafts, q = torch.empty((b, k), dtype=torch.int64), torch.empty((b, k, v))
+    for i in range(k):
+        col = torch.tensor(i)
+        gumbel_sample_ref(
+            target[:, i], temperature, seeds, positions + i, out_tokens=drafts, out_probs=q, col=col
+        )
+    tokens, n = rejection_sample(target, drafts, q, temperature, seeds, positions, block=128)
+    assert n.tolist() == [k] * b
+    assert torch.equal(tokens[:, :k], drafts)
+    bonus = gumbel_sample_ref(target[:, k], temperature, seeds, positions + k, salt=SALT_BONUS)
+    assert torch.equal(tokens[:, k], bonus)
+    ref_tokens, ref_n = rejection_sample_ref(target, drafts, q, temperature, seeds, positions)
+    assert torch.equal(tokens, ref_tokens) and torch.equal(n, ref_n)
+
+
+def test_rejection_kernel_without_residual_mass_falls_back_to_sampling_p():
+    """p == q (exactly 1/4 on 4 tokens) and a draft with q(x) = 0: rejected, replacement drawn from p."""
+    b, k, v = 3, 3, 70
+    support = torch.tensor([3, 10, 40, 69])
+    target = torch.full((b, k + 1, v), float("-inf"))
+    target[:, :, support] = 0.0
+    q = torch.zeros(b, k, v)
+    q[:, :, support] = 0.25
+    drafts = torch.full((b, k), 5, dtype=torch.int64)  # p(5) = q(5) = 0
+    temperature, seeds, positions = torch.ones(b), torch.tensor([1, 2, 3]), torch.tensor([7, 8, 9])
+    tokens, n = rejection_sample(target, drafts, q, temperature, seeds, positions, block=32)
+    assert n.tolist() == [0] * b
+    fallback = gumbel_sample_ref(target[:, 0], temperature, seeds, positions, salt=SALT_RESIDUAL)
+    assert torch.equal(tokens[:, 0], fallback)
+    assert bool(torch.isin(fallback, support).all())
+    ref_tokens, ref_n = rejection_sample_ref(target, drafts, q, temperature, seeds, positions)
+    assert torch.equal(tokens, ref_tokens) and torch.equal(n, ref_n)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rejection_kernel_nan_and_dead_target_rows(temperature):
+    """NaN target logits never win; a slot with no finite logit acts as a one-hot at token 0."""
+    b, k, v = 3, 2, 90
+    target = torch.randn(b, k + 1, v, generator=torch.Generator().manual_seed(9))
+    target[0, 0] = float("nan")  # dead slot 0: emits token 0 whatever the draft
+    target[1, 0] = float("-inf")
+    target[1, 0, 0] = float("nan")
+    target[2, :, :40] = float("nan")  # NaN on tokens < 40 everywhere, drafts point at them
+    drafts = torch.tensor([[7, 8], [0, 3], [12, 20]])
+    t, seeds, positions = torch.full((b,), temperature), torch.arange(b), torch.arange(b)
+    tokens, n = rejection_sample(target, drafts, None, t, seeds, positions, block=32)
+    ref_tokens, ref_n = rejection_sample_ref(target, drafts, None, t, seeds, positions)
+    assert torch.equal(tokens, ref_tokens) and torch.equal(n, ref_n)
+    assert int(tokens[0, 0]) == 0 and int(n[0]) == 0  # draft 7 rejected, one-hot at 0 emitted
+    assert int(tokens[1, 0]) == 0 and int(n[1]) >= 1  # draft 0 accepted in the dead slot
+    assert int(n[2]) == 0 and int(tokens[2, 0]) >= 40  # p(12) = 0: rejected, replacement outside the NaNs
