@@ -38,6 +38,9 @@ from fspec.verify import rejection_sample
 # The draft loop.
 from fspec.draft import draft_step, propose
 
+# End-to-end generation.
+from fspec.engine import GenerateResult, generate
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -59,6 +62,8 @@ __all__ = [
     "DraftState",
     "eagle3_layer_ids",
     "first_step_metadata",
+    "generate",
+    "GenerateResult",
     "gumbel_sample",
     "head_forward",
     "head_forward_dense",

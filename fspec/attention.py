@@ -7,6 +7,9 @@
   written; see `fspec.cache.write_kv`), gathers each request's blocks from `meta.block_table` up to a static
   context length, and runs masked SDPA where the query at position p of request b sees cache positions <= p
   of b. The cache is donated: written in place and returned (the same object).
+* ``"paged"``: the same contract through the Triton kernels of kernels/paged_attention.py (registered ops;
+  on a CPU tensor they run their own PyTorch reference). ``"auto"`` (the default everywhere) picks "paged"
+  for a CUDA cache and "reference" otherwise.
 * ``"dense"``: attention among this call's T tokens only (same request, key position <= query position), no
   cache read or write; differentiable. `dense_attention` is the batched `[B, S]` form for training.
 
@@ -31,7 +34,7 @@ from fspec.cache import KVCache, write_kv
 from fspec.metadata import token_requests
 from fspec.state import AttnMetadata
 
-BACKENDS = ("reference", "dense")
+BACKENDS = ("auto", "paged", "reference", "dense")
 
 #: attend(q [..., N, D], k [..., Nkv, D], v [..., Nkv, D], layer) -> [..., N, D]: what a model's layers call.
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -77,7 +80,7 @@ def attention(
     cache: KVCache | None,
     *,
     layer: int,
-    backend: str = "reference",
+    backend: str = "auto",
     max_query_len: int | None = None,
     max_context: int | None = None,
 ) -> tuple[torch.Tensor, KVCache | None]:
@@ -86,6 +89,9 @@ def attention(
     max_query_len: static bound on any request's query count (default T). max_context: static bound on any
     request's seq_len (default: the block table's capacity); keys beyond it are not read.
     """
+    backend = resolve_backend(backend, cache)
+    if backend == "paged":
+        return _paged_kernels(q, k, v, meta, cache, layer=layer, max_query_len=max_query_len), cache
     if backend == "reference":
         return paged_attention(
             q, k, v, meta, cache, layer=layer, max_query_len=max_query_len, max_context=max_context
@@ -93,6 +99,44 @@ def attention(
     if backend == "dense":
         return _dense_over_tokens(q, k, v, meta), cache
     raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+
+
+def resolve_backend(backend: str, cache: KVCache | None) -> str:
+    """ "auto" is the Triton "paged" kernels for a CUDA cache and the PyTorch "reference" otherwise."""
+    if backend == "auto":
+        return "paged" if isinstance(cache, KVCache) and cache.k.is_cuda else "reference"
+    return backend
+
+
+def _paged_kernels(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttnMetadata,
+    cache: KVCache,
+    *,
+    layer: int,
+    max_query_len: int | None,
+) -> torch.Tensor:
+    """The "paged" backend: the registered ops `fspec::kv_write` and `fspec::paged_attention`
+    (kernels/paged_attention.py; Triton on CUDA, their PyTorch references elsewhere). The kernels read
+    block_table, seq_lens and positions on the device; keys past seq_lens are never read."""
+    torch.ops.fspec.kv_write(
+        k.to(cache.k.dtype), v.to(cache.v.dtype), cache.k, cache.v, meta.slot_mapping, layer=layer
+    )
+    num_query = q.shape[0] if max_query_len is None else max_query_len
+    return torch.ops.fspec.paged_attention(
+        q.to(cache.k.dtype),
+        cache.k,
+        cache.v,
+        meta.block_table,
+        meta.seq_lens,
+        meta.positions,
+        meta.query_start_loc,
+        scale=q.shape[-1] ** -0.5,
+        num_query=num_query,
+        layer=layer,
+    ).to(q.dtype)
 
 
 def _dense_over_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
@@ -150,7 +194,7 @@ def bind(
     meta: AttnMetadata,
     cache: KVCache | None,
     *,
-    backend: str = "reference",
+    backend: str = "auto",
     max_query_len: int | None = None,
     max_context: int | None = None,
 ) -> Attend:
@@ -160,8 +204,8 @@ def bind(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    if backend == "reference" and not isinstance(cache, KVCache):
-        raise ValueError(f"cache: expected a KVCache for the reference backend, got {type(cache).__name__}")
+    if backend in ("auto", "paged", "reference") and not isinstance(cache, KVCache):
+        raise ValueError(f"cache: expected a KVCache for the {backend!r} backend, got {type(cache).__name__}")
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         return attention(

@@ -42,7 +42,7 @@ def _configure_dynamo() -> None:
 def compile_propose(
     *,
     cfg: DraftConfig,
-    backend: str = "reference",
+    backend: str = "auto",
     max_context: int | None = None,
     mode: str | None = "reduce-overhead",
 ) -> Callable[[dict, DraftState, KVCache], tuple[DraftState, KVCache]]:
@@ -74,7 +74,7 @@ def compile_propose(
 def compile_step(
     *,
     cfg: DraftConfig,
-    backend: str = "reference",
+    backend: str = "auto",
     max_context: int | None = None,
     mode: str | None = "reduce-overhead",
 ) -> Callable[[dict, DraftState, KVCache], tuple[DraftState, KVCache]]:

@@ -110,7 +110,7 @@ def draft_step(
     cache: KVCache,
     *,
     cfg: DraftConfig,
-    backend: str = "reference",
+    backend: str = "auto",
     max_context: int | None = None,
 ) -> tuple[DraftState, KVCache]:
     """One draft step: (next state, cache). Pure in `state`; the cache is donated.
@@ -132,7 +132,7 @@ def propose(
     cache: KVCache,
     *,
     cfg: DraftConfig,
-    backend: str = "reference",
+    backend: str = "auto",
     max_context: int | None = None,
 ) -> tuple[DraftState, KVCache]:
     """All K draft steps from `state` (its step counter is ignored: a rollout fills columns 0..K-1).

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
-from . import gumbel, rejection
+from . import attention_ops, gumbel, rejection  # noqa: F401  (attention_ops registers its ops)
 
 
 def kernels_interpreted() -> bool:

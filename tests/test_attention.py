@@ -47,9 +47,11 @@ def _naive(q, k_cache, v_cache, layer, tables, positions, requests, block_size):
     ("seed", "kv_heads", "head_dim", "block_size"), [(0, 3, 4, 3), (1, 1, 6, 5), (2, 2, 8, 1)]
 )
 @pytest.mark.parametrize("max_query_len", [None, 6])
-def test_reference_backend_matches_naive_loop(seed, kv_heads, head_dim, block_size, max_query_len):
+@pytest.mark.parametrize("backend", ["reference", "paged"])
+def test_paged_backends_match_naive_loop(seed, kv_heads, head_dim, block_size, max_query_len, backend):
     """Ragged queries (continuing histories of 5, 0, 10 tokens; a padding request) over scattered blocks with
-    GQA: outputs equal the naive loop, new K/V land at their slots, padding rows are zero."""
+    GQA: outputs equal the naive loop, new K/V land at their slots, padding rows are zero. "paged" runs the
+    registered kernel ops (their PyTorch fallback here; the Triton kernels in tests/kernels)."""
     gen = torch.Generator().manual_seed(seed)
     cfg, layer = _cfg(kv_heads, head_dim), 1
     num_blocks, max_blocks = 60, 12
@@ -78,7 +80,9 @@ def test_reference_backend_matches_naive_loop(seed, kv_heads, head_dim, block_si
     k = torch.randn(t, kv_heads, head_dim, generator=gen)
     v = torch.randn(t, kv_heads, head_dim, generator=gen)
     live_blocks_before = cache.k[:, :num_blocks].clone()
-    out, out_cache = attention(q, k, v, meta, cache, layer=layer, max_query_len=max_query_len)
+    out, out_cache = attention(
+        q, k, v, meta, cache, layer=layer, max_query_len=max_query_len, backend=backend
+    )
     assert out_cache is cache and out.shape == (t, n, head_dim)
     flat_k = cache.k[layer].flatten(0, 1)
     for i, s in enumerate(meta.slot_mapping.tolist()):

@@ -46,7 +46,7 @@ def head_forward(
     cache: KVCache | None,
     *,
     cfg: DraftConfig,
-    backend: str = "reference",
+    backend: str = "auto",
     max_query_len: int | None = None,
     max_context: int | None = None,
     logit_rows: torch.Tensor | None = None,

@@ -4,7 +4,7 @@ Every head module (`eagle`, `eagle3`, `mtp`) has the same functions:
 
     init(cfg: DraftConfig, target_params, *, seed, device=None) -> params
     project_target_hidden(params, target_hidden: TargetHidden, *, cfg) -> [T, H]
-    forward(params, input_ids [T], hidden [T, H], meta, cache, *, cfg, backend="reference",
+    forward(params, input_ids [T], hidden [T, H], meta, cache, *, cfg, backend="auto",
             max_query_len=None, max_context=None) -> (logits [T, Vd], new_hidden [T, H], cache)
     forward_dense(params, input_ids [B, S], hidden [B, S, H], *, cfg)
         -> (logits [B, S, Vd], new_hidden [B, S, H])
@@ -107,7 +107,7 @@ def forward(
     cache: KVCache | None,
     *,
     cfg: DraftConfig,
-    backend: str = "reference",
+    backend: str = "auto",
     max_query_len: int | None = None,
     max_context: int | None = None,
     logit_rows: torch.Tensor | None = None,

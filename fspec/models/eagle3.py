@@ -135,7 +135,7 @@ def forward(
     cache: KVCache | None,
     *,
     cfg: DraftConfig,
-    backend: str = "reference",
+    backend: str = "auto",
     max_query_len: int | None = None,
     max_context: int | None = None,
     logit_rows: torch.Tensor | None = None,

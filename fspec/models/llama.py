@@ -110,7 +110,7 @@ def forward(
     cache: KVCache | None,
     *,
     cfg: ModelConfig,
-    backend: str = "reference",
+    backend: str = "auto",
     aux_layer_ids: tuple[int, ...] = (),
     max_query_len: int | None = None,
     max_context: int | None = None,

@@ -1,0 +1,92 @@
+"""torch.library registrations of the paged-attention kernels (namespace "fspec").
+
+    fspec::kv_write        (k, v, k_cache!, v_cache!, slot_mapping, *, layer=0) -> ()
+    fspec::paged_attention (q, k_cache, v_cache, block_table, seq_lens, positions, query_start_loc,
+                            *, scale, num_query, layer=0) -> out [T, N, D]
+
+Each op runs the Triton kernel when its tensors are on CUDA, or when the kernels were built by the Triton
+interpreter (TRITON_INTERPRET=1 before import, as in tests/kernels) and nothing is being traced; otherwise
+the plain-PyTorch reference beside the kernel (COMPILE-FACTS.md, "Triton ops under torch.compile"). The fake
+implementations let `torch.compile(fullgraph=True)` trace through the ops.
+
+Callers pass the whole cache buffers ([num_blocks, block_size, Nkv, D], or the stacked [L, ...] with
+`layer`), never views: a view of a buffer that a compiled graph cloned can be rewritten to the original
+(pytorch#198031).
+`kv_write` mutates exactly k_cache and v_cache (the cache is donated); `paged_attention` mutates nothing and
+returns a fresh tensor.
+"""
+
+import os
+
+import torch
+from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+
+from . import kv_write as _kv
+from . import paged_attention as _pa
+
+
+def kernels_interpreted() -> bool:
+    """True when the attention kernels were built by the interpreter (TRITON_INTERPRET=1 at import time)."""
+    return os.environ.get("TRITON_INTERPRET") == "1" and isinstance(
+        _pa._paged_attention_kernel, InterpretedFunction
+    )
+
+
+def _use_triton(t: Tensor) -> bool:
+    return t.is_cuda or (kernels_interpreted() and not torch.compiler.is_compiling())
+
+
+@torch.library.custom_op("fspec::kv_write", mutates_args=("k_cache", "v_cache"))
+def kv_write(
+    k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, *, layer: int = 0
+) -> None:
+    """Write k/v [T, Nkv, D] into `layer` of the caches at slot_mapping [T] int64; slot -1 is skipped."""
+    impl = _kv.kv_write if _use_triton(k_cache) else _kv.kv_write_ref
+    impl(k, v, k_cache, v_cache, slot_mapping, layer=layer)
+
+
+@kv_write.register_fake
+def _(
+    k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, *, layer: int = 0
+) -> None:
+    return None
+
+
+@torch.library.custom_op("fspec::paged_attention", mutates_args=())
+def paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    positions: Tensor,
+    query_start_loc: Tensor,
+    *,
+    scale: float,
+    num_query: int,
+    layer: int = 0,
+) -> Tensor:
+    """Attention of q [T, N, D] over each request's cached positions 0..p (kernels/paged_attention.py)."""
+    impl = _pa.paged_attention if _use_triton(q) else _pa.paged_attention_ref
+    return impl(
+        q, k_cache, v_cache, block_table, seq_lens, positions, query_start_loc,
+        scale=scale, num_query=num_query, layer=layer,
+    )  # fmt: skip
+
+
+@paged_attention.register_fake
+def _(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    positions: Tensor,
+    query_start_loc: Tensor,
+    *,
+    scale: float,
+    num_query: int,
+    layer: int = 0,
+) -> Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -1,0 +1,398 @@
+"""Paged attention over the KV cache, driven by the `AttnMetadata` tensors (fspec/state.py).
+
+    paged_attention(q [T, N, D], k_cache, v_cache, block_table, seq_lens, positions, query_start_loc,
+                    *, scale, num_query, layer=0) -> out [T, N, D]
+
+Request b owns query rows query_start_loc[b] : query_start_loc[b+1] (at most `num_query` of them; the usual
+layout is exactly num_query rows per request, T = B * num_query: 1 for decode, K + 1 for the first draft step
+and for verification). The query at position p of request b attends to cache positions 0..p of b, read through
+block_table[b] (its own K/V and those of the other new tokens were written before attention, so this is
+causal within the new tokens). Position -1 (padding) outputs 0; seq_lens[b] = 0 reads nothing. Keys at
+positions >= seq_lens[b] are never read, so unallocated block-table entries past the context are harmless.
+GQA: query head n reads KV head n // (N / Nkv).
+
+Design (flash-decoding with GQA packing):
+* grid (B * M_TILES, Nkv, num_splits). One program takes one KV head of one request and ALL its query rows:
+  the num_query x group (query, head) pairs form an [M, D] tile (M padded to >= 16 for `tl.dot` on tensor
+  cores), so each K/V tile is read once per KV head, not once per query head (4x fewer bytes at 32/8 heads).
+* split-K: the context is cut into partitions of `partition` tokens; program `split` covers
+  [split * partition, (split + 1) * partition). The number of splits is static (cache capacity / partition),
+  so the grid never depends on seq_lens; programs whose partition starts at or past seq_len run no loop
+  iteration and write max = -inf, which the reduce kernel weighs by exp2(-inf) = 0. With one split the main
+  kernel normalises and writes `out` itself (no reduce launch).
+* Everything the launch depends on (B, num_query, max_blocks, block_size, config) is static; block_table,
+  seq_lens, positions and query_start_loc are loaded inside the kernels, so the launch is CUDA-graph safe.
+* fp32 accumulation and softmax in base 2 (scale * log2(e) folded into the scores). On a GPU the dots run in
+  the cache dtype (bf16/fp16 tensor cores, fp32 accumulate; fp32 inputs use "ieee", not tf32); under the
+  interpreter everything is cast to fp32 right after loading (its bf16 arithmetic is garbage).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from einops import rearrange
+from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+
+from .kv_write import layer_view
+
+LOG2E = 1.4426950408889634
+
+# ----------------------------------------------------------------------------------------------------------
+# Launch configuration
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Launch parameters; None fields are filled by `default_config`'s heuristic.
+
+    Attributes:
+        block_n: keys per inner-loop tile (a power of two; >= 16 on a GPU for tl.dot).
+        partition: context tokens per program (a multiple of block_n); None = chosen from the grid size.
+        num_warps: warps per program of the main kernel.
+        num_stages: software-pipelining stages of the key loop (GPU only).
+        block_m: (query, head) rows per program, a power of two >= 16; None = num_query * group padded.
+    """
+
+    block_n: int = 64
+    partition: int | None = None
+    num_warps: int = 4
+    num_stages: int = 2
+    block_m: int | None = None
+
+
+# (max head_dim, max num_query, block_n, num_warps, num_stages); the first row that fits wins. Starting
+# points from shared-memory arithmetic (K and V tiles of block_n x D per stage: 64 x 128 bf16 = 16 KB each,
+# 3 stages = 96 KB of the H200's 228 KB per SM); to be tuned on the H200 with bench_attention.py --sweep.
+_TILE_TABLE = (
+    (64, 1, 64, 4, 3),
+    (64, 1 << 30, 64, 4, 2),
+    (128, 1, 64, 4, 3),
+    (128, 1 << 30, 64, 4, 2),
+    (256, 1 << 30, 32, 4, 2),
+)
+# Context tokens per split: at least MIN_PARTITION (below it the partials and the reduce cost more than they
+# save), at most MAX_PARTITION (many short programs balance the SMs, no half-empty last wave, for partials of
+# 4 * (D + 2) bytes per head and split: under 1% of the K/V bytes of these shapes).
+MIN_PARTITION, MAX_PARTITION = 256, 2048
+MAX_BLOCK_M = 64  # (query, head) rows per program; more rows go to further programs (prefill-sized num_query)
+PROGRAMS_PER_SM = 4  # split until the grid has about this many programs per SM (memory-level parallelism)
+
+
+@functools.cache
+def _num_sms(device_index: int | None) -> int:
+    if device_index is None or not torch.cuda.is_available():
+        return 132  # an H200; only shapes the (CPU) interpreter's grid, whose results do not depend on it
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_config(
+    *,
+    batch: int,
+    kv_heads: int,
+    group: int,
+    num_query: int,
+    head_dim: int,
+    capacity: int,
+    num_sms: int = 132,
+    override: AttentionConfig | None = None,
+) -> AttentionConfig:
+    """A complete config from static sizes only (capacity = max_blocks * block_size); `override` wins."""
+    row = next((r for r in _TILE_TABLE if head_dim <= r[0] and num_query <= r[1]), _TILE_TABLE[-1])
+    cfg = override or AttentionConfig(block_n=row[2], num_warps=row[3], num_stages=row[4])
+    block_m = cfg.block_m or min(max(16, triton.next_power_of_2(num_query * group)), MAX_BLOCK_M)
+    partition = cfg.partition
+    if partition is None:
+        programs = batch * triton.cdiv(num_query * group, block_m) * kv_heads
+        want = max(1, triton.cdiv(PROGRAMS_PER_SM * num_sms, programs))
+        splits = max(1, min(want, capacity // MIN_PARTITION), triton.cdiv(capacity, MAX_PARTITION))
+        partition = triton.cdiv(capacity, splits)
+    partition = max(cfg.block_n, triton.cdiv(partition, cfg.block_n) * cfg.block_n)
+    return dataclasses.replace(cfg, block_m=block_m, partition=partition)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # [T, N, D] queries, head-dim stride 1
+    k_cache_ptr,  # [num_blocks, block_size, Nkv, D] this layer's K cache, contiguous
+    v_cache_ptr,  # [num_blocks, block_size, Nkv, D] this layer's V cache, contiguous
+    block_table_ptr,  # [B, max_blocks] int32 cache block of each request's j-th block
+    seq_lens_ptr,  # [B] int32 tokens of each request in the cache
+    positions_ptr,  # [T] int64 position of each query token; -1 = padding
+    query_start_loc_ptr,  # [B+1] int32 first query row of each request
+    out_ptr,  # [T, N, D] out (one split): normalised attention output, q's dtype
+    part_m_ptr,  # [S, T, N] float32 out (splits): running max of the base-2 scores, -inf = no key
+    part_l_ptr,  # [S, T, N] float32 out (splits): sum of exp2(score - max)
+    part_acc_ptr,  # [S, T, N, D] float32 out (splits): unnormalised sum of exp2(score - max) * v
+    stride_qt,  # elements between consecutive tokens of q
+    stride_qn,  # elements between consecutive heads of q
+    stride_ot,  # elements between consecutive tokens of out
+    stride_on,  # elements between consecutive heads of out
+    stride_bt,  # elements between consecutive rows of block_table
+    T,  # query tokens (rows of q); indexes the partial buffers
+    partition,  # context tokens per split (a multiple of BLOCK_N)
+    scale_log2,  # softmax scale * log2(e)
+    NUM_QUERY: tl.constexpr,  # static bound on query rows per request
+    GROUP: tl.constexpr,  # query heads per KV head
+    KV_HEADS: tl.constexpr,  # Nkv
+    HEAD_DIM: tl.constexpr,  # D
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    SPLIT: tl.constexpr,  # write partials for the reduce kernel (False: write out directly)
+    BLOCK_M: tl.constexpr,  # (query, head) rows per program, a power of two
+    BLOCK_N: tl.constexpr,  # keys per loop iteration, a power of two
+    BLOCK_D: tl.constexpr,  # next power of two >= D
+    UPCAST: tl.constexpr,  # cast loaded q/K/V to float32 (interpreter, or float32 caches)
+):
+    M_TILES: tl.constexpr = (NUM_QUERY * GROUP + BLOCK_M - 1) // BLOCK_M
+    b = tl.program_id(0) // M_TILES
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    # 1. Rows r = (query i, head g) of this program: GQA packing, all query heads of the KV head together.
+    r = (tl.program_id(0) % M_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
+    qi = r // GROUP
+    head = kvh * GROUP + r % GROUP  # [BLOCK_M] query head
+    q_start = tl.load(query_start_loc_ptr + b)
+    q_count = tl.load(query_start_loc_ptr + b + 1) - q_start
+    row_ok = (r < NUM_QUERY * GROUP) & (qi < q_count)
+    tok = (q_start + qi).to(tl.int64)  # [BLOCK_M] query row in q
+    pos = tl.load(positions_ptr + tok, mask=row_ok, other=-1).to(tl.int32)  # -1: sees nothing
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qn + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    # 2. Keys [start, end) of this split: never past seq_len, nor past the last row's position.
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = split * partition
+    end = tl.minimum(tl.minimum(start + partition, seq_len), tl.max(pos, axis=0) + 1)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        # 3. Gather BLOCK_N keys through the block table (one table entry per key: any block_size works).
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        blk = tl.load(block_table_ptr + b * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        slot = blk * BLOCK_SIZE + n % BLOCK_SIZE  # [BLOCK_N] int64: caches past 2^31 elements
+        kv_off = slot[:, None] * (KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM + d[None, :]
+        if BLOCK_D == HEAD_DIM:
+            kv_ok = n_ok[:, None]  # a mask constant along D keeps the loads vectorised
+        else:
+            kv_ok = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_ok, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_ok, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        # 4. Online softmax in base 2; masked scores are -inf and a row with no key yet keeps m = -inf.
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
+        s = tl.where((n[None, :] <= pos[:, None]) & n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp2(-inf - -inf) would be NaN
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    # 5. One split: normalise and write out (rows without keys: acc = 0, l = 0 -> 0). Several: partials.
+    if SPLIT:
+        part = (split * T + tok) * (KV_HEADS * GROUP) + head  # [BLOCK_M] int64
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        live = row_ok & (m_i > float("-inf"))  # empty partitions skip the acc store; the reduce masks them
+        tl.store(
+            part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=live[:, None] & d_ok[None, :]
+        )
+    else:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_on + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+
+@triton.jit
+def _paged_attention_reduce_kernel(
+    part_m_ptr,  # [S, T, N] float32: per-split max of the base-2 scores (-inf = split saw no key)
+    part_l_ptr,  # [S, T, N] float32: per-split sum of exp2(score - max)
+    part_acc_ptr,  # [S, T, N, D] float32: per-split unnormalised output (unwritten where max = -inf)
+    out_ptr,  # [T, N, D] out: attention output, q's dtype
+    stride_ot,  # elements between consecutive tokens of out
+    stride_on,  # elements between consecutive heads of out
+    T,  # query tokens
+    num_splits,  # S
+    NUM_HEADS: tl.constexpr,  # N
+    HEAD_DIM: tl.constexpr,  # D
+    SPLITS_POW2: tl.constexpr,  # next power of two >= S
+    BLOCK_D: tl.constexpr,  # next power of two >= D
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_POW2)
+    d = tl.arange(0, BLOCK_D)
+    part = (s * T + t) * NUM_HEADS + h  # [SPLITS_POW2] int64
+    s_ok = s < num_splits
+    m = tl.load(part_m_ptr + part, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(part_l_ptr + part, mask=s_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # 0 for splits without keys
+    live = s_ok & (m > float("-inf"))
+    acc = tl.load(
+        part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
+        mask=live[:, None] & (d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+    num = tl.sum(acc * w[:, None], axis=0)  # [BLOCK_D]
+    den = tl.sum(l_s * w, axis=0)
+    o = num / tl.where(den > 0, den, 1.0)  # a row that saw no key (padding) -> 0
+    tl.store(out_ptr + t * stride_ot + h * stride_on + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------------------
+
+
+def paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    positions: Tensor,
+    query_start_loc: Tensor,
+    *,
+    scale: float,
+    num_query: int,
+    layer: int = 0,
+    config: AttentionConfig | None = None,
+) -> Tensor:
+    """Launch the kernels (see the module docstring) -> out [T, N, D] in q's dtype.
+
+    Inputs are assumed validated (fspec.validate_attn_metadata); `config` overrides the heuristic (the
+    benchmark's sweep). Grid and launch arguments depend on static sizes only.
+    """
+    kc, vc = layer_view(k_cache, layer), layer_view(v_cache, layer)
+    if not (kc.is_contiguous() and vc.is_contiguous()):
+        raise ValueError("k_cache/v_cache: expected contiguous layers [num_blocks, block_size, Nkv, D]")
+    t, n, d = q.shape
+    _, block_size, nkv, _ = kc.shape
+    b, max_blocks = block_table.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if t == 0 or b == 0:
+        return out.zero_()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+    group = n // nkv
+    cfg = default_config(
+        batch=b,
+        kv_heads=nkv,
+        group=group,
+        num_query=num_query,
+        head_dim=d,
+        capacity=max_blocks * block_size,
+        num_sms=_num_sms(q.device.index if q.is_cuda else None),
+        override=config,
+    )
+    splits = triton.cdiv(max_blocks * block_size, cfg.partition)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    part_m = torch.empty((splits, t, n), **f32) if splits > 1 else out
+    part_l = torch.empty((splits, t, n), **f32) if splits > 1 else out
+    part_acc = torch.empty((splits, t, n, d), **f32) if splits > 1 else out
+    # tl.dot needs one input dtype; the interpreter's bf16 arithmetic is garbage
+    interpreted = isinstance(_paged_attention_kernel, InterpretedFunction)
+    upcast = interpreted or q.dtype != kc.dtype or torch.float32 in (q.dtype, kc.dtype, vc.dtype)
+    m_tiles = triton.cdiv(num_query * group, cfg.block_m)
+    block_d = triton.next_power_of_2(d)
+    _paged_attention_kernel[(b * m_tiles, nkv, splits)](
+        q, kc, vc, block_table, seq_lens, positions, query_start_loc, out, part_m, part_l, part_acc,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
+        t, cfg.partition, scale * LOG2E,
+        NUM_QUERY=num_query, GROUP=group, KV_HEADS=nkv, HEAD_DIM=d, BLOCK_SIZE=block_size, SPLIT=splits > 1,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, UPCAST=upcast,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if splits > 1:
+        _paged_attention_reduce_kernel[(t, n)](
+            part_m, part_l, part_acc, out, out.stride(0), out.stride(1), t, splits,
+            NUM_HEADS=n, HEAD_DIM=d, SPLITS_POW2=triton.next_power_of_2(splits), BLOCK_D=block_d,
+            num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# PyTorch reference
+# ----------------------------------------------------------------------------------------------------------
+
+
+def paged_attention_ref(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    positions: Tensor,
+    query_start_loc: Tensor,
+    *,
+    scale: float,
+    num_query: int,
+    layer: int = 0,
+) -> Tensor:
+    """Plain PyTorch, same contract: gather each request's whole table once, mask, softmax in float32.
+
+    Branch-free with static shapes (B, num_query, max_blocks * block_size), so it also traces under
+    torch.compile. Keys at positions >= seq_len are zeroed before use, so garbage (even NaN) in blocks a
+    request does not own never reaches the output.
+    """
+    kc, vc = layer_view(k_cache, layer), layer_view(v_cache, layer)
+    t, n, d = q.shape
+    num_blocks, block_size, nkv, _ = kc.shape
+    b = block_table.shape[0]
+    # 1. Queries into [B, num_query] rows: token t -> (request, t - query_start_loc[request]).
+    tokens = torch.arange(t, device=q.device)
+    req = torch.searchsorted(query_start_loc[1:].long(), tokens, right=True).clamp(max=b - 1)  # [T]
+    local = (tokens - query_start_loc.long()[req]).clamp(0, num_query - 1)
+    dest = req * num_query + local  # [T]
+    qp = q.new_zeros(b * num_query, n, d).index_copy(0, dest, q)
+    pos = torch.full((b * num_query,), -1, dtype=torch.int64, device=q.device).index_copy(0, dest, positions)
+    # 2. Context [B, C, Nkv, D], C = max_blocks * block_size; entries past seq_len clamp to block 0 and are
+    #    zeroed (an unallocated block-table entry may hold -1 or garbage).
+    j = torch.arange(block_table.shape[1] * block_size, device=q.device)  # [C]
+    in_ctx = j[None, :] < seq_lens.long()[:, None]  # [B, C]
+    blk = block_table.long()[:, j // block_size].clamp(0, num_blocks - 1)
+    slots = blk * block_size + j % block_size  # [B, C]
+    zero = torch.zeros((), dtype=torch.float32, device=q.device)
+    kctx = torch.where(in_ctx[..., None, None], kc.reshape(-1, nkv, d)[slots].float(), zero)
+    vctx = torch.where(in_ctx[..., None, None], vc.reshape(-1, nkv, d)[slots].float(), zero)
+    # 3. Scores [B, Nkv, G, Q, C]; the query at position p sees keys j <= p inside the context.
+    qg = rearrange(qp.float(), "(b s) (h g) d -> b h g s d", b=b, h=nkv)
+    scores = torch.einsum("bhgsd,bchd->bhgsc", qg, kctx) * scale
+    pos = rearrange(pos, "(b s) -> b s", b=b)  # [B, Q]
+    visible = (j[None, None, :] <= pos[:, :, None]) & in_ctx[:, None, :]  # [B, Q, C]
+    visible = visible[:, None, None]  # [B, 1, 1, Q, C]
+    scores = torch.where(visible, scores, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)
+    p = torch.exp(scores - torch.where(row_max == float("-inf"), 0.0, row_max))  # 0 where not visible
+    denom = p.sum(dim=-1, keepdim=True)
+    out = torch.einsum("bhgsc,bchd->bhgsd", p, vctx) / torch.where(denom > 0, denom, 1.0)
+    out = rearrange(out, "b h g s d -> (b s) (h g) d")[dest]  # [T, N, D]
+    return out.to(q.dtype)

@@ -1,0 +1,195 @@
+"""fspec.generate: greedy speculation is exact, sampled speculation is lossless, bad requests are named."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from scipy.stats import chi2_contingency
+
+import fspec
+from fspec.runner import Run
+
+from draft_setup import tiny_draft, tiny_target
+from engine_setup import aligned_pair
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [20] * 9, list(range(30, 52))]
+
+
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_greedy_speculation_equals_target_only_greedy_decoding(k):
+    """Token for token, with partial acceptance (τ strictly between 1 and K + 1)."""
+    target, draft = aligned_pair(k=k)
+    want = fspec.generate(target, None, PROMPTS, max_new_tokens=24)
+    got = fspec.generate(target, draft, PROMPTS, max_new_tokens=24, num_speculative_steps=k)
+    assert got.tokens == want.tokens
+    assert all(len(t) == 24 for t in got.tokens)
+    tau = got.stats["acceptance_length"]
+    assert 1.2 < tau < k + 1 or (k == 1 and 1.2 < tau < 2), tau
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+def test_greedy_speculation_is_exact_for_every_head_kind(kind):
+    """Random EAGLE-3 (reduced vocabulary) and MTP heads change nothing in greedy output."""
+    target = tiny_target()
+    draft = tiny_draft(target, kind=kind, k=3)
+    want = fspec.generate(target, None, PROMPTS, max_new_tokens=10)
+    got = fspec.generate(target, draft, PROMPTS, max_new_tokens=10)
+    assert got.tokens == want.tokens
+
+
+def test_acceptance_stats_are_consistent():
+    """τ = 1 + Σ_k P(draft k accepted); rates never increase with k; forwards = rounds + prefill."""
+    target, draft = aligned_pair(k=5)
+    res = fspec.generate(target, draft, PROMPTS, max_new_tokens=30, num_speculative_steps=5)
+    s = res.stats
+    rates = s["acceptance_rate_per_position"]
+    assert len(rates) == 5 and all(a >= b for a, b in zip(rates, rates[1:]))
+    assert s["acceptance_length"] == pytest.approx(1 + sum(rates))
+    assert s["target_forwards"] == s["rounds"] + 1
+    assert s["new_tokens"] == sum(map(len, res.tokens)) == 4 * 30 + (48 - 22) and s["tokens_per_second"] > 0
+    cond = s["conditional_acceptance_per_position"]
+    assert cond[0] == pytest.approx(rates[0]) and cond[1] == pytest.approx(rates[1] / rates[0])
+
+
+def _marginals(results: list[list[int]], position: int, vocab: int) -> np.ndarray:
+    return np.bincount([r[position] for r in results], minlength=vocab)
+
+
+def _chi2_p(a: np.ndarray, b: np.ndarray) -> float:
+    keep = (a + b) >= 10  # pool rare tokens: the chi-square approximation needs expected counts >= 5
+    table = np.stack([np.append(a[keep], a[~keep].sum()), np.append(b[keep], b[~keep].sum())])
+    table = table[:, table.sum(0) > 0]
+    return chi2_contingency(table)[1]
+
+
+def test_sampled_speculation_is_lossless_chi_square():
+    """Marginals of generated tokens at positions 1..5 match target-only sampling (two-sample chi-square).
+
+    1024 requests each; every p-value must exceed 1e-3 (Bonferroni over 5 positions: family-wise false alarm
+    < 0.5%). Power: the same test tells temperature 1.0 from 1.5 of target-only sampling at p < 1e-6.
+    """
+    target, draft = aligned_pair(k=4, head_noise=0.08)
+    n, new = 1024, 6
+    prompts = [[5, 17, 33]] * n
+    spec = fspec.generate(
+        target,
+        draft,
+        prompts,
+        max_new_tokens=new,
+        temperature=1.0,
+        seed=list(range(n)),
+        num_speculative_steps=4,
+    )
+    base = fspec.generate(
+        target, None, prompts, max_new_tokens=new, temperature=1.0, seed=list(range(n, 2 * n))
+    )
+    assert 1.3 < spec.stats["acceptance_length"] < 4.5, spec.stats  # rejections and acceptances both occur
+    v = target.cfg.vocab_size
+    for pos in range(1, new):
+        p = _chi2_p(_marginals(spec.tokens, pos, v), _marginals(base.tokens, pos, v))
+        assert p > 1e-3, f"position {pos}: speculative and target-only marginals differ (p = {p:.2e})"
+    hot = fspec.generate(
+        target, None, prompts, max_new_tokens=3, temperature=1.5, seed=list(range(2 * n, 3 * n))
+    )
+    assert _chi2_p(_marginals(hot.tokens, 2, v), _marginals(base.tokens, 2, v)) < 1e-6
+
+
+def test_same_seed_reproduces_and_batch_composition_does_not_matter():
+    """A request's sampled tokens depend on its seed only, not on its neighbours or its row."""
+    target, draft = aligned_pair(k=3)
+    a = fspec.generate(target, draft, PROMPTS, max_new_tokens=12, temperature=0.9, seed=[1, 2, 3, 4, 5])
+    b = fspec.generate(target, draft, PROMPTS[::-1], max_new_tokens=12, temperature=0.9, seed=[5, 4, 3, 2, 1])
+    c = fspec.generate(target, draft, [PROMPTS[2]], max_new_tokens=12, temperature=0.9, seed=3)
+    assert a.tokens == b.tokens[::-1]
+    assert c.tokens[0] == a.tokens[2]
+
+
+def test_requests_stop_at_eos_and_at_max_model_len():
+    """EOS ends a request (EOS included); a request near max_model_len stops before writing past it."""
+    target, draft = aligned_pair(k=3)
+    free = fspec.generate(target, draft, PROMPTS, max_new_tokens=16)
+    eos = free.tokens[1][5]
+    cfg = dataclasses.replace(target.cfg, eos_token_ids=(eos,))
+    t2 = dataclasses.replace(target, cfg=cfg)
+    got = fspec.generate(t2, draft, PROMPTS, max_new_tokens=16)
+    for toks, full in zip(got.tokens, free.tokens):
+        cut = full.index(eos) + 1 if eos in full else len(full)
+        assert toks == full[:cut]
+    long_prompt = [list(range(44)), list(range(47))]  # max_model_len 48
+    want = fspec.generate(target, None, long_prompt, max_new_tokens=30)
+    res = fspec.generate(target, draft, long_prompt, max_new_tokens=30)
+    assert [len(t) for t in res.tokens] == [4, 1] and res.tokens == want.tokens
+
+
+def test_blocks_are_freed_when_requests_finish():
+    """After a run with requests of different lengths every block is back in the allocator."""
+    target, draft = aligned_pair(k=3)
+    from fspec.engine import Stats
+
+    run = Run(
+        target,
+        draft,
+        PROMPTS,
+        [0.0] * 5,
+        [0] * 5,
+        max_new_tokens=9,
+        compile=False,
+        stats=Stats(3),
+        progress=False,
+    )
+    total = run.alloc.num_free
+    run.go()
+    assert run.alloc.num_free == total and all(not b for b in run.blocks)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"prompts": [[]]}, r"prompts\[0\]: expected at least one token"),
+        ({"prompts": [[1, 97]]}, r"prompts\[0\]: expected token ids in \[0, 97\)"),
+        ({"prompts": [list(range(48))]}, r"prompts\[0\]: expected at most 47 tokens"),
+        ({"prompts": ["text"]}, r"prompts\[0\]: expected token ids \(the target has no tokenizer\)"),
+        ({"prompts": []}, "prompts: expected a non-empty list"),
+        ({"temperature": -0.5}, r"temperature\[0\]: expected a finite value >= 0"),
+        ({"temperature": float("nan")}, r"temperature\[0\]: expected a finite value >= 0"),
+        ({"temperature": [0.0, 1.0]}, "temperature: expected one value or 1"),
+        ({"seed": [1, 2]}, "seed: expected one value or 1"),
+        ({"seed": 1.5}, r"seed\[0\]: expected a int"),
+        ({"max_new_tokens": 0}, "max_new_tokens: expected a positive int"),
+        ({"num_speculative_steps": 0}, r"num_speculative_steps: expected an int in \[1, 16\]"),
+    ],
+)
+def test_bad_requests_raise_value_errors_naming_the_argument(kwargs, match):
+    target, draft = aligned_pair(k=3)
+    args = {"prompts": [[1, 2]], "max_new_tokens": 4, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        fspec.generate(target, draft, args.pop("prompts"), **args)
+
+
+def test_compiled_generate_is_exact_when_greedy_and_lossless_when_sampled():
+    """compile=True (whole draft loop and verification forward as compiled graphs, bucket 256): greedy output
+    equals target-only greedy; sampled marginals pass the chi-square test above (p > 1e-3 each)."""
+    target, draft = aligned_pair(k=4, head_noise=0.08)
+    prompts = (PROMPTS * 52)[:256]
+    want = fspec.generate(target, None, prompts, max_new_tokens=10)
+    got = fspec.generate(target, draft, prompts, max_new_tokens=10, num_speculative_steps=4, compile=True)
+    assert got.tokens == want.tokens
+    n, new = 1024, 5
+    same = [[5, 17, 33]] * n
+    spec = fspec.generate(
+        target,
+        draft,
+        same,
+        max_new_tokens=new,
+        temperature=1.0,
+        seed=list(range(n)),
+        num_speculative_steps=4,
+        compile=True,
+    )
+    base = fspec.generate(target, None, same, max_new_tokens=new, temperature=1.0, seed=list(range(n, 2 * n)))
+    v = target.cfg.vocab_size
+    for pos in range(1, new):
+        p = _chi2_p(_marginals(spec.tokens, pos, v), _marginals(base.tokens, pos, v))
+        assert p > 1e-3, f"position {pos}: compiled speculative marginals differ (p = {p:.2e})"
