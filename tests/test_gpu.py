@@ -1,0 +1,112 @@
+"""GPU tests (run on the H200 host; skipped without CUDA): kernels against their references, CPU/GPU token
+agreement, compiled against eager, and CUDA-graph capture of the whole draft loop with nothing skipped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import fspec
+from fspec.compile import compile_propose, pad_to_bucket
+from fspec.kernels import gumbel, rejection
+
+from draft_setup import scenario, tiny_draft, tiny_target
+from engine_setup import aligned_pair
+
+pytestmark = pytest.mark.gpu
+
+
+def _logits(n: int, v: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, v, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+@pytest.mark.parametrize(("n", "v"), [(7, 401), (33, 32000), (5, 128256)])
+def test_gumbel_kernel_on_gpu_agrees_with_the_cpu_reference_token_for_token(n, v):
+    """Same fp32 logits, seeds and positions: the Triton kernel on the H200 picks the CPU reference's tokens
+    (near-ties aside: at most one row in a hundred may differ) and writes the same probabilities."""
+    logits = _logits(n, v, n)
+    temp = torch.tensor([0.0, 1.0, 0.7] * n)[:n]
+    seed = torch.arange(n, dtype=torch.int64) * 31 + 5
+    pos = torch.arange(n, dtype=torch.int64) + 100
+    out_t = torch.full((n, 3), -1, dtype=torch.int64)
+    out_p = torch.zeros(n, 3, v)
+    col = torch.tensor(1)
+    want = gumbel.gumbel_sample_ref(logits, temp, seed, pos, salt=0)
+    args = [x.cuda() for x in (logits, temp, seed, pos)]
+    got_t, got_p = out_t.cuda(), out_p.cuda()
+    got = fspec.gumbel_sample(*args, salt=0, out_tokens=got_t, out_probs=got_p, col=col.cuda())
+    assert (got.cpu() != want).sum() <= max(1, n // 100)
+    assert torch.equal(got_t[:, 1].cpu(), got.cpu()) and bool((got_t[:, [0, 2]] == -1).all())
+    ref_p = torch.where(
+        temp[:, None] > 0,
+        torch.softmax(logits / temp.clamp(min=1e-6)[:, None], -1),
+        torch.nn.functional.one_hot(want, v).float(),
+    )
+    torch.testing.assert_close(got_p[:, 1].cpu(), ref_p, rtol=1e-4, atol=1e-6)
+
+
+def test_rejection_kernel_on_gpu_agrees_with_the_cpu_reference():
+    """B = 64, K = 5, V = 32000, sampled drafts, mixed greedy and sampled targets: tokens and counts agree."""
+    b, k, v = 64, 5, 32000
+    gen = torch.Generator().manual_seed(0)
+    target_logits = torch.randn(b, k + 1, v, generator=gen) * 2
+    q = torch.softmax(torch.randn(b, k, v, generator=gen) * 2, -1)
+    drafts = torch.multinomial(q.view(-1, v), 1, generator=gen).view(b, k)
+    temp = torch.tensor([0.0, 1.0] * (b // 2))
+    seed = torch.arange(b, dtype=torch.int64)
+    pos = torch.arange(b, dtype=torch.int64) * 3
+    want_t, want_n = rejection.rejection_sample_ref(target_logits, drafts, q, temp, seed, pos)
+    got_t, got_n = fspec.rejection_sample(*(x.cuda() for x in (target_logits, drafts, q, temp, seed, pos)))
+    assert (got_n.cpu() != want_n).sum() <= 1
+    rows = got_n.cpu() == want_n
+    assert torch.equal(got_t.cpu()[rows], want_t[rows])
+
+
+def test_whole_draft_loop_is_one_cuda_graph_equal_to_eager():
+    """compile_propose on CUDA with cudagraph_or_error: no graph skipped, one graph for the bucket, replays on
+    a second batch of the same bucket without recompiling, tokens equal to eager."""
+    torch._inductor.config.triton.cudagraph_or_error = True
+    target = tiny_target()
+    draft = tiny_draft(target, kind="eagle3", k=4)
+    to_cuda = lambda tree: fspec.tree.tree_map(lambda x: x.cuda(), tree)  # noqa: E731
+    params = {k: v for k, v in draft.params.items()}
+    params = fspec.tree.tree_map(lambda p: torch.nn.Parameter(p.detach().cuda(), requires_grad=False), params)
+    torch._dynamo.reset()
+    counters.clear()
+    fn = compile_propose(cfg=draft.cfg)
+    for seed in (1, 2):
+        sc = scenario(draft, context_lens=[3, 9, 14], live=[2, 5, 1], temperature=[0.0, 1.0, 0.7], seed=seed)
+        state, _ = pad_to_bucket(sc.state, cfg=draft.cfg)
+        state = to_cuda(state)
+        cache = fspec.KVCache(k=sc.cache.k.cuda(), v=sc.cache.v.cuda())
+        eager_cache = fspec.KVCache(k=cache.k.clone(), v=cache.v.clone())
+        want, _ = fspec.propose(params, state, eager_cache, cfg=draft.cfg)
+        got, _ = fn(params, state, cache)
+        assert torch.equal(got.draft_tokens[:3].cpu(), want.draft_tokens[:3].cpu())
+        torch.testing.assert_close(got.draft_probs[:3], want.draft_probs[:3], rtol=1e-3, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    torch._inductor.config.triton.cudagraph_or_error = False
+
+
+def test_compiled_generate_on_gpu_equals_eager_greedy():
+    """fspec.generate(compile=True) on CUDA produces the eager CPU run's greedy tokens."""
+    target, draft = aligned_pair(k=4)
+    want = fspec.generate(target, draft, [[1, 2, 3], [5, 6]], max_new_tokens=16, num_speculative_steps=4)
+    cuda = lambda p: torch.nn.Parameter(p.detach().cuda(), requires_grad=False)  # noqa: E731
+    t_params = fspec.tree.tree_map(cuda, target.params)
+    t2 = fspec.Target(cfg=target.cfg, params=t_params)
+    d_params = {}
+    for name, value in draft.params.items():  # keep sharing the target's embedding and lm_head
+        if name == "embed":
+            d_params[name] = t_params["embed"]
+        elif name == "lm_head":
+            d_params[name] = t_params["lm_head"]
+        else:
+            d_params[name] = fspec.tree.tree_map(cuda, value)
+    d2 = fspec.Draft(cfg=draft.cfg, params=d_params, shared=draft.shared)
+    got = fspec.generate(
+        t2, d2, [[1, 2, 3], [5, 6]], max_new_tokens=16, num_speculative_steps=4, compile=True
+    )
+    assert got.tokens == want.tokens
