@@ -49,6 +49,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--budget-s", type=float, default=540.0, help="stop starting new rows after this many seconds"
     )
+    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of the compiled loop")
     p.add_argument("--out", default="benchmarks/results/draft_loop.json")
     return p.parse_args(argv)
 
@@ -165,6 +166,14 @@ def measure(head: str, b: int, k: int, args, bw: float) -> dict:
     row["loop_over_floor"] = round(row["compiled_loop_us"] / floor_us, 2)
     row["eager_over_loop"] = round(row["eager_us"] / row["compiled_loop_us"], 2)
     row["cudagraph_skips"] = dict(torch._dynamo.utils.counters["inductor"]).get("cudagraph_skips", 0)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                whole(draft.params, state, cache)
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
     return row
 
 

@@ -151,7 +151,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,  # write partials for the reduce kernel (False: write out directly)
     BLOCK_M: tl.constexpr,  # (query, head) rows per program, a power of two
     BLOCK_N: tl.constexpr,  # keys per loop iteration, a power of two
-    BLOCK_D: tl.constexpr,  # next power of two >= D
+    BLOCK_D: tl.constexpr,  # next power of two >= max(D, 16)
     UPCAST: tl.constexpr,  # cast loaded q/K/V to float32 (interpreter, or float32 caches)
 ):
     M_TILES: tl.constexpr = (NUM_QUERY * GROUP + BLOCK_M - 1) // BLOCK_M
@@ -240,7 +240,7 @@ def _paged_attention_reduce_kernel(
     NUM_HEADS: tl.constexpr,  # N
     HEAD_DIM: tl.constexpr,  # D
     SPLITS_POW2: tl.constexpr,  # next power of two >= S
-    BLOCK_D: tl.constexpr,  # next power of two >= D
+    BLOCK_D: tl.constexpr,  # next power of two >= max(D, 16)
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -321,7 +321,7 @@ def paged_attention(
     interpreted = isinstance(_paged_attention_kernel, InterpretedFunction)
     upcast = interpreted or q.dtype != kc.dtype or torch.float32 in (q.dtype, kc.dtype, vc.dtype)
     m_tiles = triton.cdiv(num_query * group, cfg.block_m)
-    block_d = triton.next_power_of_2(d)
+    block_d = max(16, triton.next_power_of_2(d))  # tl.dot needs K >= 16: small heads pad (masked) to 16
     _paged_attention_kernel[(b * m_tiles, nkv, splits)](
         q, kc, vc, block_table, seq_lens, positions, query_start_loc, out, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),

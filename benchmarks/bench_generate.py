@@ -1,0 +1,830 @@
+"""Benchmark end-to-end generation: fspec target-only and EAGLE-3 speculative vs Hugging Face `generate`.
+
+    python benchmarks/bench_generate.py [--out benchmarks/results/generate.json] [--batch 1 8]
+        [--new-tokens 256] [--prompt-len 128] [--k 5] [--reps 3] [--budget-s 540]
+        [--quick] [--skip-hf] [--skip-hf-static] [--cpu-smoke [--smoke-compile]]
+
+Target: a Llama-3.2-1B-shaped model with RANDOM weights (vocab 128256, hidden 2048, intermediate 8192,
+16 layers, 32 query / 8 KV heads of 64, RoPE llama3 theta 5e5 factor 32, tied embeddings), bf16, built with
+`fspec.models.llama.init(cfg, seed=0)`. Prompts: random token ids (fixed seed). Greedy (temperature 0) and no
+EOS, so every request gets exactly --new-tokens tokens. tokens/s = new tokens across the batch / wall time
+of one call, median over --reps calls after a warm-up call (which compiles).
+
+Rows, for each batch size B:
+ 1. fspec target-only, compile=True.
+ 2. fspec speculative with a random EAGLE-3 head (K = --k, draft vocab 32000, compile=True); acceptance
+    length from result.stats (a random head accepts almost nothing: the row measures the overhead).
+ 3. fspec speculative at forced full acceptance: the same head with its lm_head zeroed, and the target
+    rebuilt UNTIED for this row (the same embedding, layer and norm Parameters, plus an all-zero [V, H]
+    lm_head), so every logit is 0 and greedy argmax picks token 0 for target and head alike: tau = K + 1
+    exactly (checked). The matmuls are those of real weights: an untied lm_head reads the same [V, H]
+    bytes per step as the tied embedding does.
+ 4. HF `generate` on the same weights (written by fspec.save_target, loaded with AutoModelForCausalLM):
+    dynamic cache (eager), and static cache (`cache_implementation="static"`, which transformers compiles
+    on its own on CUDA).
+ 5. HF assisted generation with the same model as its own assistant, num_assistant_tokens = K (constant
+    schedule, confidence threshold off); transformers runs it at batch 1 only (B > 1 records its error).
+Beside them:
+ * floor: the target's weight bytes (the tied embedding counted once) / the copy bandwidth (a 2 GiB
+   device-to-device copy, (bytes read + written) / time) is the time of one decode step; floor tokens/s =
+   B / that step. KV-cache reads (< 5% here) are left out. Speculative rows may exceed it (ratio > 1).
+ * round model: T_target(K+1), the compiled target forward over K + 1 tokens per request, plus T_propose,
+   the compiled whole K-step draft loop, each replayed on its own (context prompt_len + new_tokens / 2)
+   through the very compiled functions `generate` uses (fspec.runner's caches: no extra compile); model
+   tokens/s = B * tau / (T_target + T_propose). Measured round = wall time / rounds (prefill included), and
+   without the prefill (the time of a max_new_tokens=1 call subtracted). Target-only rows: one decode step.
+JSON: {"machine", "torch", "triton", "transformers", "date", "command", "copy_bandwidth_TBps", "target",
+"rows": [{"case": {"system", "B", "K"}, "tokens_per_s", "acceptance_length", "floor_tokens_per_s",
+"ratio_to_floor", "round_model_us", "round_measured_us", "error", ...}]}, written after every row.
+
+--quick: batch 1, 64 new tokens, no HF static row. --cpu-smoke: the whole script on the CPU with a tiny
+float32 model and compile=False (--smoke-compile: compile=True there too), to test the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import logging
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import fspec
+from fspec import runner
+from fspec.cache import KVCache, blocks_needed
+from fspec.config import ModelConfig, bucket_for
+from fspec.draft import propose
+from fspec.engine import max_model_len
+from fspec.metadata import decode_metadata, first_step_metadata
+from fspec.models import layers as L
+from fspec.models import llama, project_target_hidden
+from fspec.state import init_draft_state
+
+DEFAULT_OUT = Path(__file__).parent / "results" / "generate.json"
+BLOCK_SIZE = 16  # fspec.generate's block size without a head; the heads here use the same
+PROMPT_SEED = 1234
+# Seconds a row may need at most on the H200 (compiles included): a row starts only if it fits the budget.
+ROW_COST_S = {"fspec": 100, "hf_load": 40, "hf_eager": 40, "hf_static": 150}
+RUN_CAP_S = 30.0  # stop repeating a row's timed calls past this many seconds (at least one call)
+
+SYSTEMS = {
+    "target": "fspec target-only",
+    "spec": "fspec EAGLE-3 (random head)",
+    "forced": "fspec EAGLE-3 forced full acceptance",
+    "hf": "HF generate (dynamic cache)",
+    "hf_assisted": "HF assisted (assistant = target)",
+    "hf_static": "HF generate (static cache, compiled)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What one benchmark run measures.
+
+    Attributes:
+        cfg: the target's ModelConfig (max_position_embeddings = the run's max_model_len).
+        draft_vocab: the EAGLE-3 head's draft vocabulary Vd.
+        new_tokens, prompt_len, k: tokens generated per request, prompt length, draft steps K.
+        batches: batch sizes B.
+        dtype, device: of every weight.
+        compile: fspec.generate(compile=...).
+        reps: timed calls per row (median), after one warm-up call.
+        hf, hf_static: run the Hugging Face rows / the static-cache HF row.
+        budget_s: a row starts only when its worst-case cost fits before this many seconds from the start.
+        label: the JSON's "target" string.
+        time_iters, time_repeats: graph replays per timing sample, samples per median (round model).
+    """
+
+    cfg: ModelConfig
+    draft_vocab: int
+    new_tokens: int
+    prompt_len: int
+    k: int
+    batches: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    compile: bool
+    reps: int
+    hf: bool
+    hf_static: bool
+    budget_s: float
+    label: str
+    time_iters: int = 20
+    time_repeats: int = 5
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
+    parser.add_argument("--batch", type=int, nargs="+", default=None, help="batch sizes B (default 1 8)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="new tokens per request (default 256)")
+    parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128)")
+    parser.add_argument("--k", type=int, default=5, help="draft steps K (and HF num_assistant_tokens)")
+    parser.add_argument("--reps", type=int, default=3, help="timed calls per row (median)")
+    parser.add_argument("--budget-s", type=float, default=540.0, help="skip rows that would end past this")
+    parser.add_argument("--quick", action="store_true", help="batch 1, 64 new tokens, no HF static row")
+    parser.add_argument("--skip-hf", action="store_true", help="no Hugging Face rows")
+    parser.add_argument("--skip-hf-static", action="store_true", help="no static-cache HF row")
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny float32 model on the CPU")
+    parser.add_argument("--smoke-compile", action="store_true", help="with --cpu-smoke: compile=True")
+    return parser.parse_args(argv)
+
+
+def llama_1b_config(max_len: int) -> ModelConfig:
+    """Llama-3.2-1B's shape (random weights here), no EOS so that no request stops early."""
+    return ModelConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=max_len,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_type="llama3",
+        rope_factor=32.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+    )
+
+
+def tiny_config(max_len: int) -> ModelConfig:
+    """A CPU-sized model with the same structure (GQA, llama3 RoPE, tied embeddings)."""
+    return dataclasses.replace(
+        llama_1b_config(max_len),
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        torch_dtype="float32",
+    )
+
+
+def make_setup(args: argparse.Namespace) -> Setup:
+    smoke = args.cpu_smoke
+    if not smoke and not torch.cuda.is_available():
+        raise SystemExit(
+            "bench_generate: needs a CUDA device (none found); use --cpu-smoke to test the script"
+        )
+    new_tokens = args.new_tokens or (8 if smoke else 64 if args.quick else 256)
+    prompt_len = args.prompt_len or (16 if smoke else 128)
+    batches = tuple(args.batch or ([1] if args.quick else [1, 8]))
+    # Every request's sequence (prompt, new tokens, a round's K + 1 rows) fits; a tight max_model_len keeps
+    # the block table, and the paged-attention grid sized from it, small.
+    max_len = -(-(prompt_len + new_tokens + args.k + 2) // BLOCK_SIZE) * BLOCK_SIZE
+    return Setup(
+        cfg=tiny_config(max_len) if smoke else llama_1b_config(max_len),
+        draft_vocab=128 if smoke else 32000,
+        new_tokens=new_tokens,
+        prompt_len=prompt_len,
+        k=args.k,
+        batches=batches,
+        dtype=torch.float32 if smoke else torch.bfloat16,
+        device=torch.device("cpu" if smoke else "cuda"),
+        compile=args.smoke_compile if smoke else True,
+        reps=2 if smoke else args.reps,
+        hf=not args.skip_hf,
+        hf_static=not (args.skip_hf or args.skip_hf_static or args.quick),
+        budget_s=args.budget_s,
+        label="random-weight tiny Llama (CPU smoke), float32"
+        if smoke
+        else "random-weight Llama-3.2-1B shape, bf16 (random weights, tied embeddings)",
+        time_iters=2 if smoke else 20,
+        time_repeats=2 if smoke else 5,
+    )
+
+
+# --- helpers ------------------------------------------------------------------------------------------------
+
+_START = time.monotonic()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - _START:7.1f}s] {msg}", flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_us(fn: Callable[[], object], s: Setup) -> float:
+    """Median over samples of (wall time of `time_iters` back-to-back calls, synced) / time_iters, in us.
+
+    Three untimed calls first: CUDA graph trees warm up, then record, on their first calls.
+    """
+    for _ in range(3):
+        fn()
+    sync(s.device)
+    samples = []
+    for _ in range(s.time_repeats):
+        start = time.perf_counter()
+        for _ in range(s.time_iters):
+            fn()
+        sync(s.device)
+        samples.append((time.perf_counter() - start) / s.time_iters * 1e6)
+    return statistics.median(samples)
+
+
+def copy_bandwidth_tbps(s: Setup) -> float:
+    """Copy bandwidth in TB/s: (bytes read + bytes written) / median time of a large copy (2 GiB on a GPU)."""
+    n = (1 << 29) if s.device.type == "cuda" else (1 << 24)
+
+    def measure() -> float:
+        src = torch.empty(n, dtype=torch.float32, device=s.device)
+        dst = torch.empty_like(src)
+        if s.device.type == "cuda":
+            import triton.testing
+
+            return triton.testing.do_bench(lambda: dst.copy_(src), rep=200, return_mode="median") * 1e-3
+        return time_us(lambda: dst.copy_(src), s) * 1e-6
+
+    sec = measure()
+    if s.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return 2 * n * 4 / sec / 1e12
+
+
+def weight_bytes(params) -> int:
+    """Bytes of every distinct parameter (a tied embedding, one tensor, counted once)."""
+    seen, total = set(), 0
+    for t in fspec.tree.tree_leaves(params):
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def prompts_for(b: int, s: Setup) -> list[list[int]]:
+    """b random prompts of prompt_len token ids; the first rows are the same for every b."""
+    gen = torch.Generator().manual_seed(PROMPT_SEED)
+    ids = torch.randint(0, s.cfg.vocab_size, (max(s.batches), s.prompt_len), generator=gen)
+    return ids[:b].tolist()
+
+
+def prefix_match(tokens: list[list[int]], ref: list[list[int]] | None) -> float | None:
+    """Mean fraction of each request's tokens equal to the reference before the first difference."""
+    if not ref or len(ref) != len(tokens):
+        return None
+    fractions = []
+    for got, want in zip(tokens, ref):
+        n = 0
+        while n < min(len(got), len(want)) and got[n] == want[n]:
+            n += 1
+        fractions.append(n / max(len(want), 1))
+    return round(sum(fractions) / len(fractions), 4)
+
+
+def counter_snapshot() -> dict[str, int]:
+    """torch._dynamo counters that tell about compiles and CUDA-graph skips."""
+    from torch._dynamo.utils import counters
+
+    out = {f"inductor.{k}": v for k, v in counters["inductor"].items() if "cudagraph" in k}
+    out.update({f"stats.{k}": v for k, v in counters["stats"].items()})
+    out.update({f"frames.{k}": v for k, v in counters["frames"].items()})
+    out["graph_breaks"] = sum(counters["graph_break"].values())
+    return out
+
+
+def counter_delta(before: dict[str, int]) -> dict[str, int]:
+    after = counter_snapshot()
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+class SkipLog(logging.Handler):
+    """Collects torch's "skipping cudagraphs" messages (perf_hints logs) for the JSON."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if "cudagraph" in msg.lower() and msg not in self.messages and len(self.messages) < 50:
+            self.messages.append(msg[:500])
+
+
+# --- the report ---------------------------------------------------------------------------------------------
+
+
+class Report:
+    """The JSON document, written again after every row; the time budget rows check before starting."""
+
+    def __init__(self, out: Path, header: dict, budget_s: float) -> None:
+        self.out, self.doc, self.budget_s = out, {**header, "rows": []}, budget_s
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def fits(self, cost_s: float) -> bool:
+        return time.monotonic() - _START + cost_s <= self.budget_s
+
+    def add(self, row: dict) -> None:
+        self.doc["rows"].append(row)
+        self.write()
+        log(f"row done: {summary(row)}")
+
+    def write(self) -> None:
+        self.doc["elapsed_s"] = round(time.monotonic() - _START, 1)
+        self.out.write_text(json.dumps(self.doc, indent=1, default=str) + "\n")
+
+
+def new_row(system: str, b: int, k: int | None) -> dict:
+    keys = ("tokens_per_s", "acceptance_length", "floor_tokens_per_s", "ratio_to_floor")
+    keys += ("round_model_us", "round_measured_us", "error")
+    return {"case": {"system": SYSTEMS[system], "B": b, "K": k}, **dict.fromkeys(keys)}
+
+
+def guarded(row: dict, report: Report, cost_s: float, fn: Callable[[dict], None], device) -> None:
+    """Fill `row` with fn(row) unless the budget is spent; record any exception in row["error"]."""
+    if not report.fits(cost_s):
+        row["error"] = f"skipped: would not finish within --budget-s {report.budget_s:.0f} s"
+        report.add(row)
+        return
+    before = counter_snapshot()
+    start = time.monotonic()
+    try:
+        fn(row)
+    except Exception as e:  # noqa: BLE001 (a failing row is data, not the end of the run)
+        traceback.print_exc(limit=-3)
+        row["error"] = f"{type(e).__name__}: {e}"[:1000]
+        try:
+            sync(device)
+        except Exception as e2:  # noqa: BLE001
+            row["error"] += f" | then: {type(e2).__name__}: {e2}"[:500]
+    row["row_seconds"] = round(time.monotonic() - start, 1)
+    row["dynamo_counters"] = counter_delta(before)
+    report.add(row)
+
+
+def repeat(call: Callable[[], tuple[float, object]], reps: int) -> tuple[float, list[float], object]:
+    """Call `call` (-> (seconds, result)) reps times (fewer past RUN_CAP_S); (median, all, last result)."""
+    times, result = [], None
+    for _ in range(max(reps, 1)):
+        sec, result = call()
+        times.append(sec)
+        if sum(times) > RUN_CAP_S:
+            break
+    return statistics.median(times), times, result
+
+
+def set_floor(row: dict, b: int, floor_step_s: float) -> None:
+    row["floor_tokens_per_s"] = b / floor_step_s
+    if row.get("tokens_per_s"):
+        row["ratio_to_floor"] = round(row["tokens_per_s"] / row["floor_tokens_per_s"], 4)
+
+
+# --- fspec rows ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Models:
+    """target (tied), draft (random EAGLE-3 head), forced_target (untied, zero lm_head), forced_draft (zero
+    lm_head): see the module docstring."""
+
+    target: fspec.Target
+    draft: fspec.Draft
+    forced_target: fspec.Target
+    forced_draft: fspec.Draft
+
+
+def build_models(s: Setup) -> Models:
+    params = llama.init(s.cfg, seed=0, dtype=s.dtype, device=s.device)
+    target = fspec.Target(cfg=s.cfg, params=params)
+    draft = fspec.init_draft(
+        target,
+        kind="eagle3",
+        seed=1,
+        num_speculative_steps=s.k,
+        draft_vocab_size=s.draft_vocab,
+        block_size=BLOCK_SIZE,
+        max_model_len=s.cfg.max_position_embeddings,
+    )
+    v, vd, h = s.cfg.vocab_size, s.draft_vocab, s.cfg.hidden_size
+    kw = {"dtype": s.dtype, "device": s.device}
+    forced_target = fspec.Target(
+        cfg=dataclasses.replace(s.cfg, tie_word_embeddings=False),
+        params={**params, "lm_head": L.zeros(v, h, **kw)},  # embedding, layers, norm: the same Parameters
+    )
+    forced_draft = fspec.Draft(
+        cfg=draft.cfg, params={**draft.params, "lm_head": L.zeros(vd, h, **kw)}, shared=draft.shared
+    )
+    return Models(target, draft, forced_target, forced_draft)
+
+
+def run_generate(target, draft, prompts, s: Setup, max_new: int | None = None) -> tuple[float, object]:
+    kw = {"max_new_tokens": max_new or s.new_tokens, "temperature": 0.0, "seed": 0, "compile": s.compile}
+    if draft is not None:
+        kw["num_speculative_steps"] = s.k
+    sync(s.device)
+    start = time.perf_counter()
+    result = fspec.generate(target, draft, prompts, **kw)
+    sync(s.device)
+    return time.perf_counter() - start, result
+
+
+def _cache_and_table(target, draft, b: int, s: Setup) -> tuple[int, torch.Tensor]:
+    """Cache blocks and block table [bucket, max_blocks] as fspec.runner.Run sizes them for b requests.
+
+    Run gives the caches every real request's worst case, so the model's caches have the same shapes and the
+    compiled graphs are reused (a different num_blocks would recompile).
+    """
+    k = draft.cfg.num_speculative_steps if draft is not None else 0
+    max_len = max_model_len(target, draft)
+    per = blocks_needed(min(s.prompt_len + s.new_tokens + k + 2, max_len), BLOCK_SIZE)
+    table = torch.full((bucket_for(b), -(-max_len // BLOCK_SIZE)), -1, dtype=torch.int32)
+    for i in range(b):
+        table[i, :per] = torch.arange(i * per, (i + 1) * per, dtype=torch.int32)
+    return b * per, table.to(s.device)
+
+
+def round_model(target, draft, b: int, s: Setup) -> dict:
+    """Times of one round's parts, each replayed on its own: T_target(K+1) and T_propose (us).
+
+    Context: every request at position prompt_len + new_tokens / 2 (the middle of a run); live rows only.
+    With compile, the compiled functions are fspec.runner's own (cached by config), so nothing recompiles.
+    """
+    k = draft.cfg.num_speculative_steps if draft is not None else 0
+    q, bucket = k + 1, bucket_for(b)
+    need, table = _cache_and_table(target, draft, b, s)
+    pos = s.prompt_len + s.new_tokens // 2
+    starts = torch.tensor([pos] * b + [-1] * (bucket - b), dtype=torch.int64, device=s.device)
+    if q == 1:
+        meta = decode_metadata(starts, table, block_size=BLOCK_SIZE)
+    else:
+        counts = torch.full_like(starts, q)
+        meta = first_step_metadata(starts, counts, table, num_query=q, block_size=BLOCK_SIZE)
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, target.cfg.vocab_size, (bucket * q,), generator=gen).to(s.device)
+    aux = draft.cfg.target_layer_ids if draft is not None and draft.cfg.kind == "eagle3" else ()
+    dtype = target.params["embed"].dtype
+    tcache = KVCache.create(target.cfg, num_blocks=need, block_size=BLOCK_SIZE, dtype=dtype, device=s.device)
+    if s.compile:
+        fspec.mark_static(tcache)
+        fwd = runner._compiled_target_forward(target.cfg, aux, q)
+
+        def target_call():
+            torch.compiler.cudagraph_mark_step_begin()
+            return fwd(target.params, ids, meta, tcache)
+
+    else:
+
+        def target_call():
+            out = llama.forward(
+                target.params, ids, meta, tcache, cfg=target.cfg, aux_layer_ids=aux, max_query_len=q
+            )
+            return out[:2]
+
+    _, hidden = target_call()
+    out = {"context": pos}
+    if draft is None:
+        out["t_target_us"] = time_us(target_call, s)
+        return out
+    h = project_target_hidden(draft.params, hidden, cfg=draft.cfg)  # eager: later replays keep it intact
+    out["t_target_us"] = time_us(target_call, s)
+    dcache = KVCache.create(
+        draft.cfg.model,
+        num_blocks=need,
+        block_size=BLOCK_SIZE,
+        dtype=draft.params["fc"].dtype,
+        device=s.device,
+    )
+    temp = torch.zeros(bucket, dtype=torch.float32, device=s.device)
+    seed = torch.zeros(bucket, dtype=torch.int64, device=s.device)
+    state = init_draft_state(ids, h, meta, cfg=draft.cfg, temperature=temp, seed=seed)
+    if s.compile:
+        compiled = runner._compiled_propose(draft.cfg)
+        propose_call = lambda: compiled(draft.params, state, dcache)
+    else:
+        propose_call = lambda: propose(draft.params, state, dcache, cfg=draft.cfg)
+    out["t_propose_us"] = time_us(propose_call, s)
+    return out
+
+
+def fspec_row(kind: str, target, draft, b: int, s: Setup, ctx: dict) -> Callable[[dict], None]:
+    """The work of one fspec row (kind "target", "spec" or "forced") at batch b."""
+    prompts = prompts_for(b, s)
+
+    def fill(row: dict) -> None:
+        log(f"{row['case']['system']} B={b}: warm-up call (compiles)")
+        row["warmup_s"] = round(run_generate(target, draft, prompts, s)[0], 2)
+        med, times, res = repeat(lambda: run_generate(target, draft, prompts, s), s.reps)
+        st = res.stats
+        new = sum(map(len, res.tokens))
+        if new != b * s.new_tokens:
+            raise RuntimeError(f"expected {b * s.new_tokens} new tokens, got {new}")
+        row.update(tokens_per_s=new / med, runs_s=[round(t, 4) for t in times], rounds=st["rounds"])
+        row["target_forwards"] = st["target_forwards"]
+        set_floor(row, b, ctx["floor_step_s"])
+        row["round_measured_us"] = med / st["rounds"] * 1e6
+        prefill_s = run_generate(target, draft, prompts, s, max_new=1)[0]  # setup + prefill, no round
+        row["prefill_call_s"] = round(prefill_s, 4)
+        row["round_measured_excl_prefill_us"] = (med - prefill_s) / st["rounds"] * 1e6
+        if kind == "target":
+            ctx["ref_tokens"][b] = res.tokens
+        else:
+            row["acceptance_length"] = st["acceptance_length"]
+            row["acceptance_rate_per_position"] = [round(r, 4) for r in st["acceptance_rate_per_position"]]
+        if kind == "forced":
+            row["expected_acceptance_length"] = s.k + 1
+            row["forced_check_ok"] = st["acceptance_length"] == s.k + 1 and all(
+                t == 0 for toks in res.tokens for t in toks
+            )
+            if not row["forced_check_ok"]:
+                row["error"] = f"forced acceptance: acceptance_length {st['acceptance_length']} != K+1"
+        else:
+            row["prefix_match_vs_target_only"] = prefix_match(res.tokens, ctx["ref_tokens"].get(b))
+        log(f"{row['case']['system']} B={b}: round model")
+        before = counter_snapshot()
+        parts = round_model(target, draft, b, s)
+        row["model_dynamo_counters"] = counter_delta(before)  # nonzero frames: the model recompiled
+        row.update(parts)
+        row["round_model_us"] = parts["t_target_us"] + parts.get("t_propose_us", 0.0)
+        tau = row["acceptance_length"] or 1.0
+        row["model_tokens_per_s"] = b * tau / row["round_model_us"] * 1e6
+        row["round_ratio"] = round(row["round_measured_us"] / row["round_model_us"], 3)
+        row["round_ratio_excl_prefill"] = round(
+            row["round_measured_excl_prefill_us"] / row["round_model_us"], 3
+        )
+
+    return fill
+
+
+# --- Hugging Face rows --------------------------------------------------------------------------------------
+
+
+def load_hf(target: fspec.Target, s: Setup, tmp: str):
+    import transformers
+
+    fspec.save_target(target, tmp)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=s.dtype)
+    except TypeError:  # older spelling
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp, torch_dtype=s.dtype)
+    model = model.to(s.device).eval()
+    model.generation_config.eos_token_id = None  # random weights, no EOS: every request runs to the end
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def hf_generate(model, ids: torch.Tensor, n: int, s: Setup, **extra) -> tuple[float, list[list[int]]]:
+    sync(s.device)
+    start = time.perf_counter()
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        pad_token_id=0,
+        **extra,
+    )
+    sync(s.device)
+    sec = time.perf_counter() - start
+    new = out[:, ids.shape[1] :]
+    if tuple(new.shape) != (ids.shape[0], n):
+        raise RuntimeError(f"expected {n} new tokens per request, got shape {tuple(new.shape)}")
+    return sec, new.tolist()
+
+
+class AssistantCalls:
+    """Counts the assistant's `generate` calls inside HF assisted generation: one per target verification.
+
+    The assistant is the target itself, so the count wraps the instance's `generate`: nested calls are the
+    assistant's drafting rounds. `remove()` restores the class method.
+    """
+
+    def __init__(self, model) -> None:
+        self.model, self.inner, self.depth, self.nested = model, model.generate, 0, 0
+        model.generate = self._generate
+
+    def _generate(self, *args, **kwargs):
+        self.nested += self.depth > 0
+        self.depth += 1
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            self.depth -= 1
+
+    def remove(self) -> None:
+        del self.model.generate
+
+
+def hf_row(kind: str, model, b: int, s: Setup, ctx: dict) -> Callable[[dict], None]:
+    """The work of one HF row (kind "hf", "hf_assisted" or "hf_static") at batch b."""
+    ids = torch.tensor(prompts_for(b, s), dtype=torch.int64, device=s.device)
+    extra: dict = {}
+    if kind == "hf_static":
+        extra["cache_implementation"] = "static"
+    if kind == "hf_assisted":
+        extra.update(assistant_model=model, num_assistant_tokens=s.k)
+
+    def fill(row: dict) -> None:
+        if kind == "hf_assisted":
+            gc = model.generation_config  # the assistant's config: what its candidate generator reads
+            gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = s.k, "constant"
+            gc.assistant_confidence_threshold = 0.0  # random logits are never "confident": keep all K drafts
+        # The static cache's compiled graph depends on the length: warm up at full length; eager at 16 tokens.
+        warm = s.new_tokens if kind == "hf_static" else min(16, s.new_tokens)
+        log(f"{row['case']['system']} B={b}: warm-up call")
+        row["warmup_s"] = round(hf_generate(model, ids, warm, s, **extra)[0], 2)
+        counter = AssistantCalls(model) if kind == "hf_assisted" else None
+        try:
+            med, times, tokens = repeat(lambda: hf_generate(model, ids, s.new_tokens, s, **extra), s.reps)
+        finally:
+            if counter is not None:
+                counter.remove()
+        row.update(tokens_per_s=b * s.new_tokens / med, runs_s=[round(t, 4) for t in times])
+        set_floor(row, b, ctx["floor_step_s"])
+        row["prefix_match_vs_fspec_target_only"] = prefix_match(tokens, ctx["ref_tokens"].get(b))
+        if kind == "hf_static":
+            row["hf_compiled"] = getattr(model, "_compiled_call", None) is not None
+        if counter is not None and counter.nested:
+            # Each drafting round is one target verification (the last may come without a draft).
+            row["assistant_rounds_per_call"] = counter.nested / len(times)
+            row["acceptance_length_est"] = round(s.new_tokens * len(times) / counter.nested, 3)
+
+    return fill
+
+
+# --- main ---------------------------------------------------------------------------------------------------
+
+
+def header(s: Setup, bandwidth: float, models: Models, floor_step_s: float) -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    try:
+        import transformers
+
+        hf_version = transformers.__version__
+    except ImportError:
+        hf_version = None
+    machine = torch.cuda.get_device_name() if s.device.type == "cuda" else f"CPU {platform.processor()}"
+    return {
+        "machine": machine,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "transformers": hf_version,
+        "python": platform.python_version(),
+        "date": datetime.date.today().isoformat(),
+        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "copy_bandwidth_TBps": round(bandwidth, 4),
+        "target": s.label,
+        "config": {
+            "target_cfg": dataclasses.asdict(s.cfg),
+            "dtype": str(s.dtype),
+            "new_tokens": s.new_tokens,
+            "prompt_len": s.prompt_len,
+            "K": s.k,
+            "draft_vocab_size": s.draft_vocab,
+            "batches": list(s.batches),
+            "fspec_compile": s.compile,
+            "weight_bytes": weight_bytes(models.target.params),
+            "draft_weight_bytes": weight_bytes(models.draft.params)
+            - weight_bytes(models.target.params["embed"]),
+            "floor_step_us": floor_step_s * 1e6,
+            "temperature": 0.0,
+            "dynamo_recompile_limit": getattr(torch._dynamo.config, "recompile_limit", None),
+            "cudagraph_or_error": torch._inductor.config.triton.cudagraph_or_error,
+        },
+        "notes": [
+            "random weights: the tokens and the acceptance of rows 1, 2 and 4 mean nothing; "
+            "the speed does not depend on them",
+            "forced row: target rebuilt untied (same embedding/layers/norm Parameters) with a zero [V, H] "
+            "lm_head and the head's lm_head zeroed; every logit is 0, greedy argmax = token 0, tau = K + 1",
+            "floor: weight bytes (tied embedding once) / copy bandwidth per decode step; KV reads left out",
+            "round_measured_us = wall / rounds (prefill included); _excl_prefill subtracts a "
+            "max_new_tokens=1 call; round_model_us = T_target(K+1) + T_propose, each replayed alone",
+            "HF assisted: assistant_model = the target itself, constant num_assistant_tokens = K, "
+            "confidence threshold 0; acceptance_length_est = new tokens / the assistant's drafting rounds",
+        ],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    s = make_setup(args)
+    # Every (config, batch, query length) of the target forward is a recompile of one code object: keep
+    # well above the 8 default so that no variant silently falls back to eager.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    skips = SkipLog()
+    if s.compile:
+        try:
+            torch._logging.set_logs(perf_hints=True)
+            logging.getLogger("torch").addHandler(skips)
+        except Exception as e:  # noqa: BLE001
+            log(f"could not enable perf_hints logs: {e}")
+    log(f"setup: {s.label}, B {list(s.batches)}, {s.new_tokens} new tokens, prompt {s.prompt_len}, K {s.k}")
+    bandwidth = copy_bandwidth_tbps(s)
+    log(f"copy bandwidth {bandwidth:.3f} TB/s")
+    models = build_models(s)
+    floor_step_s = weight_bytes(models.target.params) / (bandwidth * 1e12)
+    log(f"models built; target weights {weight_bytes(models.target.params) / 1e9:.3f} GB")
+    report = Report(args.out, header(s, bandwidth, models, floor_step_s), s.budget_s)
+    report.write()
+    ctx = {"floor_step_s": floor_step_s, "ref_tokens": {}}
+    for b in s.batches:
+        for kind, target, draft in (
+            ("target", models.target, None),
+            ("spec", models.target, models.draft),
+            ("forced", models.forced_target, models.forced_draft),
+        ):
+            row = new_row(kind, b, s.k if draft is not None else None)
+            guarded(row, report, ROW_COST_S["fspec"], fspec_row(kind, target, draft, b, s, ctx), s.device)
+    if s.hf:
+        hf_rows(models.target, s, ctx, report)
+    report.doc["cudagraph_skip_messages"] = skips.messages
+    report.doc["dynamo_counters"] = counter_snapshot()
+    report.write()
+    print_table(report.doc["rows"], report.doc)
+    log(f"wrote {args.out}")
+    return 0
+
+
+def hf_rows(target: fspec.Target, s: Setup, ctx: dict, report: Report) -> None:
+    kinds = [("hf", b) for b in s.batches] + [("hf_assisted", b) for b in s.batches]
+    kinds += [("hf_static", b) for b in s.batches] if s.hf_static else []
+    model, error = None, None
+    with tempfile.TemporaryDirectory(prefix="bench_generate_") as tmp:
+        if report.fits(ROW_COST_S["hf_load"] + ROW_COST_S["hf_eager"]):
+            log("HF: saving the target and loading it with transformers")
+            try:
+                model = load_hf(target, s, tmp)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                error = f"loading with transformers: {type(e).__name__}: {e}"[:1000]
+        else:
+            error = f"skipped: would not finish within --budget-s {report.budget_s:.0f} s"
+        for kind, b in kinds:
+            row = new_row(kind, b, s.k if kind == "hf_assisted" else None)
+            if model is None:
+                row["error"] = error
+                report.add(row)
+                continue
+            cost = ROW_COST_S["hf_static" if kind == "hf_static" else "hf_eager"]
+            guarded(row, report, cost, hf_row(kind, model, b, s, ctx), s.device)
+
+
+def summary(row: dict) -> str:
+    c = row["case"]
+    tps = row.get("tokens_per_s")
+    out = f"{c['system']} B={c['B']}: " + (f"{tps:.1f} tok/s" if tps else "no number")
+    if row.get("acceptance_length") is not None:
+        out += f", tau {row['acceptance_length']:.3f}"
+    if row.get("round_ratio") is not None:
+        out += f", measured/model round {row['round_ratio']:.2f}"
+    if row.get("error"):
+        out += f", error: {row['error'][:200]}"
+    return out
+
+
+def print_table(rows: list[dict], doc: dict) -> None:
+    def num(v, fmt: str, width: int) -> str:
+        return (
+            f"{v:>{width}{fmt}}"
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+            else f"{'-':>{width}}"
+        )
+
+    head = f"{'system':<38}{'B':>3}{'K':>3}{'tok/s':>10}{'tau':>7}{'floor':>9}{'/floor':>8}"
+    print(head + f"{'model us':>10}{'meas us':>10}{'m/model':>9}{'-prefill':>9}  error")
+    for r in rows:
+        c = r["case"]
+        tau = r.get("acceptance_length") or r.get("acceptance_length_est")
+        excl = r.get("round_ratio_excl_prefill")
+        print(
+            f"{c['system']:<38}{c['B']:>3}{num(c['K'], 'd', 3)}{num(r.get('tokens_per_s'), '.1f', 10)}"
+            f"{num(tau, '.2f', 7)}{num(r.get('floor_tokens_per_s'), '.0f', 9)}"
+            f"{num(r.get('ratio_to_floor'), '.3f', 8)}{num(r.get('round_model_us'), '.0f', 10)}"
+            f"{num(r.get('round_measured_us'), '.0f', 10)}{num(r.get('round_ratio'), '.2f', 9)}"
+            f"{num(excl, '.2f', 9)}  {(r.get('error') or '')[:60]}"
+        )
+    print(
+        f"{doc['machine']}, copy bandwidth {doc['copy_bandwidth_TBps']:.2f} TB/s; {doc['target']}; "
+        "tokens/s = new tokens / wall time (median); floor = B / (weight bytes / bandwidth); model/meas us = "
+        "one round (one step without a head); m/model = measured / model round, -prefill without the prefill"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
