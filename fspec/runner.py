@@ -19,6 +19,7 @@ from fspec.kernels.salts import SALT_BONUS
 from fspec.metadata import decode_metadata, first_step_metadata
 from fspec.models import llama, project_target_hidden
 from fspec.models.eagle3 import draft_to_target
+from fspec.models.llama import TargetHidden
 from fspec.sampling import gumbel_sample
 from fspec.state import init_draft_state
 from fspec.verify import rejection_sample
@@ -139,7 +140,9 @@ class Run:
             fn = _compiled_target_forward(cfg, self.aux, q)
             torch.compiler.cudagraph_mark_step_begin()
             logits, hidden = fn(self.target.params, ids, meta, self.tcache)
-            return logits, hidden
+            # The hidden states feed the draft loop's graph: copy them out of this graph's output buffers,
+            # which the next graph generation may overwrite. The logits are consumed before that.
+            return logits, TargetHidden(last=hidden.last.clone(), aux=hidden.aux.clone())
         logits, hidden, _ = llama.forward(
             self.target.params, ids, meta, self.tcache, cfg=cfg, aux_layer_ids=self.aux, max_query_len=q
         )

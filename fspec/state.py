@@ -253,3 +253,10 @@ def validate_draft_state(state: DraftState, *, cfg: DraftConfig, num_blocks: int
         raise ValueError(
             f"state.attn.positions: expected T={t} query tokens (input_ids'), got {state.attn.num_tokens}"
         )
+    q = t // b
+    uniform = torch.arange(b + 1, dtype=torch.int32, device=state.attn.query_start_loc.device) * q
+    if not torch.equal(state.attn.query_start_loc, uniform):
+        raise ValueError(
+            f"state.attn.query_start_loc: expected Q={q} rows per request (0, Q, 2Q, ...), "
+            f"got {state.attn.query_start_loc.tolist()[:6]}"
+        )

@@ -104,3 +104,16 @@ def test_validate_accepts_first_step_states_and_rejects_mismatched_token_counts(
         ValueError, match=r"state.input_ids: expected T = B·Q tokens for B=3 requests, got T=4"
     ):
         fspec.validate_draft_state(dataclasses.replace(ok, input_ids=torch.arange(4)), cfg=tiny_draft_cfg)
+
+
+def test_validate_rejects_a_ragged_row_layout(tiny_draft_cfg):
+    """Draft states lay rows out uniformly (Q per request); a ragged query_start_loc is named."""
+    s = _state(tiny_draft_cfg)
+    table = s.attn.block_table
+    first = fspec.first_step_metadata(
+        torch.tensor([1, 2, 3]), torch.tensor([2, 1, 2]), table, num_query=2, block_size=4
+    )
+    ragged = dataclasses.replace(first, query_start_loc=torch.tensor([0, 1, 4, 6], dtype=torch.int32))
+    bad = dataclasses.replace(s, attn=ragged, input_ids=torch.arange(6), hidden=torch.zeros(6, 32))
+    with pytest.raises(ValueError, match=r"state.attn.query_start_loc: expected Q=2 rows per request"):
+        fspec.validate_draft_state(bad, cfg=tiny_draft_cfg)
