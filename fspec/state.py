@@ -240,19 +240,12 @@ def validate_draft_state(state: DraftState, *, cfg: DraftConfig, num_blocks: int
         raise ValueError(f"state.temperature: expected finite values >= 0, got {temp.tolist()}")
     if not 0 <= int(state.step) <= k:
         raise ValueError(f"state.step: expected a value in [0, K={k}], got {int(state.step)}")
-    if state.attn.positions.device != dev:
-        raise ValueError(f"state.attn: expected device {dev}, got {state.attn.positions.device}")
-    validate_attn_metadata(
-        state.attn,
-        block_size=cfg.block_size,
-        max_model_len=cfg.max_model_len,
-        num_blocks=num_blocks,
-        name="state.attn",
-    )
+    _expect("state.attn.positions", state.attn.positions, shape=(None,), device=dev)
     if state.attn.num_tokens != t:
         raise ValueError(
             f"state.attn.positions: expected T={t} query tokens (input_ids'), got {state.attn.num_tokens}"
         )
+    _expect("state.attn.query_start_loc", state.attn.query_start_loc, shape=(b + 1,))
     q = t // b
     uniform = torch.arange(b + 1, dtype=torch.int32, device=state.attn.query_start_loc.device) * q
     if not torch.equal(state.attn.query_start_loc, uniform):
@@ -260,3 +253,10 @@ def validate_draft_state(state: DraftState, *, cfg: DraftConfig, num_blocks: int
             f"state.attn.query_start_loc: expected Q={q} rows per request (0, Q, 2Q, ...), "
             f"got {state.attn.query_start_loc.tolist()[:6]}"
         )
+    validate_attn_metadata(
+        state.attn,
+        block_size=cfg.block_size,
+        max_model_len=cfg.max_model_len,
+        num_blocks=num_blocks,
+        name="state.attn",
+    )
