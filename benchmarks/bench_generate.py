@@ -310,7 +310,7 @@ def counter_delta(before: dict[str, int]) -> dict[str, int]:
 
 
 class SkipLog(logging.Handler):
-    """Collects torch's "skipping cudagraphs" messages (perf_hints logs) for the JSON."""
+    """Collects inductor's "skipping cudagraphs due to ..." warnings for the JSON."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -318,7 +318,7 @@ class SkipLog(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         msg = record.getMessage()
-        if "cudagraph" in msg.lower() and msg not in self.messages and len(self.messages) < 50:
+        if msg not in self.messages and len(self.messages) < 50:
             self.messages.append(msg[:500])
 
 
@@ -497,6 +497,7 @@ def round_model(target, draft, b: int, s: Setup) -> dict:
         out["t_target_us"] = time_us(target_call, s)
         return out
     h = project_target_hidden(draft.params, hidden, cfg=draft.cfg)  # eager: later replays keep it intact
+    del hidden  # graph outputs: the next replay overwrites them
     out["t_target_us"] = time_us(target_call, s)
     dcache = KVCache.create(
         draft.cfg.model,
@@ -547,7 +548,11 @@ def fspec_row(kind: str, target, draft, b: int, s: Setup, ctx: dict) -> Callable
                 t == 0 for toks in res.tokens for t in toks
             )
             if not row["forced_check_ok"]:
-                row["error"] = f"forced acceptance: acceptance_length {st['acceptance_length']} != K+1"
+                seen = sorted({t for toks in res.tokens for t in toks})[:8]
+                row["error"] = (
+                    f"forced acceptance: expected acceptance_length {s.k + 1} and only token 0, got "
+                    f"{st['acceptance_length']} and tokens {seen}"
+                )
         else:
             row["prefix_match_vs_target_only"] = prefix_match(res.tokens, ctx["ref_tokens"].get(b))
         log(f"{row['case']['system']} B={b}: round model")
@@ -580,6 +585,7 @@ def load_hf(target: fspec.Target, s: Setup, tmp: str):
     model = model.to(s.device).eval()
     model.generation_config.eos_token_id = None  # random weights, no EOS: every request runs to the end
     model.generation_config.pad_token_id = 0
+    log(f"HF model loaded: {type(model).__name__}, {next(model.parameters()).dtype}")
     return model
 
 
@@ -679,7 +685,11 @@ def header(s: Setup, bandwidth: float, models: Models, floor_step_s: float) -> d
         hf_version = transformers.__version__
     except ImportError:
         hf_version = None
-    machine = torch.cuda.get_device_name() if s.device.type == "cuda" else f"CPU {platform.processor()}"
+    machine = (
+        torch.cuda.get_device_name()
+        if s.device.type == "cuda"
+        else f"CPU {platform.processor() or platform.machine()}"
+    )
     return {
         "machine": machine,
         "torch": torch.__version__,
@@ -705,7 +715,7 @@ def header(s: Setup, bandwidth: float, models: Models, floor_step_s: float) -> d
             "floor_step_us": floor_step_s * 1e6,
             "temperature": 0.0,
             "dynamo_recompile_limit": getattr(torch._dynamo.config, "recompile_limit", None),
-            "cudagraph_or_error": torch._inductor.config.triton.cudagraph_or_error,
+            "cudagraph_or_error": getattr(torch._inductor.config.triton, "cudagraph_or_error", None),
         },
         "notes": [
             "random weights: the tokens and the acceptance of rows 1, 2 and 4 mean nothing; "
@@ -726,14 +736,16 @@ def main(argv: list[str] | None = None) -> int:
     s = make_setup(args)
     # Every (config, batch, query length) of the target forward is a recompile of one code object: keep
     # well above the 8 default so that no variant silently falls back to eager.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    for name in ("recompile_limit", "cache_size_limit"):  # the name moved between torch versions
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
     skips = SkipLog()
-    if s.compile:
-        try:
-            torch._logging.set_logs(perf_hints=True)
-            logging.getLogger("torch").addHandler(skips)
-        except Exception as e:  # noqa: BLE001
-            log(f"could not enable perf_hints logs: {e}")
+    try:  # inductor logs every CUDA-graph skip (with its reason) as a warning on this logger
+        from torch._inductor.cudagraph_utils import cudagraphs_log
+
+        cudagraphs_log.addHandler(skips)
+    except ImportError as e:
+        log(f"cannot collect cudagraph skip messages: {e}")
     log(f"setup: {s.label}, B {list(s.batches)}, {s.new_tokens} new tokens, prompt {s.prompt_len}, K {s.k}")
     bandwidth = copy_bandwidth_tbps(s)
     log(f"copy bandwidth {bandwidth:.3f} TB/s")

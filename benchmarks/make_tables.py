@@ -1,0 +1,100 @@
+"""Render the markdown tables of BENCHMARKS.md from benchmarks/results/*.json.
+
+python benchmarks/make_tables.py [NAME ...]      # attention, sampling, draft_loop, generate
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def _f(x, fmt: str = "{:.1f}") -> str:
+    return fmt.format(x) if isinstance(x, (int, float)) else "-"
+
+
+def attention(d: dict) -> list[str]:
+    out = [
+        "| B | ctx | query rows | floor µs | fspec µs (graph) | best swept µs | FlexAttention µs | SDPA + gather µs "
+        "| fspec / floor | fspec / best baseline |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in d["rows"]:
+        c = r["case"]
+        base = [x for x in (r.get("flex_us"), r.get("sdpa_gather_us")) if isinstance(x, (int, float))]
+        flex = _f(r.get("flex_us")) if r.get("flex_us") else "failed to compile"
+        out.append(
+            f"| {c['B']} | {c['ctx']} | {c['num_query']} | {_f(r['floor_us'])} | {_f(r['fspec_graph_us'])} "
+            f"| {_f(r.get('fspec_best_us'))} | {flex} | {_f(r.get('sdpa_gather_us'))} "
+            f"| {r['fspec_graph_us'] / r['floor_us']:.2f} | {r['fspec_graph_us'] / min(base):.2f} |"
+        )
+    return out
+
+
+def sampling(d: dict) -> list[str]:
+    out = [
+        "| op | B | V | floor µs | fspec, graph replay µs | fspec, eager call µs | PyTorch reference, eager µs "
+        "| torch.multinomial µs | graph / floor |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in d["rows"]:
+        c = r["case"]
+        out.append(
+            f"| {c['op']} | {c['B']} | {c['V']} | {_f(r['floor_us'])} | {_f(r['fspec_graph_us'])} "
+            f"| {_f(r['fspec_us'])} | {_f(r['ref_eager_us'], '{:.0f}')} | {_f(r.get('torch_multinomial_us'))} "
+            f"| {r['fspec_graph_us'] / max(r['floor_us'], 1e-9):.1f} |"
+        )
+    return out
+
+
+def draft_loop(d: dict) -> list[str]:
+    out = [
+        "| head | B | K | floor µs/step | compiled whole loop µs/step | compiled per-step replay µs/step "
+        "| eager µs/step | loop / floor | eager / loop |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in d["rows"]:
+        c = r["case"]
+        out.append(
+            f"| {c['head']} | {c['B']} | {c['K']} | {_f(r['floor_us'])} | {_f(r['compiled_loop_us'])} "
+            f"| {_f(r.get('compiled_step_us'))} | {_f(r['eager_us'])} | {_f(r['loop_over_floor'], '{:.2f}')} "
+            f"| {_f(r['eager_over_loop'], '{:.1f}')} |"
+        )
+    return out
+
+
+def generate(d: dict) -> list[str]:
+    out = [
+        "| system | B | K | tokens/s | τ | floor tokens/s | of floor | round model µs | round measured µs | note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in d["rows"]:
+        c = r["case"]
+        out.append(
+            f"| {c.get('system')} | {c.get('B')} | {c.get('K', '-')} | {_f(r.get('tokens_per_s'))} "
+            f"| {_f(r.get('acceptance_length'), '{:.2f}')} | {_f(r.get('floor_tokens_per_s'))} "
+            f"| {_f(r.get('ratio_to_floor'), '{:.2f}')} | {_f(r.get('round_model_us'))} "
+            f"| {_f(r.get('round_measured_us'))} | {(r.get('error') or '')[:60]} |"
+        )
+    return out
+
+
+def main(names: list[str]) -> int:
+    for name in names or ["attention", "sampling", "draft_loop", "generate"]:
+        path = RESULTS / f"{name}.json"
+        if not path.exists():
+            continue
+        d = json.loads(path.read_text())
+        print(
+            f"### {name}\n\n`{d['command']}` — {d['machine']}, torch {d['torch']}, triton {d['triton']}, "
+            f"{d['date']}, copy bandwidth {d['copy_bandwidth_TBps']} TB/s\n"
+        )
+        print("\n".join(globals()[name](d)) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
