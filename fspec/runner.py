@@ -1,44 +1,30 @@
-"""One batch of `fspec.generate`: host bookkeeping between rounds, device work inside them.
+"""One batch of `fspec.generate`: host bookkeeping between rounds; each round's device work is one call.
 
 The host side (this class) holds what legitimately changes between rounds and is cheap on the host: each
-request's emitted tokens, its position, its blocks. Everything a round computes on the device is a pure
-function call: `llama.forward`, `rejection_sample`, `propose`.
+request's emitted tokens, its position, its blocks. A round's device work is one pure function
+(`fspec.rounds.spec_round` / `decode_step`), one CUDA graph when compiled; the host reads the round's tokens
+once (one sync per round) and updates the device copies of (current token, position, live) with device ops.
+The block table goes to the device only when a request crosses into a new block or finishes.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from fspec.cache import BlockAllocator, KVCache, mark_static
-from fspec.compile import compile_propose
-from fspec.config import DraftConfig, bucket_for
-from fspec.draft import propose
+from fspec.config import bucket_for
+from fspec.draft import last_live_rows
 from fspec.kernels.salts import SALT_BONUS
-from fspec.metadata import decode_metadata, first_step_metadata
+from fspec.metadata import first_step_metadata
 from fspec.models import llama, project_target_hidden
-from fspec.models.eagle3 import draft_to_target
-from fspec.models.llama import TargetHidden
-from fspec.sampling import gumbel_sample
-from fspec.state import init_draft_state
-from fspec.verify import rejection_sample
-
-
-@functools.cache
-def _compiled_target_forward(cfg, aux_layer_ids: tuple[int, ...], max_query_len: int):
-    def run(params, input_ids, meta, cache):
-        logits, hidden, _ = llama.forward(
-            params, input_ids, meta, cache, cfg=cfg, aux_layer_ids=aux_layer_ids, max_query_len=max_query_len
-        )
-        return logits, hidden
-
-    return torch.compile(run, mode="reduce-overhead", fullgraph=True, dynamic=False)
-
-
-@functools.cache
-def _compiled_propose(cfg: DraftConfig):
-    return compile_propose(cfg=cfg)
+from fspec.rounds import (
+    compiled_decode_step,
+    compiled_spec_round,
+    decode_step,
+    first_draft_state,
+    run_drafts,
+    spec_round,
+)
 
 
 class Run:
@@ -69,8 +55,9 @@ class Run:
         self.blocks: list[list[int]] = [[] for _ in range(self.b)]
         # Every request's worst case fits; blocks are still allocated as requests grow and freed as they end.
         need = sum(
-            -(-min(len(p) + max_new_tokens + self.k + 2, self.max_len) // self.bs) for p in self.prompts
+            -(-min(len(p) + max_new_tokens + 2 * self.k + 2, self.max_len) // self.bs) for p in self.prompts
         )
+        self.table_dirty = True
         self.alloc = BlockAllocator(need)
         dtype = target.params["embed"].dtype
         self.tcache = KVCache.create(
@@ -97,6 +84,7 @@ class Run:
         want = min(-(-tokens // self.bs), self.max_blocks)
         if want > len(self.blocks[b]):
             self.blocks[b] += self.alloc.allocate(want - len(self.blocks[b]))
+            self.table_dirty = True
 
     def _table(self) -> torch.Tensor:
         table = torch.full((self.b, self.max_blocks), -1, dtype=torch.int32)
@@ -130,40 +118,22 @@ class Run:
         self.done[b] = True
         self.alloc.free(self.blocks[b])
         self.blocks[b] = []
+        self.table_dirty = True
 
     # -- device work --
 
-    def _target(self, ids: torch.Tensor, meta, q: int):
-        self.stats.target_forwards += 1
-        cfg = self.target.cfg
-        if self.compile:
-            fn = _compiled_target_forward(cfg, self.aux, q)
-            torch.compiler.cudagraph_mark_step_begin()
-            logits, hidden = fn(self.target.params, ids, meta, self.tcache)
-            # The hidden states feed the draft loop's graph: copy them out of this graph's output buffers,
-            # which the next graph generation may overwrite. The logits are consumed before that.
-            return logits, TargetHidden(last=hidden.last.clone(), aux=hidden.aux.clone())
-        logits, hidden, _ = llama.forward(
-            self.target.params, ids, meta, self.tcache, cfg=cfg, aux_layer_ids=self.aux, max_query_len=q
-        )
-        return logits, hidden
-
-    def _propose(self, ids: torch.Tensor, hidden, meta):
-        cfg = self.draft.cfg
-        h = project_target_hidden(self.draft.params, hidden, cfg=cfg)  # [T, H]
-        state = init_draft_state(ids, h, meta, cfg=cfg, temperature=self.temp, seed=self.seed)
-        if self.compile and meta.num_tokens == self.b * (self.k + 1):
-            state, _ = _compiled_propose(cfg)(self.draft.params, state, self.dcache)
-        else:
-            state, _ = propose(self.draft.params, state, self.dcache, cfg=cfg)
-        # Copies: a compiled loop's outputs are overwritten by its next replay.
-        return state.draft_tokens.clone(), state.draft_probs.clone()
+    def _device_state(self) -> None:
+        """Device copies of (current token, position, live); updated by device ops after each round."""
+        self.cur_d = torch.tensor(self.cur, dtype=torch.int64, device=self.device)
+        self.n_d = torch.tensor(self.n, dtype=torch.int64, device=self.device)
+        self.live_d = torch.tensor([not d for d in self.done], device=self.device)
 
     def _prefill(self):
-        lens = self.n
+        """Target prefill of the ragged prompts, the first token, and the head's prefill + first proposal."""
+        lens = list(self.n)
         q = max(lens)
         for b in range(self.n_real):
-            self._ensure(b, lens[b] + self.k + 2)
+            self._ensure(b, lens[b] + 2 * self.k + 1)
         ids = torch.zeros(self.b, q, dtype=torch.int64)
         for b, p in enumerate(self.prompts):
             ids[b, : len(p)] = torch.tensor(p)
@@ -171,7 +141,7 @@ class Run:
         starts = torch.tensor([0 if not d else -1 for d in self.done], device=self.device)
         counts = torch.tensor(lens, device=self.device)
         meta = first_step_metadata(starts, counts, self._table(), num_query=q, block_size=self.bs)
-        self.stats.target_forwards += 1  # the prefill runs eagerly: its shape is the prompts'
+        self.stats.target_forwards += 1  # eager: the prefill's shape is the prompts'
         logits, hidden, _ = llama.forward(
             self.target.params,
             ids.view(-1),
@@ -181,89 +151,111 @@ class Run:
             aux_layer_ids=self.aux,
             max_query_len=q,
         )
-        last = torch.arange(self.b, device=self.device) * q + (counts - 1).clamp(min=0)
-        first = gumbel_sample(
-            logits.index_select(0, last).float(), self.temp, self.seed, counts.long(), salt=SALT_BONUS
+        rows = last_live_rows(meta)
+        first = torch.ops.fspec.gumbel_sample(
+            logits.index_select(0, rows).float(), self.temp, self.seed, counts.long(), SALT_BONUS
         )
-        first_list = first.tolist()
         drafts = None
         if self.draft is not None:
             # The head's rows are positions 0..n-1, pairing hidden i with token i + 1 (last: the new token).
             shifted = torch.cat(
                 [ids[:, 1:], torch.zeros(self.b, 1, dtype=torch.int64, device=self.device)], 1
             )
-            shifted[torch.arange(self.b), (counts - 1).clamp(min=0)] = first
-            drafts = self._propose(shifted.view(-1), hidden, meta)
+            shifted[torch.arange(self.b, device=self.device), (counts - 1).clamp(min=0)] = first
+            cfg = self.draft.cfg
+            h = project_target_hidden(self.draft.params, hidden, cfg=cfg)
+            state = first_draft_state(shifted.view(-1), h, meta, self.temp, self.seed, cfg=cfg)
+            drafts = run_drafts(self.draft.params, state, self.dcache, cfg=cfg)
+        first_list = first.tolist()
         for b in range(self.n_real):
             self._emit(b, [first_list[b]], first=True)  # at position n, the prompt length
         return drafts
 
-    def _verify_round(self, drafts):
+    def _spec_round(self, drafts):
         k = self.k
-        draft_tokens, draft_probs = drafts
-        live = [not d for d in self.done]
         for b in range(self.b):
-            if live[b]:
-                self._ensure(b, self.n[b] + k + 1)
-        table = self._table()
-        n = torch.tensor(self.n, device=self.device)
-        starts = torch.where(torch.tensor(live, device=self.device), n, torch.full_like(n, -1))
-        counts = (self.max_len - n).clamp(max=k + 1)  # near max_model_len, rows past it are padding
-        meta = first_step_metadata(starts, counts, table, num_query=k + 1, block_size=self.bs)
-        cur = torch.tensor(self.cur, device=self.device)
-        ids = torch.cat([cur[:, None], draft_tokens.clamp(min=0)], 1)  # [B, K+1]
-        logits, hidden = self._target(ids.view(-1), meta, k + 1)
-        target_logits = logits.view(self.b, k + 1, -1)  # [B, K+1, V]
-        q = None
-        if not self.draft.cfg.greedy_drafts:
-            q = draft_probs
-            if self.draft.cfg.kind == "eagle3":  # q over the reduced vocabulary -> the target's
-                d2t = self.draft.params["d2t"]
-                ids_v = draft_to_target(torch.arange(d2t.numel(), device=self.device), d2t)
-                q = draft_probs.new_zeros(self.b, k, target_logits.shape[-1]).index_copy_(
-                    2, ids_v, draft_probs
-                )
-        tokens, accepted = rejection_sample(
-            target_logits, draft_tokens.clamp(min=0), q, self.temp, self.seed, n + 1
+            if not self.done[b]:
+                self._ensure(b, self.n[b] + 2 * k + 1)  # verification writes n..n+K, drafting up to n+2K-1
+        if self.table_dirty:
+            self.table_d, self.table_dirty = self._table(), False
+        args = (
+            self.target.params,
+            self.draft.params,
+            self.cur_d,
+            self.n_d,
+            self.live_d,
+            self.table_d,
+            *drafts,
+            self.temp,
+            self.seed,
+            self.tcache,
+            self.dcache,
         )
+        self.stats.target_forwards += 1
+        if self.compile:
+            torch.compiler.cudagraph_mark_step_begin()
+            tokens, accepted, d_tok, d_prob = compiled_spec_round(
+                self.target.cfg, self.draft.cfg, self.max_len
+            )(*args)
+            # The next replay overwrites this one's outputs, and the drafts are its inputs: copy them out.
+            d_tok, d_prob = d_tok.clone(), d_prob.clone()
+        else:
+            tokens, accepted, d_tok, d_prob = spec_round(
+                *args, tcfg=self.target.cfg, dcfg=self.draft.cfg, max_len=self.max_len
+            )
         tok_list, acc_list = tokens.tolist(), accepted.tolist()  # the round's one host sync
+        live = [not d for d in self.done]
         self.stats.record([acc_list[b] for b in range(self.n_real) if live[b]])
-        starts_next = [self.n[b] if live[b] else -1 for b in range(self.b)]
         for b in range(self.n_real):
             if live[b]:
                 self._emit(b, tok_list[b][: acc_list[b] + 1])
-        if all(self.done):
-            return None
-        # The head's first step: rows n..n+a of each live request pair the verification's hidden of position
-        # n + j with the emitted token at n + j + 1; the rest are padding.
-        for b in range(self.b):
-            if self.done[b]:
-                starts_next[b] = -1
-            else:
-                self._ensure(b, self.n[b] + k + 1)
-        starts_t = torch.tensor(starts_next, device=self.device)
-        counts_t = accepted + 1
-        meta = first_step_metadata(starts_t, counts_t, self._table(), num_query=k + 1, block_size=self.bs)
-        return self._propose(tokens.clamp(min=0).view(-1), hidden, meta)
+        self.n_d = self.n_d + accepted + 1
+        self.cur_d = tokens.gather(1, accepted[:, None]).squeeze(1)
+        self._sync_live()
+        return d_tok, d_prob
 
     def _target_only_round(self) -> None:
-        pos = torch.tensor([self.n[b] if not self.done[b] else -1 for b in range(self.b)], device=self.device)
         for b in range(self.b):
             if not self.done[b]:
                 self._ensure(b, self.n[b] + 1)
-        meta = decode_metadata(pos, self._table(), block_size=self.bs)
-        ids = torch.tensor(self.cur, device=self.device)
-        logits, _ = self._target(ids, meta, 1)
-        new = gumbel_sample(
-            logits.float(), self.temp, self.seed, pos.clamp(min=-1) + 1, salt=SALT_BONUS
-        ).tolist()
+        if self.table_dirty:
+            self.table_d, self.table_dirty = self._table(), False
+        args = (
+            self.target.params,
+            self.cur_d,
+            self.n_d,
+            self.live_d,
+            self.table_d,
+            self.temp,
+            self.seed,
+            self.tcache,
+        )
+        self.stats.target_forwards += 1
+        if self.compile:
+            torch.compiler.cudagraph_mark_step_begin()
+            new = compiled_decode_step(self.target.cfg, self.bs)(*args).clone()
+        else:
+            new = decode_step(*args, tcfg=self.target.cfg, block_size=self.bs)
+        new_list = new.tolist()
         self.stats.record([0 for b in range(self.n_real) if not self.done[b]])
         for b in range(self.n_real):
             if not self.done[b]:
-                self._emit(b, [new[b]])
+                self._emit(b, [new_list[b]])
+        self.n_d = self.n_d + 1
+        self.cur_d = new
+        self._sync_live()
+
+    def _sync_live(self) -> None:
+        live = [not d for d in self.done]
+        if live != self.live_h:
+            self.live_h = live
+            self.live_d = torch.tensor(live, device=self.device)
 
     def go(self) -> list[list[int]]:
         drafts = self._prefill()
+        self._device_state()
+        self.live_h = [not d for d in self.done]
+        self.table_dirty = True
         bar = None
         if self.progress:
             from tqdm.auto import tqdm
@@ -274,7 +266,7 @@ class Run:
             if self.draft is None:
                 self._target_only_round()
             else:
-                drafts = self._verify_round(drafts)
+                drafts = self._spec_round(drafts)
             if bar is not None:
                 now = sum(map(len, self.out))
                 bar.update(now - emitted)

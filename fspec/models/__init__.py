@@ -11,6 +11,7 @@ from types import ModuleType
 
 import torch
 
+from fspec.attention import Attend
 from fspec.cache import KVCache
 from fspec.config import DraftConfig
 from fspec.models import eagle, eagle3, llama, mtp
@@ -36,6 +37,26 @@ def head_init(cfg: DraftConfig, target_params: dict, *, seed: int, **kwargs) -> 
 def project_target_hidden(params: dict, target_hidden: TargetHidden, *, cfg: DraftConfig) -> torch.Tensor:
     """[T, H]: the first draft step's hidden input from the target's hidden states (EAGLE-3: fc(aux))."""
     return head_module(cfg.kind).project_target_hidden(params, target_hidden, cfg=cfg)
+
+
+def head_hidden(
+    params: dict,
+    input_ids: torch.Tensor,
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    attend: Attend,
+    *,
+    cfg: DraftConfig,
+) -> torch.Tensor:
+    """[..., H]: the output hidden of one step of head `cfg.kind` over input_ids [...] and hidden [..., H] at
+    `positions` [...], with attention supplied as `attend(q, k, v, layer)` (distillation passes its own
+    training-time-test mask). Differentiable; no cache."""
+    return head_module(cfg.kind)._hidden(params, input_ids, hidden, positions, attend, cfg=cfg)
+
+
+def head_logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
+    """[..., Vd] logits of head `cfg.kind` for its output hidden `out` [..., H] (EAGLE-3: draft vocab)."""
+    return head_module(cfg.kind).logits(params, out, cfg=cfg)
 
 
 def head_forward(
@@ -86,7 +107,9 @@ __all__ = [
     "eagle3_layer_ids",
     "head_forward",
     "head_forward_dense",
+    "head_hidden",
     "head_init",
+    "head_logits",
     "head_module",
     "llama",
     "mtp",

@@ -1,0 +1,155 @@
+"""The device work of one generation round, as pure functions: one CUDA graph per round when compiled.
+
+`spec_round` is a whole speculative round — target forward over [current token, d_1..d_K], rejection
+sampling, and the next K drafts (`propose` from the accepted rows, whose target hidden states the forward just
+produced) — with every piece of metadata derived on the device from (n, live, block table). Nothing leaves
+the device between the target forward and the last draft step: the host reads the accepted tokens once per
+round, afterwards. `decode_step` is the target-only counterpart (one token per request).
+
+Both skip input validation: they are internal, fed by the engine, and run inside compiled graphs.
+Naming convention: p = target distribution, q = draft distribution.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from fspec.cache import KVCache
+from fspec.config import DraftConfig, ModelConfig
+from fspec.draft import _step
+from fspec.kernels.salts import SALT_BONUS
+from fspec.metadata import decode_metadata, first_step_metadata
+from fspec.models import llama, project_target_hidden
+from fspec.models.eagle3 import draft_to_target
+from fspec.state import DraftState
+
+
+def draft_probs_over_target_vocab(draft_probs: torch.Tensor, params: dict, *, cfg: DraftConfig, vocab: int):
+    """q over the target vocabulary [B, K, V]: EAGLE-3's reduced-vocabulary q scattered through d2t."""
+    if cfg.kind != "eagle3" or cfg.draft_vocab_size == vocab:
+        return draft_probs
+    d2t = params["d2t"]
+    ids = draft_to_target(torch.arange(d2t.numel(), device=d2t.device), d2t)  # [Vd] target ids
+    b, k, _ = draft_probs.shape
+    return draft_probs.new_zeros(b, k, vocab).index_copy(2, ids, draft_probs)
+
+
+def first_draft_state(
+    input_ids: torch.Tensor,
+    hidden: torch.Tensor,
+    meta,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    *,
+    cfg: DraftConfig,
+) -> DraftState:
+    """A round's first draft state (step 0, fresh draft buffers), without validation."""
+    b, k = temperature.shape[0], cfg.num_speculative_steps
+    vd = 0 if cfg.greedy_drafts else cfg.draft_vocab_size
+    device = input_ids.device
+    return DraftState(
+        input_ids=input_ids,
+        hidden=hidden,
+        attn=meta,
+        step=torch.zeros((), dtype=torch.int64, device=device),
+        draft_tokens=torch.full((b, k), -1, dtype=torch.int64, device=device),
+        draft_probs=torch.empty((b, k, vd), dtype=torch.float32, device=device),
+        temperature=temperature,
+        seed=seed,
+    )
+
+
+def run_drafts(dparams: dict, state: DraftState, dcache: KVCache, *, cfg: DraftConfig, backend: str = "auto"):
+    """The K draft steps of `propose`, unvalidated: (draft_tokens [B, K], draft_probs [B, K, Vd])."""
+    for _ in range(cfg.num_speculative_steps):
+        state, dcache = _step(dparams, state, dcache, cfg=cfg, backend=backend, max_context=None)
+    return state.draft_tokens, state.draft_probs
+
+
+def spec_round(
+    tparams: dict,
+    dparams: dict,
+    cur: torch.Tensor,
+    n: torch.Tensor,
+    live: torch.Tensor,
+    table: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    tcache: KVCache,
+    dcache: KVCache,
+    *,
+    tcfg: ModelConfig,
+    dcfg: DraftConfig,
+    max_len: int,
+    backend: str = "auto",
+):
+    """One speculative round for B requests.
+
+    cur [B] (current token, at position n [B], not yet in the target cache), live [B] bool, table [B, M],
+    draft_tokens [B, K] / draft_probs [B, K, Vd] (the previous round's proposal). Returns (tokens [B, K+1]
+    (accepted drafts, then the replacement or bonus, then -1), num_accepted [B], the next draft_tokens,
+    the next draft_probs). Both caches are donated.
+    """
+    k, bs = dcfg.num_speculative_steps, dcfg.block_size
+    b = cur.shape[0]
+    starts = torch.where(live, n, torch.full_like(n, -1))
+    # 1. Target forward over K + 1 rows per request; rows past max_model_len are padding.
+    meta = first_step_metadata(starts, (max_len - n).clamp(max=k + 1), table, num_query=k + 1, block_size=bs)
+    ids = torch.cat([cur[:, None], draft_tokens.clamp(min=0)], 1).reshape(-1)  # [B·(K+1)]
+    aux = dcfg.target_layer_ids if dcfg.kind == "eagle3" else ()
+    logits, hidden, _ = llama.forward(
+        tparams, ids, meta, tcache, cfg=tcfg, backend=backend, aux_layer_ids=aux, max_query_len=k + 1
+    )
+    # 2. Lossless verification.
+    q = None
+    if not dcfg.greedy_drafts:
+        q = draft_probs_over_target_vocab(draft_probs, dparams, cfg=dcfg, vocab=tcfg.vocab_size)
+    tokens, accepted = torch.ops.fspec.rejection_sample(
+        logits.view(b, k + 1, -1), draft_tokens.clamp(min=0), q, temperature, seed, n + 1
+    )
+    # 3. The next proposal: the head's first step pairs the target hidden of positions n..n+a with the
+    #    emitted tokens at n+1..n+a+1 (a = accepted), then K - 1 decode steps.
+    meta_d = first_step_metadata(starts, accepted + 1, table, num_query=k + 1, block_size=bs)
+    h = project_target_hidden(dparams, hidden, cfg=dcfg)
+    state = first_draft_state(tokens.clamp(min=0).reshape(-1), h, meta_d, temperature, seed, cfg=dcfg)
+    next_tokens, next_probs = run_drafts(dparams, state, dcache, cfg=dcfg, backend=backend)
+    return tokens, accepted, next_tokens, next_probs
+
+
+def decode_step(
+    tparams: dict,
+    cur: torch.Tensor,
+    n: torch.Tensor,
+    live: torch.Tensor,
+    table: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    tcache: KVCache,
+    *,
+    tcfg: ModelConfig,
+    block_size: int,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Target-only decoding of one token per request: the token for position n + 1, [B] int64."""
+    pos = torch.where(live, n, torch.full_like(n, -1))
+    meta = decode_metadata(pos, table, block_size=block_size)
+    logits, _, _ = llama.forward(tparams, cur, meta, tcache, cfg=tcfg, backend=backend, max_query_len=1)
+    return torch.ops.fspec.gumbel_sample(logits, temperature, seed, n + 1, SALT_BONUS)
+
+
+@functools.cache
+def compiled_spec_round(tcfg: ModelConfig, dcfg: DraftConfig, max_len: int):
+    """`spec_round` as one CUDA graph per batch bucket (torch.compile, reduce-overhead, fullgraph)."""
+    fn = functools.partial(spec_round, tcfg=tcfg, dcfg=dcfg, max_len=max_len)
+    return torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
+
+
+@functools.cache
+def compiled_decode_step(tcfg: ModelConfig, block_size: int):
+    """`decode_step` as one CUDA graph per batch bucket."""
+    fn = functools.partial(decode_step, tcfg=tcfg, block_size=block_size)
+    return torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
