@@ -66,6 +66,41 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    import fspec
+
+    target = fspec.load_target(args.target)
+    draft = fspec.load_draft(args.draft, target=target, num_speculative_steps=args.k) if args.draft else None
+    if args.tokens is not None:
+        prompts = [[int(t) for t in args.tokens.replace(",", " ").split()]]
+    elif args.prompt is not None:
+        prompts = [args.prompt]
+    else:
+        raise SystemExit("fspec generate: give --prompt TEXT or --tokens IDS")
+    res = fspec.generate(
+        target,
+        draft,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        num_speculative_steps=args.k,
+        progress=args.max_new_tokens >= 256,
+    )
+    if res.text is not None:
+        print(res.text[0])
+    else:
+        print(" ".join(map(str, res.tokens[0])))
+    s = res.stats
+    print(
+        f"acceptance length {s['acceptance_length']:.2f} tokens per target forward, "
+        f"{s['tokens_per_second']:.1f} tokens/s",
+        file=sys.stderr,
+    )
+    print(json.dumps({"tokens": res.tokens[0], "stats": s}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="fspec", description="Speculative decoding as a pure step function."
@@ -80,6 +115,21 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("-k", type=int, default=4, help="draft steps to show (default 4)")
     demo.add_argument("--block-size", type=int, default=4, help="KV-cache block size (default 4)")
     demo.set_defaults(func=_demo)
+    gen = sub.add_parser(
+        "generate",
+        help="generate from a local HF checkpoint, with an optional draft head",
+        description="Speculative generation (target-only without --draft) from local HF-layout directories. "
+        "Prints the text (or token ids), the acceptance length and tokens/s, then one line of JSON.",
+    )
+    gen.add_argument("--target", required=True, help="target model directory (config.json, *.safetensors)")
+    gen.add_argument("--draft", help="draft head directory (EAGLE-1, EAGLE-3 or MTP layout)")
+    gen.add_argument("--prompt", help="prompt text (the target needs tokenizer.json)")
+    gen.add_argument("--tokens", help="prompt token ids, separated by spaces or commas")
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("-k", type=int, default=3, help="draft tokens per round (default 3)")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.set_defaults(func=_generate)
     args = parser.parse_args(argv)
     return args.func(args)
 
