@@ -49,7 +49,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--budget-s", type=float, default=540.0, help="stop starting new rows after this many seconds"
     )
-    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of the compiled loop")
+    p.add_argument("--profile", help="write the compiled loop's CUDA kernel table (top 40) to this file")
     p.add_argument("--out", default="benchmarks/results/draft_loop.json")
     return p.parse_args(argv)
 
@@ -173,7 +173,9 @@ def measure(head: str, b: int, k: int, args, bw: float) -> dict:
             for _ in range(10):
                 whole(draft.params, state, cache)
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+        with open(args.profile, "a") as f:
+            f.write(f"\n{row['case']}\n{table}\n")
     return row
 
 
