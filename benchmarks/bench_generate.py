@@ -28,11 +28,16 @@ Beside them:
  * floor: the target's weight bytes (the tied embedding counted once) / the copy bandwidth (a 2 GiB
    device-to-device copy, (bytes read + written) / time) is the time of one decode step; floor tokens/s =
    B / that step. KV-cache reads (< 5% here) are left out. Speculative rows may exceed it (ratio > 1).
- * round model: T_target(K+1), the compiled target forward over K + 1 tokens per request, plus T_propose,
-   the compiled whole K-step draft loop, each replayed on its own (context prompt_len + new_tokens / 2)
-   through the very compiled functions `generate` uses (fspec.runner's caches: no extra compile); model
-   tokens/s = B * tau / (T_target + T_propose). Measured round = wall time / rounds (prefill included), and
-   without the prefill (the time of a max_new_tokens=1 call subtracted). Target-only rows: one decode step.
+ * round model (speculative rows): T_target(K+1), the target forward over K + 1 tokens per request (EAGLE-3
+   aux layers included), plus T_propose, the whole K-step draft loop (fspec.compile.compile_propose), each
+   compiled on its own and replayed alone at context prompt_len + new_tokens / 2; model tokens/s =
+   B * tau / (T_target + T_propose). The forced row reuses the random-head row's parts (same shapes).
+ * round graph: the engine's own round (fspec.rounds.spec_round / decode_step: verification, rejection
+   sampling, next drafts), replayed alone through the very graph `generate` compiled (no recompile); for
+   target-only rows it is also the model (one decode step).
+ * measured round = wall time / rounds (prefill included), and without the prefill (the time of a
+   max_new_tokens=1 call subtracted). round_ratio = measured / model (target: <= 1.15),
+   measured_over_graph = host overhead between graphs, graph_over_model = what one graph adds to the parts.
 JSON: {"machine", "torch", "triton", "transformers", "date", "command", "copy_bandwidth_TBps", "target",
 "rows": [{"case": {"system", "B", "K"}, "tokens_per_s", "acceptance_length", "floor_tokens_per_s",
 "ratio_to_floor", "round_model_us", "round_measured_us", "error", ...}]}, written after every row.
@@ -44,8 +49,10 @@ float32 model and compile=False (--smoke-compile: compile=True there too), to te
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 import platform
@@ -60,12 +67,12 @@ from pathlib import Path
 import torch
 
 import fspec
-from fspec import runner
-from fspec.cache import KVCache, blocks_needed
-from fspec.config import ModelConfig, bucket_for
+from fspec import rounds, runner
+from fspec.compile import compile_propose
+from fspec.config import ModelConfig
 from fspec.draft import propose
-from fspec.engine import max_model_len
-from fspec.metadata import decode_metadata, first_step_metadata
+from fspec.engine import Stats
+from fspec.metadata import first_step_metadata
 from fspec.models import layers as L
 from fspec.models import llama, project_target_hidden
 from fspec.state import init_draft_state
@@ -74,7 +81,7 @@ DEFAULT_OUT = Path(__file__).parent / "results" / "generate.json"
 BLOCK_SIZE = 16  # fspec.generate's block size without a head; the heads here use the same
 PROMPT_SEED = 1234
 # Seconds a row may need at most on the H200 (compiles included): a row starts only if it fits the budget.
-ROW_COST_S = {"fspec": 100, "hf_load": 40, "hf_eager": 40, "hf_static": 150}
+ROW_COST_S = {"fspec": 120, "hf_load": 40, "hf_eager": 40, "hf_static": 150}
 RUN_CAP_S = 30.0  # stop repeating a row's timed calls past this many seconds (at least one call)
 
 SYSTEMS = {
@@ -187,9 +194,9 @@ def make_setup(args: argparse.Namespace) -> Setup:
     new_tokens = args.new_tokens or (8 if smoke else 64 if args.quick else 256)
     prompt_len = args.prompt_len or (16 if smoke else 128)
     batches = tuple(args.batch or ([1] if args.quick else [1, 8]))
-    # Every request's sequence (prompt, new tokens, a round's K + 1 rows) fits; a tight max_model_len keeps
-    # the block table, and the paged-attention grid sized from it, small.
-    max_len = -(-(prompt_len + new_tokens + args.k + 2) // BLOCK_SIZE) * BLOCK_SIZE
+    # Every request's sequence fits with room for a round's verification (K + 1 rows) and drafting (K more);
+    # a tight max_model_len keeps the block table, and the paged-attention grid sized from it, small.
+    max_len = -(-(prompt_len + new_tokens + 2 * args.k + 2) // BLOCK_SIZE) * BLOCK_SIZE
     return Setup(
         cfg=tiny_config(max_len) if smoke else llama_1b_config(max_len),
         draft_vocab=128 if smoke else 32000,
@@ -439,83 +446,155 @@ def run_generate(target, draft, prompts, s: Setup, max_new: int | None = None) -
     return time.perf_counter() - start, result
 
 
-def _cache_and_table(target, draft, b: int, s: Setup) -> tuple[int, torch.Tensor]:
-    """Cache blocks and block table [bucket, max_blocks] as fspec.runner.Run sizes them for b requests.
-
-    Run gives the caches every real request's worst case, so the model's caches have the same shapes and the
-    compiled graphs are reused (a different num_blocks would recompile).
-    """
+def _engine_run(target, draft, b: int, s: Setup) -> runner.Run:
+    """A (never run) fspec.runner.Run for b prompts: caches, bucket, max_len, temperature and seed tensors
+    shaped exactly as the ones `generate` hands its compiled graphs, so replaying those graphs recompiles
+    nothing. Its caches are already marked static when compiling."""
     k = draft.cfg.num_speculative_steps if draft is not None else 0
-    max_len = max_model_len(target, draft)
-    per = blocks_needed(min(s.prompt_len + s.new_tokens + k + 2, max_len), BLOCK_SIZE)
-    table = torch.full((bucket_for(b), -(-max_len // BLOCK_SIZE)), -1, dtype=torch.int32)
+    return runner.Run(
+        target,
+        draft,
+        prompts_for(b, s),
+        [0.0] * b,
+        [0] * b,
+        max_new_tokens=s.new_tokens,
+        compile=s.compile,
+        stats=Stats(k),
+        progress=False,
+    )
+
+
+def _table(run: runner.Run, b: int, device) -> torch.Tensor:
+    """[bucket, max_blocks] int32: request i owns an equal share of the cache's blocks; padding rows -1."""
+    per = min(run.tcache.num_blocks // b, run.max_blocks)
+    table = torch.full((run.b, run.max_blocks), -1, dtype=torch.int32)
     for i in range(b):
         table[i, :per] = torch.arange(i * per, (i + 1) * per, dtype=torch.int32)
-    return b * per, table.to(s.device)
+    return table.to(device)
 
 
-def round_model(target, draft, b: int, s: Setup) -> dict:
-    """Times of one round's parts, each replayed on its own: T_target(K+1) and T_propose (us).
+def _mid_position(s: Setup) -> int:
+    return s.prompt_len + s.new_tokens // 2  # every request in the middle of a run
 
-    Context: every request at position prompt_len + new_tokens / 2 (the middle of a run); live rows only.
-    With compile, the compiled functions are fspec.runner's own (cached by config), so nothing recompiles.
-    """
-    k = draft.cfg.num_speculative_steps if draft is not None else 0
-    q, bucket = k + 1, bucket_for(b)
-    need, table = _cache_and_table(target, draft, b, s)
-    pos = s.prompt_len + s.new_tokens // 2
-    starts = torch.tensor([pos] * b + [-1] * (bucket - b), dtype=torch.int64, device=s.device)
-    if q == 1:
-        meta = decode_metadata(starts, table, block_size=BLOCK_SIZE)
-    else:
-        counts = torch.full_like(starts, q)
-        meta = first_step_metadata(starts, counts, table, num_query=q, block_size=BLOCK_SIZE)
+
+def engine_round_us(target, draft, b: int, s: Setup) -> float:
+    """One round of the engine's own device function (`fspec.rounds.spec_round` / `decode_step`), replayed
+    alone: with compile, the very graph `generate` compiled (no host bookkeeping, no sync per round)."""
+    run = _engine_run(target, draft, b, s)
+    dev, bucket = s.device, run.b
+    table = _table(run, b, dev)
+    n = torch.tensor([_mid_position(s)] * b + [0] * (bucket - b), dtype=torch.int64, device=dev)
+    live = torch.tensor([True] * b + [False] * (bucket - b), device=dev)
     gen = torch.Generator().manual_seed(7)
-    ids = torch.randint(0, target.cfg.vocab_size, (bucket * q,), generator=gen).to(s.device)
-    aux = draft.cfg.target_layer_ids if draft is not None and draft.cfg.kind == "eagle3" else ()
-    dtype = target.params["embed"].dtype
-    tcache = KVCache.create(target.cfg, num_blocks=need, block_size=BLOCK_SIZE, dtype=dtype, device=s.device)
+    cur = torch.randint(0, target.cfg.vocab_size, (bucket,), generator=gen).to(dev)
+    if draft is None:
+        args = (target.params, cur, n, live, table, run.temp, run.seed, run.tcache)
+        if s.compile:
+            fn = rounds.compiled_decode_step(target.cfg, run.bs)
+        else:
+            fn = functools.partial(rounds.decode_step, tcfg=target.cfg, block_size=run.bs)
+    else:
+        k, dcfg = run.k, draft.cfg
+        d_tok = torch.randint(0, target.cfg.vocab_size, (bucket, k), generator=gen).to(dev)
+        vd = 0 if dcfg.greedy_drafts else dcfg.draft_vocab_size
+        d_prob = torch.zeros(bucket, k, vd, dtype=torch.float32, device=dev)
+        args = (target.params, draft.params, cur, n, live, table, d_tok, d_prob, run.temp, run.seed)
+        args += (run.tcache, run.dcache)
+        if s.compile:
+            fn = rounds.compiled_spec_round(target.cfg, dcfg, run.max_len)
+        else:
+            fn = functools.partial(rounds.spec_round, tcfg=target.cfg, dcfg=dcfg, max_len=run.max_len)
+
+    def call():
+        if s.compile:
+            torch.compiler.cudagraph_mark_step_begin()
+        return fn(*args)
+
+    return time_us(call, s)
+
+
+@functools.cache
+def _target_piece(cfg: ModelConfig, aux: tuple[int, ...], q: int):
+    """The target forward over q tokens per request alone, compiled like the engine's round."""
+
+    def run(params, ids, meta, cache):
+        logits, hidden, _ = llama.forward(
+            params, ids, meta, cache, cfg=cfg, aux_layer_ids=aux, max_query_len=q
+        )
+        return logits, hidden
+
+    return torch.compile(run, mode="reduce-overhead", fullgraph=True, dynamic=False)
+
+
+@functools.cache
+def _propose_piece(cfg):
+    return compile_propose(cfg=cfg)
+
+
+def piece_times(target, draft, b: int, s: Setup) -> dict:
+    """The round-cost model's parts, each compiled on its own and replayed alone (us): T_target(K+1), the
+    target forward over K + 1 tokens per request (with the EAGLE-3 aux layers), and T_propose, the whole
+    K-step draft loop (`fspec.compile.compile_propose`) from K + 1 verified rows per request."""
+    run = _engine_run(target, draft, b, s)
+    dev, bucket, k = s.device, run.b, run.k
+    q = k + 1
+    table = _table(run, b, dev)
+    starts = torch.tensor([_mid_position(s)] * b + [-1] * (bucket - b), dtype=torch.int64, device=dev)
+    meta = first_step_metadata(starts, torch.full_like(starts, q), table, num_query=q, block_size=run.bs)
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, target.cfg.vocab_size, (bucket * q,), generator=gen).to(dev)
+    aux = draft.cfg.target_layer_ids if draft.cfg.kind == "eagle3" else ()
     if s.compile:
-        fspec.mark_static(tcache)
-        fwd = runner._compiled_target_forward(target.cfg, aux, q)
+        fwd = _target_piece(target.cfg, aux, q)
 
         def target_call():
             torch.compiler.cudagraph_mark_step_begin()
-            return fwd(target.params, ids, meta, tcache)
+            return fwd(target.params, ids, meta, run.tcache)
 
     else:
 
         def target_call():
             out = llama.forward(
-                target.params, ids, meta, tcache, cfg=target.cfg, aux_layer_ids=aux, max_query_len=q
+                target.params, ids, meta, run.tcache, cfg=target.cfg, aux_layer_ids=aux, max_query_len=q
             )
             return out[:2]
 
     _, hidden = target_call()
-    out = {"context": pos}
-    if draft is None:
-        out["t_target_us"] = time_us(target_call, s)
-        return out
     h = project_target_hidden(draft.params, hidden, cfg=draft.cfg)  # eager: later replays keep it intact
     del hidden  # graph outputs: the next replay overwrites them
-    out["t_target_us"] = time_us(target_call, s)
-    dcache = KVCache.create(
-        draft.cfg.model,
-        num_blocks=need,
-        block_size=BLOCK_SIZE,
-        dtype=draft.params["fc"].dtype,
-        device=s.device,
-    )
-    temp = torch.zeros(bucket, dtype=torch.float32, device=s.device)
-    seed = torch.zeros(bucket, dtype=torch.int64, device=s.device)
-    state = init_draft_state(ids, h, meta, cfg=draft.cfg, temperature=temp, seed=seed)
+    out = {"t_target_us": time_us(target_call, s)}
+    state = init_draft_state(ids, h, meta, cfg=draft.cfg, temperature=run.temp, seed=run.seed)
     if s.compile:
-        compiled = runner._compiled_propose(draft.cfg)
-        propose_call = lambda: compiled(draft.params, state, dcache)
+        prop = _propose_piece(draft.cfg)
+        propose_call = lambda: prop(draft.params, state, run.dcache)
     else:
-        propose_call = lambda: propose(draft.params, state, dcache, cfg=draft.cfg)
+        propose_call = lambda: propose(draft.params, state, run.dcache, cfg=draft.cfg)
     out["t_propose_us"] = time_us(propose_call, s)
     return out
+
+
+@contextlib.contextmanager
+def note_failure(row: dict, key: str):
+    """Record an exception of an optional part of a row under row[key] and carry on with the row."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc(limit=-3)
+        row[key] = f"{type(e).__name__}: {e}"[:1000]
+
+
+def add_round_ratios(row: dict, b: int) -> None:
+    model_us, graph_us = row.get("round_model_us"), row.get("round_graph_us")
+    measured_us, excl_us = row["round_measured_us"], row["round_measured_excl_prefill_us"]
+    if model_us:
+        row["model_tokens_per_s"] = b * (row["acceptance_length"] or 1.0) / model_us * 1e6
+        row["round_ratio"] = round(measured_us / model_us, 3)
+        row["round_ratio_excl_prefill"] = round(excl_us / model_us, 3)
+    if graph_us:
+        row["measured_over_graph"] = round(measured_us / graph_us, 3)
+        row["measured_excl_prefill_over_graph"] = round(excl_us / graph_us, 3)
+    if model_us and graph_us:
+        row["graph_over_model"] = round(graph_us / model_us, 3)
 
 
 def fspec_row(kind: str, target, draft, b: int, s: Setup, ctx: dict) -> Callable[[dict], None]:
@@ -555,18 +634,25 @@ def fspec_row(kind: str, target, draft, b: int, s: Setup, ctx: dict) -> Callable
                 )
         else:
             row["prefix_match_vs_target_only"] = prefix_match(res.tokens, ctx["ref_tokens"].get(b))
-        log(f"{row['case']['system']} B={b}: round model")
-        before = counter_snapshot()
-        parts = round_model(target, draft, b, s)
-        row["model_dynamo_counters"] = counter_delta(before)  # nonzero frames: the model recompiled
-        row.update(parts)
-        row["round_model_us"] = parts["t_target_us"] + parts.get("t_propose_us", 0.0)
-        tau = row["acceptance_length"] or 1.0
-        row["model_tokens_per_s"] = b * tau / row["round_model_us"] * 1e6
-        row["round_ratio"] = round(row["round_measured_us"] / row["round_model_us"], 3)
-        row["round_ratio_excl_prefill"] = round(
-            row["round_measured_excl_prefill_us"] / row["round_model_us"], 3
-        )
+        log(f"{row['case']['system']} B={b}: round graph and round model")
+        with note_failure(row, "round_graph_error"):
+            before = counter_snapshot()
+            row["round_graph_us"] = engine_round_us(target, draft, b, s)
+            row["graph_dynamo_counters"] = counter_delta(before)  # nonzero frames: the replay recompiled
+        if kind == "target":
+            row["round_model_us"] = row.get("round_graph_us")  # one decode step
+        else:
+            with note_failure(row, "round_model_error"):
+                pieces = ctx["pieces"].get(b) if kind == "forced" else None
+                if pieces is None:
+                    pieces = piece_times(target, draft, b, s)
+                    if kind == "spec":
+                        ctx["pieces"][b] = pieces
+                else:
+                    row["pieces_from"] = "the random-head row (same shapes, same matmuls)"
+                row.update(pieces)
+                row["round_model_us"] = pieces["t_target_us"] + pieces["t_propose_us"]
+        add_round_ratios(row, b)
 
     return fill
 
@@ -724,7 +810,8 @@ def header(s: Setup, bandwidth: float, models: Models, floor_step_s: float) -> d
             "lm_head and the head's lm_head zeroed; every logit is 0, greedy argmax = token 0, tau = K + 1",
             "floor: weight bytes (tied embedding once) / copy bandwidth per decode step; KV reads left out",
             "round_measured_us = wall / rounds (prefill included); _excl_prefill subtracts a "
-            "max_new_tokens=1 call; round_model_us = T_target(K+1) + T_propose, each replayed alone",
+            "max_new_tokens=1 call; round_model_us = T_target(K+1) + T_propose, each compiled and replayed "
+            "alone; round_graph_us = the engine's own round graph replayed alone",
             "HF assisted: assistant_model = the target itself, constant num_assistant_tokens = K, "
             "confidence threshold 0; acceptance_length_est = new tokens / the assistant's drafting rounds",
         ],
@@ -754,7 +841,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"models built; target weights {weight_bytes(models.target.params) / 1e9:.3f} GB")
     report = Report(args.out, header(s, bandwidth, models, floor_step_s), s.budget_s)
     report.write()
-    ctx = {"floor_step_s": floor_step_s, "ref_tokens": {}}
+    ctx = {"floor_step_s": floor_step_s, "ref_tokens": {}, "pieces": {}}
     for b in s.batches:
         for kind, target, draft in (
             ("target", models.target, None),
@@ -819,7 +906,7 @@ def print_table(rows: list[dict], doc: dict) -> None:
         )
 
     head = f"{'system':<38}{'B':>3}{'K':>3}{'tok/s':>10}{'tau':>7}{'floor':>9}{'/floor':>8}"
-    print(head + f"{'model us':>10}{'meas us':>10}{'m/model':>9}{'-prefill':>9}  error")
+    print(head + f"{'model us':>10}{'graph us':>10}{'meas us':>10}{'m/model':>9}{'-prefill':>9}  error")
     for r in rows:
         c = r["case"]
         tau = r.get("acceptance_length") or r.get("acceptance_length_est")
@@ -828,13 +915,15 @@ def print_table(rows: list[dict], doc: dict) -> None:
             f"{c['system']:<38}{c['B']:>3}{num(c['K'], 'd', 3)}{num(r.get('tokens_per_s'), '.1f', 10)}"
             f"{num(tau, '.2f', 7)}{num(r.get('floor_tokens_per_s'), '.0f', 9)}"
             f"{num(r.get('ratio_to_floor'), '.3f', 8)}{num(r.get('round_model_us'), '.0f', 10)}"
+            f"{num(r.get('round_graph_us'), '.0f', 10)}"
             f"{num(r.get('round_measured_us'), '.0f', 10)}{num(r.get('round_ratio'), '.2f', 9)}"
             f"{num(excl, '.2f', 9)}  {(r.get('error') or '')[:60]}"
         )
     print(
         f"{doc['machine']}, copy bandwidth {doc['copy_bandwidth_TBps']:.2f} TB/s; {doc['target']}; "
-        "tokens/s = new tokens / wall time (median); floor = B / (weight bytes / bandwidth); model/meas us = "
-        "one round (one step without a head); m/model = measured / model round, -prefill without the prefill"
+        "tokens/s = new tokens / wall time (median); floor = B / (weight bytes / bandwidth); us = one round "
+        "(one step without a head): model = T_target(K+1) + T_propose, graph = the engine's round graph, "
+        "meas = wall / rounds; m/model = meas / model, -prefill = the same without the prefill"
     )
 
 

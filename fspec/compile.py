@@ -27,9 +27,10 @@ from fspec.draft import _step, propose
 from fspec.pytree import replace
 from fspec.state import AttnMetadata, DraftState
 
-# Nine batch buckets, each one graph, plus the first-step shape of the per-step path: dynamo's default limit
-# of 8 recompiles per code object would fall back to eager on the ninth bucket.
-_RECOMPILE_LIMIT = 2 * len(BATCH_BUCKETS) + 2
+# Nine batch buckets, each one graph, for several configs (a generate round and a decode step, greedy and
+# sampled drafts, the per-step path's two shapes): dynamo's default limit of 8 recompiles per code object
+# would silently fall back to eager.
+_RECOMPILE_LIMIT = 8 * len(BATCH_BUCKETS)
 
 
 def _configure_dynamo() -> None:

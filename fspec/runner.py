@@ -9,6 +9,8 @@ The block table goes to the device only when a request crosses into a new block 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from fspec.cache import BlockAllocator, KVCache, mark_static
@@ -25,6 +27,26 @@ from fspec.rounds import (
     run_drafts,
     spec_round,
 )
+
+# Blocks allocated ahead of need, so the block table (a host-to-device copy) changes every few rounds, not
+# every round a request crosses a block boundary.
+_LOOKAHEAD = 4
+_CACHES: dict[tuple, KVCache] = {}
+
+
+def _cache(cfg, num_blocks: int, block_size: int, dtype, device, compiled: bool) -> KVCache:
+    """A KV cache of this shape, reused across calls when compiled: CUDA graphs record the addresses of their
+    static inputs, and fresh buffers on every `generate` call would make every call record its graphs anew.
+    Stale contents are harmless: nothing past a request's seq_lens is ever read."""
+    if not compiled:
+        return KVCache.create(cfg, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device)
+    key = (cfg, num_blocks, block_size, dtype, str(device))
+    if key not in _CACHES:
+        if len(_CACHES) >= 4:  # bounded: keep the most recent shapes only
+            _CACHES.pop(next(iter(_CACHES)))
+        cache = KVCache.create(cfg, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device)
+        _CACHES[key] = mark_static(cache)
+    return _CACHES[key]
 
 
 class Run:
@@ -54,35 +76,30 @@ class Run:
         self.cur = [0] * self.b  # the current token (emitted, not yet in the target cache)
         self.blocks: list[list[int]] = [[] for _ in range(self.b)]
         # Every request's worst case fits; blocks are still allocated as requests grow and freed as they end.
+        # Every request's worst case fits; blocks are still allocated as requests grow and freed as they end.
         need = sum(
-            -(-min(len(p) + max_new_tokens + 2 * self.k + 2, self.max_len) // self.bs) for p in self.prompts
+            -(-min(len(p) + max_new_tokens + 2 * self.k + 2 + _LOOKAHEAD * self.bs, self.max_len) // self.bs)
+            for p in self.prompts
         )
         self.table_dirty = True
         self.alloc = BlockAllocator(need)
-        dtype = target.params["embed"].dtype
-        self.tcache = KVCache.create(
-            target.cfg, num_blocks=need, block_size=self.bs, dtype=dtype, device=self.device
-        )
+        self.tcache = _cache(target.cfg, need, self.bs, target.params["embed"].dtype, self.device, compile)
         self.dcache = None
         if draft is not None:
-            self.dcache = KVCache.create(
-                draft.cfg.model,
-                num_blocks=need,
-                block_size=self.bs,
-                dtype=draft.params["embed"].dtype,
-                device=self.device,
-            )
-        if compile:
-            mark_static(self.tcache)
-            if self.dcache is not None:
-                mark_static(self.dcache)
+            dtype = draft.params["embed"].dtype
+            self.dcache = _cache(draft.cfg.model, need, self.bs, dtype, self.device, compile)
+            if all(t == 0 for t in temps) and not draft.cfg.greedy_drafts:
+                # A greedy batch verifies by argmax: q is one-hot, so skip building [B, K, V] probabilities.
+                cfg = dataclasses.replace(draft.cfg, greedy_drafts=True)
+                self.draft = draft = dataclasses.replace(draft, cfg=cfg)
         self.aux = draft.cfg.target_layer_ids if draft is not None and draft.cfg.kind == "eagle3" else ()
 
     # -- host bookkeeping --
 
     def _ensure(self, b: int, tokens: int) -> None:
-        want = min(-(-tokens // self.bs), self.max_blocks)
+        want = -(-tokens // self.bs)
         if want > len(self.blocks[b]):
+            want = min(want + _LOOKAHEAD, self.max_blocks)
             self.blocks[b] += self.alloc.allocate(want - len(self.blocks[b]))
             self.table_dirty = True
 
@@ -203,7 +220,8 @@ class Run:
             tokens, accepted, d_tok, d_prob = spec_round(
                 *args, tcfg=self.target.cfg, dcfg=self.draft.cfg, max_len=self.max_len
             )
-        tok_list, acc_list = tokens.tolist(), accepted.tolist()  # the round's one host sync
+        both = torch.cat([tokens, accepted[:, None]], 1).tolist()  # the round's one host sync
+        tok_list, acc_list = [r[:-1] for r in both], [r[-1] for r in both]
         live = [not d for d in self.done]
         self.stats.record([acc_list[b] for b in range(self.n_real) if live[b]])
         for b in range(self.n_real):
