@@ -68,15 +68,15 @@ def draft_loop(d: dict) -> list[str]:
 
 def generate(d: dict) -> list[str]:
     out = [
-        "| system | B | K | tokens/s | τ | floor tokens/s | of floor | round model µs | round measured µs | note |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| system | B | K | tokens/s | τ | floor tokens/s | of floor | round model µs | round graph µs | round measured µs | note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in d["rows"]:
         c = r["case"]
         out.append(
-            f"| {c.get('system')} | {c.get('B')} | {c.get('K', '-')} | {_f(r.get('tokens_per_s'))} "
+            f"| {c.get('system')} | {c.get('B')} | {c.get('K') or '-'} | {_f(r.get('tokens_per_s'))} "
             f"| {_f(r.get('acceptance_length'), '{:.2f}')} | {_f(r.get('floor_tokens_per_s'))} "
-            f"| {_f(r.get('ratio_to_floor'), '{:.2f}')} | {_f(r.get('round_model_us'))} "
+            f"| {_f(r.get('ratio_to_floor'), '{:.2f}')} | {_f(r.get('round_model_us'))} | {_f(r.get('round_graph_us'))} "
             f"| {_f(r.get('round_measured_us'))} | {(r.get('error') or '')[:60]} |"
         )
     return out
