@@ -97,6 +97,9 @@ def spec_round(
     """
     k, bs = dcfg.num_speculative_steps, dcfg.block_size
     b = cur.shape[0]
+    # A request whose sequence is full is padding, also when the host has not seen it finish yet (the engine
+    # launches round r + 1 before it reads round r).
+    live = live & (n + 1 < max_len)
     starts = torch.where(live, n, torch.full_like(n, -1))
     # 1. Target forward over K + 1 rows per request; rows past max_model_len are padding.
     meta = first_step_metadata(starts, (max_len - n).clamp(max=k + 1), table, num_query=k + 1, block_size=bs)
@@ -133,9 +136,11 @@ def decode_step(
     *,
     tcfg: ModelConfig,
     block_size: int,
+    max_len: int,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Target-only decoding of one token per request: the token for position n + 1, [B] int64."""
+    live = live & (n + 1 < max_len)
     pos = torch.where(live, n, torch.full_like(n, -1))
     meta = decode_metadata(pos, table, block_size=block_size)
     logits, _, _ = llama.forward(tparams, cur, meta, tcache, cfg=tcfg, backend=backend, max_query_len=1)
@@ -151,8 +156,8 @@ def compiled_spec_round(tcfg: ModelConfig, dcfg: DraftConfig, max_len: int):
 
 
 @functools.cache
-def compiled_decode_step(tcfg: ModelConfig, block_size: int):
+def compiled_decode_step(tcfg: ModelConfig, block_size: int, max_len: int):
     """`decode_step` as one CUDA graph per batch bucket."""
     _configure_dynamo()
-    fn = functools.partial(decode_step, tcfg=tcfg, block_size=block_size)
+    fn = functools.partial(decode_step, tcfg=tcfg, block_size=block_size, max_len=max_len)
     return torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)

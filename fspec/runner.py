@@ -82,6 +82,8 @@ class Run:
             for p in self.prompts
         )
         self.table_dirty = True
+        self.free_at: dict[int, list[int]] = {}  # round index -> blocks to free once that round is processed
+        self.processing = -1
         self.alloc = BlockAllocator(need)
         self.tcache = _cache(target.cfg, need, self.bs, target.params["embed"].dtype, self.device, compile)
         self.dcache = None
@@ -103,12 +105,15 @@ class Run:
             self.blocks[b] += self.alloc.allocate(want - len(self.blocks[b]))
             self.table_dirty = True
 
-    def _table(self) -> torch.Tensor:
+    def _table_host(self) -> torch.Tensor:
         table = torch.full((self.b, self.max_blocks), -1, dtype=torch.int32)
         for b, blocks in enumerate(self.blocks):
             if blocks:
                 table[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        return table.to(self.device)
+        return table
+
+    def _table(self) -> torch.Tensor:
+        return self._table_host().to(self.device)
 
     def _emit(self, b: int, new: list[int], *, first: bool = False) -> None:
         """Append new tokens to request b and make the last one its current token.
@@ -133,9 +138,11 @@ class Run:
 
     def _finish(self, b: int) -> None:
         self.done[b] = True
-        self.alloc.free(self.blocks[b])
+        # The round launched after the one being processed may still use these blocks: free them once it
+        # has been processed (`_process` frees `free_at[index]` after waiting for round `index`).
+        self.free_at.setdefault(self.processing + 1, []).extend(self.blocks[b])
         self.blocks[b] = []
-        self.table_dirty = True
+        self.table_dirty = self.live_dirty = True
 
     # -- device work --
 
@@ -188,107 +195,133 @@ class Run:
             self._emit(b, [first_list[b]], first=True)  # at position n, the prompt length
         return drafts
 
-    def _spec_round(self, drafts):
+    # -- the pipelined round loop --
+    #
+    # Round r + 1 is launched before the host reads round r's tokens: its inputs (current token, position)
+    # come from round r's outputs through device ops, and the host copies round r's tokens out through pinned
+    # memory while the GPU runs round r + 1. A request that finishes in round r has therefore run one extra,
+    # ignored round; its blocks are freed only once that round has completed. Host-to-device copies use pinned
+    # memory (a pageable copy waits for the stream to drain, which would serialise host and device again).
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        pinned = t.pin_memory()
+        self._keep.append(pinned)  # alive until the copy has run (cleared after each processed round)
+        return pinned.to(self.device, non_blocking=True)
+
+    def _launch(self, drafts):
+        """Queue one round on the device; returns (record, next drafts)."""
         k = self.k
         for b in range(self.b):
             if not self.done[b]:
-                self._ensure(b, self.n[b] + 2 * k + 1)  # verification writes n..n+K, drafting up to n+2K-1
+                # Round r + 1 starts at most K + 1 past the host's view of n and writes up to 2K beyond it.
+                self._ensure(b, self.n[b] + 3 * k + 2 if self.draft is not None else self.n[b] + 3)
         if self.table_dirty:
-            self.table_d, self.table_dirty = self._table(), False
-        args = (
-            self.target.params,
-            self.draft.params,
-            self.cur_d,
-            self.n_d,
-            self.live_d,
-            self.table_d,
-            *drafts,
-            self.temp,
-            self.seed,
-            self.tcache,
-            self.dcache,
-        )
+            self.table_d, self.table_dirty = self._to_device(self._table_host()), False
+        if self.live_dirty:
+            self.live_d = self._to_device(torch.tensor([not d for d in self.done]))
+            self.live_dirty = False
         self.stats.target_forwards += 1
         if self.compile:
             torch.compiler.cudagraph_mark_step_begin()
-            tokens, accepted, d_tok, d_prob = compiled_spec_round(
-                self.target.cfg, self.draft.cfg, self.max_len
-            )(*args)
-            # The next replay overwrites this one's outputs, and the drafts are its inputs: copy them out.
-            d_tok, d_prob = d_tok.clone(), d_prob.clone()
-        else:
-            tokens, accepted, d_tok, d_prob = spec_round(
-                *args, tcfg=self.target.cfg, dcfg=self.draft.cfg, max_len=self.max_len
+        if self.draft is not None:
+            args = (
+                self.target.params,
+                self.draft.params,
+                self.cur_d,
+                self.n_d,
+                self.live_d,
+                self.table_d,
+                *drafts,
+                self.temp,
+                self.seed,
+                self.tcache,
+                self.dcache,
             )
-        both = torch.cat([tokens, accepted[:, None]], 1).tolist()  # the round's one host sync
-        tok_list, acc_list = [r[:-1] for r in both], [r[-1] for r in both]
-        live = [not d for d in self.done]
-        self.stats.record([acc_list[b] for b in range(self.n_real) if live[b]])
-        for b in range(self.n_real):
-            if live[b]:
-                self._emit(b, tok_list[b][: acc_list[b] + 1])
+            if self.compile:
+                fn = compiled_spec_round(self.target.cfg, self.draft.cfg, self.max_len)
+                tokens, accepted, d_tok, d_prob = fn(*args)
+                # The next replay overwrites this one's outputs, and the drafts are its inputs: copy them.
+                drafts = (d_tok.clone(), d_prob.clone())
+            else:
+                tokens, accepted, d_tok, d_prob = spec_round(
+                    *args, tcfg=self.target.cfg, dcfg=self.draft.cfg, max_len=self.max_len
+                )
+                drafts = (d_tok, d_prob)
+        else:
+            args = (
+                self.target.params,
+                self.cur_d,
+                self.n_d,
+                self.live_d,
+                self.table_d,
+                self.temp,
+                self.seed,
+                self.tcache,
+            )
+            if self.compile:
+                new = compiled_decode_step(self.target.cfg, self.bs, self.max_len)(*args)
+            else:
+                new = decode_step(*args, tcfg=self.target.cfg, block_size=self.bs, max_len=self.max_len)
+            tokens, accepted = new[:, None], torch.zeros_like(new)
         self.n_d = self.n_d + accepted + 1
         self.cur_d = tokens.gather(1, accepted[:, None]).squeeze(1)
-        self._sync_live()
-        return d_tok, d_prob
-
-    def _target_only_round(self) -> None:
-        for b in range(self.b):
-            if not self.done[b]:
-                self._ensure(b, self.n[b] + 1)
-        if self.table_dirty:
-            self.table_d, self.table_dirty = self._table(), False
-        args = (
-            self.target.params,
-            self.cur_d,
-            self.n_d,
-            self.live_d,
-            self.table_d,
-            self.temp,
-            self.seed,
-            self.tcache,
-        )
-        self.stats.target_forwards += 1
-        if self.compile:
-            torch.compiler.cudagraph_mark_step_begin()
-            new = compiled_decode_step(self.target.cfg, self.bs)(*args).clone()
+        both = torch.cat([tokens, accepted[:, None]], 1)
+        if self.device.type == "cuda":
+            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            host.copy_(both, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
         else:
-            new = decode_step(*args, tcfg=self.target.cfg, block_size=self.bs)
-        new_list = new.tolist()
-        self.stats.record([0 for b in range(self.n_real) if not self.done[b]])
-        for b in range(self.n_real):
-            if not self.done[b]:
-                self._emit(b, [new_list[b]])
-        self.n_d = self.n_d + 1
-        self.cur_d = new
-        self._sync_live()
+            host, event = both, None
+        return (event, host, self.rounds_launched), drafts
 
-    def _sync_live(self) -> None:
-        live = [not d for d in self.done]
-        if live != self.live_h:
-            self.live_h = live
-            self.live_d = torch.tensor(live, device=self.device)
+    def _process(self, record) -> None:
+        """Read one launched round's tokens (waiting for it) and update the host bookkeeping."""
+        event, host, index = record
+        if event is not None:
+            event.synchronize()
+        self._keep.clear()
+        self.alloc.free(self.free_at.pop(index, []))  # requests that finished two rounds ago
+        rows = host.tolist()
+        live = [b for b in range(self.n_real) if not self.done[b]]
+        self.stats.record([rows[b][-1] for b in live])
+        self.processing = index
+        for b in live:
+            acc = rows[b][-1]
+            self._emit(b, rows[b][: acc + 1])
 
     def go(self) -> list[list[int]]:
         drafts = self._prefill()
         self._device_state()
-        self.live_h = [not d for d in self.done]
-        self.table_dirty = True
+        self._keep: list[torch.Tensor] = []
+        self.rounds_launched = 0
+        self.table_dirty = self.live_dirty = True
         bar = None
         if self.progress:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=self.n_real * self.max_new, desc="fspec generate", unit="tok")
         emitted = sum(map(len, self.out))
-        while not all(self.done):
-            if self.draft is None:
-                self._target_only_round()
-            else:
-                drafts = self._spec_round(drafts)
+        pending = None
+        while pending is not None or not all(self.done):
+            launched = None
+            if not all(self.done):
+                launched, drafts = self._launch(drafts)
+                self.rounds_launched += 1
+            if pending is not None:
+                self._process(pending)
+            pending = launched
             if bar is not None:
                 now = sum(map(len, self.out))
                 bar.update(now - emitted)
                 emitted = now
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        for blocks in self.free_at.values():
+            self.alloc.free(blocks)
+        self.free_at.clear()
         if bar is not None:
             bar.close()
         return self.out

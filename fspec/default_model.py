@@ -1,0 +1,422 @@
+"""The embedded default model: a small Llama target and an EAGLE-3 head that fspec trains itself, from
+scratch, on the Python standard library's source (present on every machine), shipped in fspec/assets/default.
+
+    python -m fspec.default_model --out fspec/assets/default --device cuda --minutes 6.5   # shipped model
+    python -m fspec.default_model --out /tmp/tiny --tiny                                 # toy, CPU, ~7 s
+
+Pipeline:
+(a) a byte-level BPE tokenizer (4096 ids) on the training split of the standard library (`fspec.data`;
+    held-out files are chosen by path hash, so evaluation text is never trained on);
+(b) the target: Llama, hidden 256, 4 layers, 4 heads / 2 KV heads of 64, SwiGLU 768, tied embeddings,
+    1024 positions; next-token cross-entropy on random 256-token windows, AdamW (3e-3, warm-up + cosine,
+    decay 0.1 on matrices), bf16 autocast on CUDA;
+(c) an EAGLE-3 head distilled online from the trained target (`fspec.distill`): draft vocabulary = the 2048
+    most frequent target tokens of the training split, K = 7 unrolled steps, w = 0.8;
+(d) <out>/target (HF layout + tokenizer.json, bf16), <out>/eagle3 (published EAGLE-3 layout, bf16) and
+    <out>/train_log.json: losses, tokens/s, and the acceptance length `fspec.generate` reaches with the saved
+    (bf16) files on held-out prompts, greedy, K = 5.
+
+Time budgets (--minutes, or --target-minutes / --draft-minutes) become step counts after timing a few steps
+of each loop (pure steps: timing them leaves the training state untouched), so the cosine schedule always
+completes; the counts are logged, and --target-steps / --draft-steps reproduce a run without timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from fspec import data
+from fspec import distill as D
+from fspec.checkpoint import Draft, Target, load_draft, load_target, save_draft, save_target
+from fspec.config import ModelConfig
+from fspec.models import layers as L
+from fspec.models import llama
+from fspec.pytree import tree
+from fspec.ttt import (
+    DistillConfig,
+    adamw_init,
+    adamw_update,
+    clip_by_global_norm,
+    learning_rate,
+    split_params,
+    train_step,
+    ttt_loss,
+)
+
+ASSETS = Path(__file__).parent / "assets" / "default"
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """Sizes and budgets of the default model (FULL) and of the toy run (TINY).
+
+    Attributes:
+        vocab_size ... max_positions: the tokenizer's size and the target's shape (`target_config`).
+        max_files: train on the first N training files only (0 = all; TINY uses 40).
+        target_batch, target_seq_len, target_lr, target_warmup: windows per step, their length, AdamW peak lr
+            and warm-up steps of the target.
+        target_minutes / target_steps: the target's budget; a step count > 0 wins over the minutes.
+        draft_vocab_size, ttt_steps, step_weight, draft_batch, draft_seq_len, draft_lr, draft_warmup,
+        draft_minutes / draft_steps: the same for the EAGLE-3 head (Vd, K, w, ...).
+        eval_prompts, prompt_len, new_tokens, eval_k: the acceptance measurement (held-out prompts, greedy).
+    """
+
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 768
+    max_positions: int = 1024
+    max_files: int = 0  # 0 = every training file
+    target_batch: int = 64
+    target_seq_len: int = 256
+    target_lr: float = 3e-3
+    target_warmup: int = 200
+    target_minutes: float = 4.0
+    target_steps: int = 0  # 0 = from the time budget
+    draft_vocab_size: int = 2048
+    ttt_steps: int = 7
+    step_weight: float = 0.8
+    draft_batch: int = 64
+    draft_seq_len: int = 256
+    draft_lr: float = 2e-3
+    draft_warmup: int = 100
+    draft_minutes: float = 3.0
+    draft_steps: int = 0
+    eval_prompts: int = 8
+    prompt_len: int = 64
+    new_tokens: int = 128
+    eval_k: int = 5
+
+
+FULL = Recipe()
+TINY = Recipe(
+    vocab_size=512,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    max_positions=256,
+    max_files=40,
+    target_batch=8,
+    target_seq_len=64,
+    target_warmup=10,
+    target_steps=60,
+    draft_vocab_size=256,
+    draft_batch=8,
+    draft_seq_len=64,
+    draft_warmup=5,
+    draft_steps=30,
+    eval_prompts=2,
+    prompt_len=16,
+    new_tokens=16,
+)
+
+
+def target_config(r: Recipe) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=r.vocab_size,
+        hidden_size=r.hidden_size,
+        intermediate_size=r.intermediate_size,
+        num_hidden_layers=r.num_layers,
+        num_attention_heads=r.num_heads,
+        num_key_value_heads=r.num_kv_heads,
+        head_dim=r.head_dim,
+        max_position_embeddings=r.max_positions,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        eos_token_ids=(0,),  # <|endoftext|> (fspec.data puts it after every file)
+    )
+
+
+def _autocast(device: torch.device):
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _seconds_per_step(step, state, device: torch.device, *, n: int = 8) -> float:
+    """Time the pure `step(state, i)` (results discarded): 3 warm-up calls, then the mean of n."""
+    for i in range(3):
+        step(state, i)
+    _sync(device)
+    start = time.perf_counter()
+    for i in range(n):
+        step(state, i)
+    _sync(device)
+    return (time.perf_counter() - start) / n
+
+
+def lm_loss(params: dict, ids: torch.Tensor, *, cfg: ModelConfig) -> torch.Tensor:
+    """Mean next-token cross-entropy of the target over ids [B, S]."""
+    logits, _ = llama.forward_dense(params, ids, cfg=cfg)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+def train_target(r: Recipe, tokens: torch.Tensor, held: torch.Tensor, *, device, seed: int, budget_s: float):
+    """(Target params (fp32, frozen Parameters), log) trained from scratch on the token stream `tokens`."""
+    cfg = target_config(r)
+    params = tree.tree_map(lambda p: p.detach().clone(), llama.init(cfg, seed=seed, device=device))
+    grad_fn = torch.func.grad_and_value(lambda p, ids: lm_loss(p, ids, cfg=cfg))
+    tokens = tokens.to(device)
+
+    def step(state, i, *, total=1):
+        params, opt = state
+        gen = D.step_generator(seed, i)
+        ids = data.sample_windows(tokens, batch_size=r.target_batch, seq_len=r.target_seq_len, generator=gen)
+        with _autocast(device):
+            grads, loss = grad_fn(params, ids)
+        grads, _ = clip_by_global_norm(grads, 1.0)
+        lr = learning_rate(
+            i, peak=r.target_lr, warmup_steps=r.target_warmup, total_steps=total, min_ratio=0.1
+        )
+        params, opt = adamw_update(params, grads, opt, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        return (params, opt), loss
+
+    state = (params, adamw_init(params))
+    per_step = None if r.target_steps else _seconds_per_step(step, state, device)
+    total = r.target_steps or max(int(budget_s / per_step), r.target_warmup + 1)
+    log = {"steps": total, "seconds_per_step_estimate": per_step, "records": []}
+    from tqdm.auto import tqdm
+
+    began = time.perf_counter()
+    every = max(total // 20, 1)
+    bar = tqdm(range(total), desc="target", mininterval=2.0)
+    for i in bar:
+        state, loss = step(state, i, total=total)
+        late = time.perf_counter() - began > 1.15 * budget_s and not r.target_steps
+        if (i + 1) % every == 0 or i + 1 == total or late:
+            elapsed = time.perf_counter() - began
+            tps = (i + 1) * r.target_batch * r.target_seq_len / elapsed
+            rec = {"step": i + 1, "loss": float(loss), "tokens_per_s": tps}
+            if (i + 1) % (every * 5) == 0:  # 4 points of the held-out curve: is it over-fitting?
+                rec["held_out_loss"] = held_out_loss(state[0], held, cfg=cfg, r=r, device=device)
+            log["records"].append(rec)
+            bar.set_postfix(loss=f"{float(loss):.3f}", tok_s=f"{tps:,.0f}")
+        if late:
+            break  # the estimate was badly off: keep the whole run inside its time slot
+    log["seconds"] = time.perf_counter() - began
+    log["steps_done"] = log["records"][-1]["step"]
+    log["tokens_per_s"] = log["records"][-1]["tokens_per_s"]
+    params = tree.tree_map(L.param, state[0])
+    log["held_out_loss"] = held_out_loss(params, held, cfg=cfg, r=r, device=device)
+    print(f"target: {log['steps']} steps, {log['tokens_per_s']:,.0f} tokens/s, ", end="")
+    print(f"held-out loss {log['held_out_loss']:.3f}")
+    return params, log
+
+
+def held_out_loss(params: dict, held: torch.Tensor, *, cfg: ModelConfig, r: Recipe, device) -> float:
+    """Mean next-token CE over up to 32 consecutive held-out windows."""
+    n = min(32, held.numel() // r.target_seq_len)
+    ids = held[: n * r.target_seq_len].view(n, r.target_seq_len).long().to(device)
+    with torch.no_grad(), _autocast(device):
+        return float(lm_loss(params, ids, cfg=cfg))
+
+
+def train_draft(
+    r: Recipe, target: Target, tokens: torch.Tensor, held: torch.Tensor, *, device, seed: int, budget_s: float
+):
+    """(Draft, log): an EAGLE-3 head distilled online from `target` on windows of `tokens`; the log ends with
+    the TTT metrics on held-out windows."""
+    draft = D.new_draft(
+        target,
+        kind="eagle3",
+        tokens=tokens,
+        draft_vocab_size=r.draft_vocab_size,
+        seed=seed,
+        num_speculative_steps=r.eval_k,
+    )
+    settings = dict(
+        ttt_steps=r.ttt_steps,
+        step_weight=r.step_weight,
+        batch_size=r.draft_batch,
+        seq_len=r.draft_seq_len,
+        lr=r.draft_lr,
+        warmup_steps=r.draft_warmup,
+        seed=seed,
+        autocast=device.type == "cuda",
+    )
+    tokens = tokens.to(device)
+    per_step = None
+    if not r.draft_steps:
+        probe = DistillConfig(steps=10**6, **settings)
+        batches = D.online_batches(target, draft, tokens, cfg=probe)
+        trainable, frozen = split_params(draft.params, draft.shared)
+
+        def step(state, i):
+            return train_step(*state, frozen, batches(i), step=i, cfg=draft.cfg, dcfg=probe)
+
+        per_step = _seconds_per_step(step, (trainable, adamw_init(trainable)), device)
+    steps = r.draft_steps or max(int(budget_s / per_step), r.draft_warmup + 1)
+    cfg = DistillConfig(steps=steps, **{**settings, "log_every": max(steps // 20, 1)})
+    batches = D.online_batches(target, draft, tokens, cfg=cfg)
+    limit = None if r.draft_steps else 1.15 * budget_s
+    began = time.perf_counter()
+    draft, history = D.distill_head(draft, batches, cfg=cfg, time_limit_s=limit)
+    log = {"steps": steps, "seconds_per_step_estimate": per_step, "seconds": time.perf_counter() - began}
+    log.update(records=history, tokens_per_s=sum(h["tokens_per_s"] for h in history[-3:]) / len(history[-3:]))
+    log["held_out"] = held_out_ttt(draft, target, held, cfg=cfg)
+    print(f"draft: {history[-1]['step']} steps, {log['tokens_per_s']:,.0f} tokens/s, held-out ", end="")
+    print(f"agreement per step {log['held_out']['agreement']}")
+    return draft, log
+
+
+def held_out_ttt(draft: Draft, target: Target, held: torch.Tensor, *, cfg: DistillConfig) -> dict:
+    """TTT loss and top-1 agreement per unrolled step on up to 16 consecutive held-out windows."""
+    n = min(16, held.numel() // cfg.seq_len)
+    ids = held[: n * cfg.seq_len].view(n, cfg.seq_len).long().to(target.params["embed"].device)
+    trainable, frozen = split_params(draft.params, draft.shared)
+    batch = D.target_batch(target, draft, ids, autocast=cfg.autocast)
+    with torch.no_grad(), _autocast(ids.device):
+        kw = {"ttt_steps": cfg.ttt_steps, "step_weight": cfg.step_weight, "feed": cfg.feed}
+        loss, m = ttt_loss(trainable, frozen, batch, cfg=draft.cfg, **kw)
+    rounded = {k: [round(x, 5) for x in v.tolist()] for k, v in m.items()}
+    return {"loss": float(loss), "loss_per_step": rounded["loss"], "agreement": rounded["agreement"]}
+
+
+def evaluate(target: Target, draft: Draft, held: list[list[int]], *, r: Recipe) -> dict:
+    """Greedy speculative generation (K = r.eval_k) on held-out prompts, against target-only generation."""
+    from fspec.engine import generate
+
+    spec = generate(target, draft, held, max_new_tokens=r.new_tokens, num_speculative_steps=r.eval_k)
+    plain = generate(target, None, held, max_new_tokens=r.new_tokens)
+    same = sum(a == b for x, y in zip(spec.tokens, plain.tokens) for a, b in zip(x, y))
+    stats = {k: v for k, v in spec.stats.items() if k != "seconds"}
+    return {
+        **stats,
+        "prompts": len(held),
+        "prompt_tokens": r.prompt_len,
+        "greedy_tokens_equal_to_target_only": same / max(sum(map(len, plain.tokens)), 1),
+        "sample": spec.text[0] if spec.text else None,
+    }
+
+
+def _prompts(tokens: torch.Tensor, r: Recipe) -> list[list[int]]:
+    """r.eval_prompts held-out prompts of r.prompt_len tokens, evenly spaced through the held-out stream."""
+    span = tokens.numel() - r.prompt_len - 1
+    starts = [span * (i + 1) // (r.eval_prompts + 1) for i in range(r.eval_prompts)]
+    return [tokens[s : s + r.prompt_len].tolist() for s in starts]
+
+
+def _to_bf16(params):
+    """Float leaves in bf16 (integer/bool leaves such as d2t/t2d unchanged), as frozen Parameters."""
+    return tree.tree_map(
+        lambda p: L.param(p.detach().to(torch.bfloat16)) if p.is_floating_point() else p, params
+    )
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def build(out, *, recipe: Recipe = FULL, device: str | None = None, seed: int = 0) -> dict:
+    """Run the whole pipeline into `out` (see the module docstring); returns the train_log dict."""
+    out = Path(out)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    r = recipe
+    log: dict = {"recipe": dataclasses.asdict(r), "device": str(dev), "seed": seed, "command": sys.argv}
+    log.update(torch=torch.__version__, python=platform.python_version())
+    # (a) corpus and tokenizer
+    t0 = time.perf_counter()
+    train_files, held_files = data.split_files(data.stdlib_files())
+    if r.max_files:
+        train_files, held_files = train_files[: r.max_files], held_files[: max(r.max_files // 10, 2)]
+    tokenizer = data.train_tokenizer(train_files, vocab_size=r.vocab_size)
+    t1 = time.perf_counter()
+    train_tokens, held_tokens = (
+        data.encode_files(tokenizer, train_files),
+        data.encode_files(tokenizer, held_files),
+    )
+    log["data"] = {
+        "train_files": len(train_files),
+        "held_out_files": len(held_files),
+        "train_tokens": train_tokens.numel(),
+        "held_out_tokens": held_tokens.numel(),
+        "tokenizer_seconds": t1 - t0,
+        "encode_seconds": time.perf_counter() - t1,
+    }
+    print(f"data: {log['data']}")
+    # (b) target, (c) head
+    params, log["target"] = train_target(
+        r, train_tokens, held_tokens, device=dev, seed=seed, budget_s=60 * r.target_minutes
+    )
+    target = Target(cfg=target_config(r), params=params, tokenizer=tokenizer)
+    draft, log["draft"] = train_draft(
+        r, target, train_tokens, held_tokens, device=dev, seed=seed, budget_s=60 * r.draft_minutes
+    )
+    # (d) save in bf16, then measure what ships
+    cfg16 = dataclasses.replace(target.cfg, torch_dtype="bfloat16")
+    save_target(Target(cfg=cfg16, params=_to_bf16(target.params), tokenizer=tokenizer), out / "target")
+    own = {k: v for k, v in draft.params.items() if k not in draft.shared}
+    save_draft(dataclasses.replace(draft, params={**draft.params, **_to_bf16(own)}), out / "eagle3")
+    log["bytes"] = {"target": _dir_bytes(out / "target"), "eagle3": _dir_bytes(out / "eagle3")}
+    shipped = load_target(out / "target", device=dev)
+    head = load_draft(out / "eagle3", target=shipped)
+    log["acceptance"] = evaluate(shipped, head, _prompts(held_tokens, r), r=r)
+    print(
+        f"acceptance length {log['acceptance']['acceptance_length']:.2f} at K={r.eval_k} (greedy, "
+        f"{r.eval_prompts} held-out prompts); sizes {log['bytes']}"
+    )
+    (out / "train_log.json").write_text(json.dumps(log, indent=2))
+    return log
+
+
+def load_default(path=None) -> tuple[Target, Draft]:
+    """(target, EAGLE-3 head) of the embedded default model (fspec/assets/default, or `path`)."""
+    path = ASSETS if path is None else Path(path)
+    if not (path / "target" / "config.json").is_file() or not (path / "eagle3" / "config.json").is_file():
+        raise FileNotFoundError(
+            f"path: no default model under {str(path)!r} (expected target/ and eagle3/ checkpoints); "
+            "build it "
+            f"with `python -m fspec.default_model --out {path} --device cuda`"
+        )
+    target = load_target(path / "target")
+    return target, load_draft(path / "eagle3", target=target)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fspec.default_model", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=str(ASSETS), help="output directory (default: the package's assets)")
+    parser.add_argument("--device", default=None, help="default: cuda when available")
+    parser.add_argument("--minutes", type=float, default=None, help="total training minutes, split 4:3")
+    parser.add_argument("--target-minutes", type=float, default=None)
+    parser.add_argument("--draft-minutes", type=float, default=None)
+    parser.add_argument("--target-steps", type=int, default=None, help="fixed step count (no timing)")
+    parser.add_argument("--draft-steps", type=int, default=None, help="fixed step count (no timing)")
+    parser.add_argument("--tiny", action="store_true", help="toy sizes: well under a minute on a CPU")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    r = TINY if args.tiny else FULL
+    if (
+        args.tiny
+    ):  # toy matmuls on a shared CPU: one thread avoids OpenMP spin-waits (7 s instead of 100 s here)
+        torch.set_num_threads(1)
+    changes = {}
+    if args.minutes is not None:
+        changes.update(target_minutes=args.minutes * 4 / 7, draft_minutes=args.minutes * 3 / 7)
+    for name in ("target_minutes", "draft_minutes", "target_steps", "draft_steps"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    build(args.out, recipe=dataclasses.replace(r, **changes), device=args.device, seed=args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
