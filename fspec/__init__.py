@@ -41,6 +41,10 @@ from fspec.draft import draft_step, propose
 # End-to-end generation.
 from fspec.engine import GenerateResult, generate
 
+# Training-time-test distillation and the embedded default model.
+from fspec.default_model import load_default
+from fspec.distill import DistillConfig, distill_head
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -55,6 +59,8 @@ __all__ = [
     "decode_after",
     "decode_metadata",
     "dense_attention",
+    "distill_head",
+    "DistillConfig",
     "Draft",
     "draft_step",
     "draft_to_target",
@@ -71,6 +77,7 @@ __all__ = [
     "init_draft",
     "init_draft_state",
     "KVCache",
+    "load_default",
     "load_draft",
     "load_target",
     "mark_static",

@@ -1,0 +1,60 @@
+"""The embedded default model's pipeline at toy sizes: tokenizer, target, head, files that load back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import fspec
+from fspec import default_model
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matmuls on 2 shared cores: one thread avoids OpenMP spin-waits (7 s instead of ~100 s here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_tiny_pipeline_writes_a_target_and_head_that_load_and_generate(tmp_path: Path):
+    """`--tiny` trains tokenizer, target and EAGLE-3 head; the bf16 files load back, generate losslessly."""
+    assert default_model.main(["--out", str(tmp_path), "--tiny", "--device", "cpu"]) == 0
+    log = json.loads((tmp_path / "train_log.json").read_text())
+    r = default_model.TINY
+    # The target learned something: below the uniform loss ln(V) on held-out files.
+    records = log["target"]["records"]
+    assert log["target"]["steps"] == r.target_steps and records[-1]["step"] == r.target_steps
+    assert log["target"]["held_out_loss"] < 0.9 * torch.log(torch.tensor(float(r.vocab_size))).item()
+    assert records[-1]["loss"] < records[0]["loss"] and records[-1]["tokens_per_s"] > 0
+    # The head trained K = 7 steps with the 256 most frequent tokens as its vocabulary.
+    draft_log = log["draft"]["records"]
+    assert len(draft_log[-1]["agreement"]) == r.ttt_steps and draft_log[-1]["step"] == r.draft_steps
+    assert draft_log[-1]["loss"] < draft_log[0]["loss"]
+    # What ships: bf16 weights in HF / EAGLE-3 layouts, with the tokenizer.
+    target, draft = default_model.load_default(tmp_path)
+    assert target.params["embed"].dtype == torch.bfloat16 and target.tokenizer is not None
+    assert target.cfg.hidden_size == r.hidden_size and target.cfg.tie_word_embeddings
+    assert draft.cfg.kind == "eagle3" and draft.cfg.draft_vocab_size == r.draft_vocab_size
+    assert draft.params["fc"].dtype == torch.bfloat16 and draft.params["d2t"].dtype == torch.int64
+    assert int(draft.params["t2d"].sum()) == r.draft_vocab_size
+    config = json.loads((tmp_path / "eagle3" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert log["bytes"]["target"] < 1_000_000 and log["bytes"]["eagle3"] < 1_000_000
+    # Acceptance was measured on held-out prompts with the saved files, and generation runs from them.
+    acc = log["acceptance"]
+    assert 1.0 <= acc["acceptance_length"] <= r.eval_k + 1 and acc["num_speculative_steps"] == r.eval_k
+    assert acc["greedy_tokens_equal_to_target_only"] == 1.0  # greedy speculative decoding is lossless
+    out = fspec.generate(target, draft, ["def main("], max_new_tokens=8, num_speculative_steps=3)
+    plain = fspec.generate(target, None, ["def main("], max_new_tokens=8)
+    assert out.tokens == plain.tokens and out.stats["acceptance_length"] >= 1.0
+
+
+def test_load_default_names_the_missing_directory(tmp_path: Path):
+    """Without built assets, load_default raises FileNotFoundError saying how to build them."""
+    with pytest.raises(FileNotFoundError, match="python -m fspec.default_model"):
+        default_model.load_default(tmp_path / "absent")
