@@ -1,9 +1,5 @@
-"""The `fspec` command line.
-
-`fspec demo` shows, on CPU, what runs today: a draft state pytree and its attention metadata advancing on
-the device across a KV-cache block boundary. Speculative generation on the embedded default model will
-replace it when the engine lands (see README.md, "Status").
-"""
+"""The `fspec` command line: `fspec demo` (the embedded default model on held-out text), `fspec generate`
+(local HF checkpoints) and `fspec distill` (training-time-test distillation of a draft head)."""
 
 from __future__ import annotations
 
@@ -11,58 +7,51 @@ import argparse
 import json
 import sys
 
-import torch
-
 
 def _demo(args: argparse.Namespace) -> int:
     import fspec
+    from fspec import data
 
-    model = fspec.ModelConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+    target, draft = fspec.load_default()
+    # A held-out file of this interpreter's standard library: text the model never saw in training.
+    files = data.stdlib_files()
+    _, held = data.split_files(files)
+    text = next(data.read_texts(held[args.file % len(held) : args.file % len(held) + 1]))
+    ids = target.tokenizer.encode(text).ids[: args.prompt_tokens]
+    prompt = target.tokenizer.decode(ids)
+    res = fspec.generate(
+        target,
+        draft,
+        [ids],
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        num_speculative_steps=args.k,
+        progress=args.max_new_tokens >= 512,
     )
-    cfg = fspec.DraftConfig(
-        kind="eagle", model=model, num_speculative_steps=args.k, block_size=args.block_size, max_model_len=64
+    s = res.stats
+    print(f"--- prompt ({len(ids)} tokens of held-out {held[args.file % len(held)].name}) ---")
+    print(prompt)
+    print(f"--- {len(res.tokens[0])} new tokens, K = {args.k}, temperature {args.temperature} ---")
+    print(res.text[0])
+    print("---")
+    print(
+        f"acceptance length {s['acceptance_length']:.2f} tokens per target forward "
+        f"(per-position acceptance {', '.join(f'{a:.2f}' for a in s['acceptance_rate_per_position'])}); "
+        f"{s['tokens_per_second']:.1f} tokens/s on {target.params['embed'].device}"
     )
-    # Two requests and one padding row; request 0 starts two tokens before a block boundary.
-    positions = torch.tensor([args.block_size - 2, 5, -1])
-    table = torch.tensor([[3, 7, 1, 0], [2, 6, 4, 5], [-1, -1, -1, -1]], dtype=torch.int32)
-    meta = fspec.decode_metadata(positions, table, block_size=cfg.block_size)
-    state = fspec.init_draft_state(
-        torch.tensor([1, 2, 0]),
-        torch.zeros(3, model.hidden_size),
-        meta,
-        cfg=cfg,
-        temperature=[0.0, 0.8, 0.0],
-        seed=[1, 2, 0],
-    )
-    rows = []
-    for step in range(cfg.num_speculative_steps):
-        rows.append(
+    print(
+        json.dumps(
             {
-                "step": step,
-                "positions": state.attn.positions.tolist(),
-                "seq_lens": state.attn.seq_lens.tolist(),
-                "slot_mapping": state.attn.slot_mapping.tolist(),
+                "demo": "default-model",
+                "file": held[args.file % len(held)].name,
+                "k": args.k,
+                "temperature": args.temperature,
+                "tokens": res.tokens[0],
+                "stats": s,
             }
         )
-        attn = fspec.advance(state.attn, block_size=cfg.block_size, max_model_len=cfg.max_model_len)
-        state = fspec.replace(state, attn=attn, step=state.step + 1)
-    print(
-        f"draft state: {len(fspec.tree.tree_leaves(state))} tensor leaves, K={cfg.num_speculative_steps}, "
-        f"block_size={cfg.block_size}; row 2 is padding"
     )
-    for r in rows:
-        print(
-            f"  step {r['step']}: positions {r['positions']}  seq_lens {r['seq_lens']}  "
-            f"slots {r['slot_mapping']}"
-        )
-    print(json.dumps({"demo": "metadata", "steps": rows}))
     return 0
 
 
@@ -108,12 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
-        help="show a draft state and its metadata advancing across a block boundary (CPU)",
-        description="Builds a small draft state and advances its attention metadata K times on the device, "
-        "printing positions, sequence lengths and KV-cache slots, then one line of JSON.",
+        help="speculative generation with the embedded default model on held-out Python source (CPU)",
+        description="Loads the embedded default model (a small Llama trained by fspec on the Python standard "
+        "library's source, and its distilled EAGLE-3 head), continues a held-out standard-library file, and "
+        "prints the text, the acceptance length and tokens/s, then one line of JSON.",
     )
-    demo.add_argument("-k", type=int, default=4, help="draft steps to show (default 4)")
-    demo.add_argument("--block-size", type=int, default=4, help="KV-cache block size (default 4)")
+    demo.add_argument("-k", type=int, default=5, help="draft tokens per round (default 5)")
+    demo.add_argument("--max-new-tokens", type=int, default=128)
+    demo.add_argument("--prompt-tokens", type=int, default=64, help="prompt length in tokens (default 64)")
+    demo.add_argument("--temperature", type=float, default=0.0)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--file", type=int, default=0, help="which held-out file (index, default 0)")
     demo.set_defaults(func=_demo)
     gen = sub.add_parser(
         "generate",
@@ -130,6 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("-k", type=int, default=3, help="draft tokens per round (default 3)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.set_defaults(func=_generate)
+    dist = sub.add_parser(
+        "distill", help="train a draft head (see `python -m fspec.distill --help`)", add_help=False
+    )
+    dist.set_defaults(func=None)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["distill"]:
+        from fspec.distill import main as distill_main
+
+        return distill_main(argv[1:])
     args = parser.parse_args(argv)
     return args.func(args)
 

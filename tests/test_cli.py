@@ -10,15 +10,20 @@ from fspec.cli import main
 from engine_setup import aligned_pair
 
 
-def test_demo_prints_metadata_crossing_a_block_boundary(capsys):
-    """Request 0 starts 2 before a block boundary: its slot jumps to block 7 at step 2; padding stays -1."""
-    assert main(["demo", "-k", "4", "--block-size", "4"]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    record = json.loads(out[-1])
-    steps = record["steps"]
-    assert [s["positions"][0] for s in steps] == [2, 3, 4, 5]
-    assert [s["slot_mapping"][0] for s in steps] == [3 * 4 + 2, 3 * 4 + 3, 7 * 4 + 0, 7 * 4 + 1]
-    assert all(s["positions"][2] == -1 and s["slot_mapping"][2] == -1 for s in steps)
+def test_demo_runs_the_embedded_model_losslessly_on_held_out_text(capsys):
+    """`fspec demo`: the shipped target and EAGLE-3 head continue a held-out file; greedy speculative tokens
+    equal target-only greedy tokens, and the head gets more than one token per target forward."""
+    assert main(["demo", "--max-new-tokens", "32", "--prompt-tokens", "48"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["demo"] == "default-model" and len(record["tokens"]) == 32
+    assert record["stats"]["acceptance_length"] > 1.5
+    target, draft = fspec.load_default()
+    from fspec import data
+
+    _, held = data.split_files(data.stdlib_files())
+    text = next(data.read_texts(held[:1]))
+    ids = target.tokenizer.encode(text).ids[:48]
+    assert fspec.generate(target, None, [ids], max_new_tokens=32).tokens[0] == record["tokens"]
 
 
 def test_generate_command_runs_a_saved_target_and_head(tmp_path, capsys):
