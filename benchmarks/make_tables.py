@@ -82,15 +82,31 @@ def generate(d: dict) -> list[str]:
     return out
 
 
+def acceptance(d: dict) -> list[str]:
+    out = [
+        "| head | temperature | K | τ measured | (1 − α^{K+1}) / (1 − α), α from K = 1 | 1 + Σ Π α_i (K = 7 rates) | per-position acceptance |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in d["rows"]:
+        c = r["case"]
+        rates = ", ".join(f"{a:.2f}" for a in r["acceptance_rate_per_position"])
+        out.append(
+            f"| {c['head']} | {c['temperature']} | {c['K']} | {r['acceptance_length']:.2f} | {r['theory_iid']:.2f} "
+            f"| {r['theory_per_position']:.2f} | {rates} |"
+        )
+    return out
+
+
 def main(names: list[str]) -> int:
-    for name in names or ["attention", "sampling", "draft_loop", "generate"]:
+    for name in names or ["attention", "sampling", "draft_loop", "generate", "acceptance"]:
         path = RESULTS / f"{name}.json"
         if not path.exists():
             continue
         d = json.loads(path.read_text())
+        bw = f", copy bandwidth {d['copy_bandwidth_TBps']} TB/s" if d.get("copy_bandwidth_TBps") else ""
         print(
-            f"### {name}\n\n`{d['command']}` — {d['machine']}, torch {d['torch']}, triton {d['triton']}, "
-            f"{d['date']}, copy bandwidth {d['copy_bandwidth_TBps']} TB/s\n"
+            f"### {name}\n\n`{d['command'].strip()}` — {d['machine']}, torch {d['torch']}, "
+            f"triton {d['triton']}, {d['date']}{bw}\n"
         )
         print("\n".join(globals()[name](d)) + "\n")
     return 0
