@@ -76,6 +76,10 @@ def bench_gumbel(b: int, v: int, rep: int, bandwidth: float) -> list[dict]:
         logits, temperature, seed, positions, out_tokens=out_tokens, out_probs=out_probs, col=col
     )
     multinomial = lambda: torch.multinomial(torch.softmax(logits / TEMPERATURE, dim=-1), 1)
+    # gpt-fast's sync-free "exponential race": argmax(p / Exp(1)) samples from p.
+    race = lambda: torch.argmax(
+        torch.softmax(logits / TEMPERATURE, dim=-1) / torch.empty(b, v, device=DEVICE).exponential_(1), dim=-1
+    )
     assert torch.equal(sample(), ref()), "Triton and reference disagree on fp32 logits"
     rows = []
     for name, fn, fn_ref, nbytes in [
@@ -89,6 +93,9 @@ def bench_gumbel(b: int, v: int, rep: int, bandwidth: float) -> list[dict]:
         row["ref_eager_us"] = _time_us(fn_ref, rep)
         if name == "gumbel_sample":
             row["torch_multinomial_us"] = _time_us(multinomial, rep)
+            row["torch_multinomial_graph_us"] = _time_us(multinomial, rep, graph=True)
+            row["exponential_race_us"] = _time_us(race, rep)
+            row["exponential_race_graph_us"] = _time_us(race, rep, graph=True)
         rows.append(row)
     return rows
 
