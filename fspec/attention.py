@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from fspec.cache import KVCache, write_kv
+from fspec.cache import KVCache, _write_kv
 from fspec.metadata import token_requests
-from fspec.state import AttnMetadata
+from fspec.state import AttnMetadata, _expect, check_positive_int, validate_attn_metadata
 
 BACKENDS = ("auto", "paged", "reference", "dense")
 
@@ -59,8 +59,10 @@ def dense_attention(
     """Differentiable attention over explicit q [B, S, N, D], k/v [B, Sk, Nkv, D] -> [B, S, N, D].
 
     mask: bool, True = may attend, broadcastable to [B, S, Sk]; None = causal (S == Sk). Rows with no
-    visible key return zeros.
+    visible key return zeros. Eager calls check shapes, dtypes and devices (no value checks).
     """
+    if not torch.compiler.is_compiling():
+        _check_dense(q, k, v, mask)
     qh = rearrange(q, "b s n d -> b n s d")
     kh = rearrange(k, "b s n d -> b n s d")
     vh = rearrange(v, "b s n d -> b n s d")
@@ -87,8 +89,42 @@ def attention(
     """Attention of T query tokens of B requests; see the module docstring. Returns (out [T, N, D], cache).
 
     max_query_len: static bound on any request's query count (default T). max_context: static bound on any
-    request's seq_len (default: the block table's capacity); keys beyond it are not read.
+    request's seq_len (default: the block table's capacity); keys beyond it are not read (a smaller value is
+    allowed and documented: it truncates the context).
+
+    Eager calls validate (ValueError naming the argument): q [T, N, D], k/v [T, Nkv, D] with N % Nkv == 0,
+    one float dtype and device; for the cached backends a KVCache of that head shape, `layer` in [0, L),
+    `meta` valid for the cache (`validate_attn_metadata` with its block size and block count), and
+    max_query_len >= every request's query count. The model layers call `_attention`, unvalidated.
     """
+    if not torch.compiler.is_compiling():
+        _check_attention(q, k, v, meta, cache, layer, backend, max_query_len, max_context)
+    return _attention(
+        q,
+        k,
+        v,
+        meta,
+        cache,
+        layer=layer,
+        backend=backend,
+        max_query_len=max_query_len,
+        max_context=max_context,
+    )
+
+
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttnMetadata,
+    cache: KVCache | None,
+    *,
+    layer: int,
+    backend: str = "auto",
+    max_query_len: int | None = None,
+    max_context: int | None = None,
+) -> tuple[torch.Tensor, KVCache | None]:
+    """`attention` without validation (what the models' layers call, once per layer)."""
     backend = resolve_backend(backend, cache)
     if backend == "paged":
         return _paged_kernels(q, k, v, meta, cache, layer=layer, max_query_len=max_query_len), cache
@@ -160,7 +196,7 @@ def paged_attention(
     max_context: int | None = None,
 ) -> tuple[torch.Tensor, KVCache]:
     """The "reference" backend: write K/V at meta.slot_mapping, then attend over each request's blocks."""
-    cache = write_kv(cache, layer, k, v, meta.slot_mapping)
+    cache = _write_kv(cache, layer, k, v, meta.slot_mapping)
     t, n, d = q.shape
     b, max_blocks = meta.block_table.shape
     bs = cache.block_size
@@ -208,7 +244,7 @@ def bind(
         raise ValueError(f"cache: expected a KVCache for the {backend!r} backend, got {type(cache).__name__}")
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-        return attention(
+        return _attention(
             q,
             k,
             v,
@@ -226,3 +262,96 @@ def bind(
 def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
     """`attend` for the dense [B, S] path: causal attention within each sequence (`layer` unused)."""
     return dense_attention(q, k, v)
+
+
+# --- validation of the public functions (eager only) --------------------------------------------------------
+
+
+def _check_qkv(q, k, v, *, ndim: int, layout: str) -> None:
+    """q [..., N, D], k/v [..., Nkv, D]: tensors of rank `ndim`, one float dtype and device, N % Nkv == 0."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != ndim:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name}: expected a {layout} tensor, got {got}")
+        if not x.is_floating_point():
+            raise ValueError(f"{name}: expected a float dtype, got {x.dtype}")
+        if x.dtype != q.dtype or x.device != q.device:
+            raise ValueError(
+                f"{name}: expected q's dtype {q.dtype} on {q.device}, got {x.dtype} on {x.device}"
+            )
+    if k.shape != v.shape:
+        raise ValueError(f"v: expected k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0]:
+        raise ValueError(
+            f"k: expected the leading dim and head dim of q {tuple(q.shape)}, got {tuple(k.shape)}"
+        )
+    if q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"k: expected KV heads dividing q's {q.shape[-2]} heads (GQA), got {k.shape[-2]}")
+
+
+def _check_dense(q, k, v, mask) -> None:
+    _check_qkv(q, k, v, ndim=4, layout="[B, S, heads, D]")
+    b, s, sk = q.shape[0], q.shape[1], k.shape[1]
+    if mask is None:
+        if s != sk:
+            raise ValueError(
+                f"mask: expected a mask when q has {s} positions and k {sk} (causal needs S == Sk)"
+            )
+        return
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.device != q.device:
+        got = f"{mask.dtype} on {mask.device}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"mask: expected a bool tensor on {q.device}, got {got}")
+    try:
+        ok = torch.broadcast_shapes(mask.shape, (b, s, sk)) == (b, s, sk)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"mask: expected a shape broadcastable to [B, S, Sk] = {[b, s, sk]}, got {list(mask.shape)}"
+        )
+
+
+def _check_attention(q, k, v, meta, cache, layer, backend, max_query_len, max_context) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    _check_qkv(q, k, v, ndim=3, layout="[T, heads, D]")
+    if not isinstance(meta, AttnMetadata):
+        raise ValueError(f"meta: expected an AttnMetadata, got {type(meta).__name__}")
+    t = q.shape[0]
+    _expect("meta.positions", meta.positions, shape=(t,), dtype=torch.int64, device=q.device)
+    _expect("meta.query_start_loc", meta.query_start_loc, shape=(None,), dtype=torch.int32, device=q.device)
+    for name, value in (("max_query_len", max_query_len), ("max_context", max_context)):
+        if value is not None:
+            check_positive_int(name, value)
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        raise ValueError(f"layer: expected an int >= 0, got {layer!r}")
+    counts = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+    if max_query_len is not None and counts.numel() and int(counts.max()) > max_query_len:
+        raise ValueError(
+            f"max_query_len: expected at least the largest query count per request, {int(counts.max())}, "
+            f"got {max_query_len}"
+        )
+    if resolve_backend(backend, cache) == "dense":
+        return
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache: expected a KVCache for the {backend!r} backend, got {type(cache).__name__}")
+    if not 0 <= layer < cache.num_layers:
+        raise ValueError(
+            f"layer: expected an int in [0, {cache.num_layers}) (the cache's layers), got {layer}"
+        )
+    n_kv, d = cache.k.shape[3], cache.k.shape[4]
+    if tuple(k.shape[1:]) != (n_kv, d):
+        raise ValueError(f"k: expected shape [T, {n_kv}, {d}] (the cache's Nkv, D), got {tuple(k.shape)}")
+    if cache.k.device != q.device:
+        raise ValueError(f"cache: expected device {q.device} (q's), got {cache.k.device}")
+    check_positive_int("cache.block_size", cache.block_size)
+    capacity = (
+        meta.block_table.shape[1] * cache.block_size if isinstance(meta.block_table, torch.Tensor) else 1
+    )
+    validate_attn_metadata(
+        meta,
+        block_size=cache.block_size,
+        max_model_len=max(capacity, 1),
+        num_blocks=cache.num_blocks,
+        name="meta",
+    )

@@ -55,17 +55,53 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> KVCache:
         """Zeroed buffers for `cfg`'s layers, KV heads and head dim, plus one scratch block."""
+        if not isinstance(cfg, ModelConfig):
+            raise ValueError(f"cfg: expected a ModelConfig, got {type(cfg).__name__}")
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype: expected a floating-point torch.dtype for K/V, got {dtype!r}")
         shape = (cfg.num_hidden_layers, num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
         return cls(
             k=torch.zeros(shape, dtype=dtype, device=device), v=torch.zeros(shape, dtype=dtype, device=device)
         )
 
 
+def check_cache(
+    cache: object, *, cfg: ModelConfig, block_size: int, device: torch.device, name: str = "cache"
+) -> None:
+    """ValueError naming `name` unless `cache` is a KVCache laid out for `cfg` and `block_size` on `device`.
+
+    A cache with another block size would silently take every slot at the wrong place (slots are computed
+    with the config's block size, the buffer is indexed with its own).
+    """
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"{name}: expected a KVCache, got {type(cache).__name__}")
+    want = (cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    k, v = cache.k, cache.v
+    if (
+        not isinstance(k, torch.Tensor)
+        or not isinstance(v, torch.Tensor)
+        or k.dim() != 5
+        or k.shape != v.shape
+    ):
+        raise ValueError(f"{name}: expected k and v of one shape [L, num_blocks + 1, block_size, Nkv, D]")
+    got = (k.shape[0], k.shape[2], k.shape[3], k.shape[4])
+    if got != want:
+        raise ValueError(
+            f"{name}: expected (layers, block_size, kv heads, head_dim) = {want} (the config's), got {got}"
+        )
+    if k.device != device or v.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {k.device}")
+    if not (k.is_contiguous() and v.is_contiguous()):
+        raise ValueError(f"{name}: expected contiguous k and v buffers (written in place), got strided ones")
+
+
 def mark_static(cache: KVCache) -> KVCache:
     """Give the buffers static addresses, so a CUDA graph that writes them is not skipped. Returns `cache`."""
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache: expected a KVCache, got {type(cache).__name__}")
     torch._dynamo.mark_static_address(cache.k)
     torch._dynamo.mark_static_address(cache.v)
     return cache
@@ -76,8 +112,62 @@ def write_kv(
 ) -> KVCache:
     """Write k/v [T, Nkv, D] of `layer` at `slot_mapping` [T] in place; slot -1 goes to the scratch block.
 
-    Donates `cache`: the buffers are mutated and the same object is returned.
+    Donates `cache`: the buffers are mutated and the same object is returned. Eager calls validate (ValueError
+    naming the argument): layer in [0, L), k/v of the cache's head shape on its device, int64 slots in
+    [-1, num_blocks * block_size), no live slot twice (two writes to one slot race on the GPU).
     """
+    if not torch.compiler.is_compiling():
+        _check_write(cache, layer, k, v, slot_mapping)
+    return _write_kv(cache, layer, k, v, slot_mapping)
+
+
+def _check_write(cache, layer, k, v, slot_mapping) -> None:
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache: expected a KVCache, got {type(cache).__name__}")
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < cache.num_layers:
+        raise ValueError(f"layer: expected an int in [0, {cache.num_layers}), got {layer!r}")
+    nkv, d = cache.k.shape[3], cache.k.shape[4]
+    for name, x in (("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or tuple(x.shape[1:]) != (nkv, d):
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name}: expected shape [T, {nkv}, {d}] (the cache's Nkv, D), got {got}")
+        if not x.is_floating_point() or x.device != cache.k.device:
+            raise ValueError(
+                f"{name}: expected a float tensor on {cache.k.device}, got {x.dtype} on {x.device}"
+            )
+    t = k.shape[0]
+    if v.shape[0] != t:
+        raise ValueError(f"v: expected {t} rows (k's T), got {v.shape[0]}")
+    if (
+        not isinstance(slot_mapping, torch.Tensor)
+        or tuple(slot_mapping.shape) != (t,)
+        or slot_mapping.dtype != torch.int64
+        or slot_mapping.device != cache.k.device
+    ):
+        got = (
+            f"shape {tuple(slot_mapping.shape)}, {slot_mapping.dtype} on {slot_mapping.device}"
+            if isinstance(slot_mapping, torch.Tensor)
+            else type(slot_mapping).__name__
+        )
+        raise ValueError(f"slot_mapping: expected a [{t}] int64 tensor on {cache.k.device}, got {got}")
+    hi = cache.num_blocks * cache.block_size
+    bad = (slot_mapping < -1) | (slot_mapping >= hi)
+    if bool(bad.any()):
+        raise ValueError(
+            f"slot_mapping: expected slots in [-1, {hi}) ({cache.num_blocks} blocks of {cache.block_size}), "
+            f"got {slot_mapping[bad][:4].tolist()}"
+        )
+    live = slot_mapping[slot_mapping >= 0]
+    if live.unique().numel() != live.numel():
+        raise ValueError(
+            f"slot_mapping: expected distinct slots for live tokens, got repeats in {live.tolist()[:8]}"
+        )
+
+
+def _write_kv(
+    cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> KVCache:
+    """`write_kv` without validation (branch-free; inside the attention backends)."""
     scratch = cache.num_blocks * cache.block_size  # first slot of the scratch block
     slots = torch.where(slot_mapping < 0, torch.full_like(slot_mapping, scratch), slot_mapping)
     cache.k[layer].flatten(0, 1).index_copy_(0, slots, k.to(cache.k.dtype))
@@ -131,7 +221,11 @@ class BlockAllocator:
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
-    """Blocks that hold `num_tokens` tokens."""
+    """Blocks that hold `num_tokens` tokens (num_tokens >= 0, block_size > 0)."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"num_tokens: expected an int >= 0, got {num_tokens!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
     return -(-num_tokens // block_size)
 
 
@@ -139,6 +233,14 @@ def block_table_row(
     block_ids: list[int], *, max_blocks: int, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
     """[max_blocks] int32: a request's blocks in order, then -1 (unallocated)."""
+    if isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or max_blocks <= 0:
+        raise ValueError(f"max_blocks: expected a positive int, got {max_blocks!r}")
+    block_ids = list(block_ids)
+    bad = [i for i in block_ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < 2**31]
+    if bad:
+        raise ValueError(f"block_ids: expected block ids in [0, 2^31) (from a BlockAllocator), got {bad[:4]}")
+    if len(set(block_ids)) != len(block_ids):
+        raise ValueError(f"block_ids: expected each block once, got {block_ids}")
     if len(block_ids) > max_blocks:
         raise ValueError(f"block_ids: expected at most max_blocks={max_blocks} ids, got {len(block_ids)}")
     row = torch.full((max_blocks,), -1, dtype=torch.int32)

@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import torch
 
-from fspec.cache import KVCache
+from fspec.cache import KVCache, check_cache
 from fspec.config import DraftConfig
 from fspec.kernels.salts import SALT_DRAFT
 from fspec.metadata import decode_after
-from fspec.models import draft_to_target, head_forward
+from fspec.models import _head_forward, check_head_params
+from fspec.models.eagle3 import _draft_to_target
 from fspec.pytree import replace
 from fspec.sampling import gumbel_sample
-from fspec.state import AttnMetadata, DraftState, validate_draft_state
+from fspec.state import AttnMetadata, DraftState, check_positive_int, validate_draft_state
 
 
 def last_live_rows(attn: AttnMetadata) -> torch.Tensor:
@@ -67,7 +68,7 @@ def _step(
     b = attn.num_requests
     rows = last_live_rows(attn)  # [B]
     # 1-3. embed + combine with hidden, one decoder layer (K/V written at slot_mapping), logits of last rows.
-    logits, hidden_all, cache = head_forward(
+    logits, hidden_all, cache = _head_forward(
         params,
         state.input_ids,
         state.hidden,
@@ -96,11 +97,23 @@ def _step(
             col=state.step,
         )
     if cfg.kind == "eagle3":  # reduced draft vocabulary: store and feed TARGET ids
-        tokens = draft_to_target(tokens, params["d2t"])
+        tokens = _draft_to_target(tokens, params["d2t"])
     _write_column(state.draft_tokens, state.step, tokens)
     # 5. the next state; its metadata is a pure function of this step's.
     nxt = decode_after(attn, block_size=cfg.block_size, max_model_len=cfg.max_model_len)
     return replace(state, input_ids=tokens, hidden=hidden, attn=nxt, step=state.step + 1), cache
+
+
+def _validate(params: dict, state: DraftState, cache: KVCache, *, cfg: DraftConfig, max_context) -> None:
+    """Everything a step reads: the state against cfg and the cache, the cache's layout, the params."""
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache: expected a KVCache, got {type(cache).__name__}")
+    validate_draft_state(state, cfg=cfg, num_blocks=cache.num_blocks)
+    device = state.input_ids.device
+    check_cache(cache, cfg=cfg.model, block_size=cfg.block_size, device=device)
+    check_head_params(params, cfg=cfg, device=device)
+    if max_context is not None:
+        check_positive_int("max_context", max_context)
 
 
 def draft_step(
@@ -117,10 +130,13 @@ def draft_step(
     Samples the token for column `state.step` from each request's last live row (temperature and seed per
     request, Philox noise keyed by the sampled token's position and the draft salt), writes it and its
     processed probabilities q into a copy of the draft buffers, and advances the metadata on the device.
-    Validates `state` when called eagerly.
+    Validates `state`, `cache` (a KVCache of the head's layout and cfg.block_size on the state's device) and
+    `params` (the head kind's keys, on that device) when called eagerly. max_context, a static bound on the
+    context read, is only checked to be a positive int: a smaller bound truncates the context (as in
+    `fspec.attention`), which lowers acceptance but never changes verified output.
     """
     if not torch.compiler.is_compiling():
-        validate_draft_state(state, cfg=cfg, num_blocks=cache.num_blocks)
+        _validate(params, state, cache, cfg=cfg, max_context=max_context)
     state = replace(state, draft_tokens=state.draft_tokens.clone(), draft_probs=state.draft_probs.clone())
     return _step(params, state, cache, cfg=cfg, backend=backend, max_context=max_context)
 
@@ -137,10 +153,11 @@ def propose(
     """All K draft steps from `state` (its step counter is ignored: a rollout fills columns 0..K-1).
 
     Returns the state after step K — `draft_tokens` [B, K] (target ids), `draft_probs` [B, K, Vd]
-    (q; [B, K, 0] for greedy drafts), `step` = K — and the donated cache. Pure in `state`.
+    (q; [B, K, 0] for greedy drafts), `step` = K — and the donated cache. Pure in `state`. Validates as
+    `draft_step` does.
     """
     if not torch.compiler.is_compiling():
-        validate_draft_state(state, cfg=cfg, num_blocks=cache.num_blocks)
+        _validate(params, state, cache, cfg=cfg, max_context=max_context)
     b, k = state.attn.num_requests, cfg.num_speculative_steps
     device = state.draft_tokens.device
     state = replace(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from fspec.state import AttnMetadata
+from fspec.state import AttnMetadata, check_positive_int
 
 
 def _slot_mapping(
@@ -41,23 +41,17 @@ def token_requests(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tens
     return torch.searchsorted(query_start_loc[1:].to(torch.int64), tokens, right=True)
 
 
-def slot_mapping(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slots of `positions` ([B] or [B, T]) through `block_table` [B, max_blocks]; int64, same shape.
-
-    -1 where the position is < 0 (padding). A position beyond the table, or one whose block entry is
-    negative (not allocated), raises ValueError.
-    """
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
-    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.is_floating_point():
+def _check_table_positions(
+    block_table: torch.Tensor, positions: torch.Tensor, block_size: int, *, in_table: bool = True
+) -> None:
+    """ValueError unless `positions` ([B] or [B, T]) fit `block_table`: types, rows, device, >= -1 (padding),
+    and with `in_table` also inside the table on allocated blocks."""
+    check_positive_int("block_size", block_size)
+    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or not _is_int(block_table):
         raise ValueError(
             f"block_table: expected an integer [B, max_blocks] tensor, got {_describe(block_table)}"
         )
-    if (
-        not isinstance(positions, torch.Tensor)
-        or positions.dim() not in (1, 2)
-        or positions.is_floating_point()
-    ):
+    if not isinstance(positions, torch.Tensor) or positions.dim() not in (1, 2) or not _is_int(positions):
         raise ValueError(f"positions: expected an integer [B] or [B, T] tensor, got {_describe(positions)}")
     if positions.shape[0] != block_table.shape[0]:
         raise ValueError(
@@ -67,6 +61,8 @@ def slot_mapping(block_table: torch.Tensor, positions: torch.Tensor, block_size:
         raise ValueError(f"positions: expected device {block_table.device}, got {positions.device}")
     if bool((positions < -1).any()):
         raise ValueError(f"positions: expected values >= -1 (-1 = padding), got min {int(positions.min())}")
+    if not in_table:
+        return
     capacity = block_table.shape[1] * block_size
     if bool((positions >= capacity).any()):
         raise ValueError(
@@ -75,25 +71,55 @@ def slot_mapping(block_table: torch.Tensor, positions: torch.Tensor, block_size:
         )
     b = positions.shape[0]
     request = torch.arange(b, device=positions.device).view(b, *([1] * (positions.dim() - 1)))
-    request = request.expand_as(positions)
     live = positions >= 0
-    blocks = block_table[request[live], positions[live] // block_size]
+    blocks = block_table[request.expand_as(positions)[live], positions[live] // block_size]
     if bool((blocks < 0).any()):
         raise ValueError(
             "block_table: expected allocated (>= 0) blocks at every live position, got -1 entries"
         )
-    return _slot_mapping(block_table, positions.long(), block_size, request)
+
+
+def slot_mapping(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slots of `positions` ([B] or [B, T]) through `block_table` [B, max_blocks]; int64, same shape.
+
+    -1 where the position is < 0 (padding). A position beyond the table, or one whose block entry is
+    negative (not allocated), raises ValueError. B = 0 gives an empty result.
+    """
+    _check_table_positions(block_table, positions, block_size)
+    b = positions.shape[0]
+    request = torch.arange(b, device=positions.device).view(b, *([1] * (positions.dim() - 1)))
+    return _slot_mapping(block_table, positions.long(), block_size, request.expand_as(positions))
+
+
+def _is_int(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
 
 
 def _describe(x: object) -> str:
     if isinstance(x, torch.Tensor):
-        return f"shape {tuple(x.shape)}, dtype {x.dtype}"
+        return f"shape {tuple(x.shape)}, dtype {x.dtype}, device {x.device}"
     return f"{type(x).__name__}"
 
 
 def decode_metadata(positions: torch.Tensor, block_table: torch.Tensor, *, block_size: int) -> AttnMetadata:
-    """Metadata of a decode step: one query token per request at `positions` [B] (-1 = padding row)."""
-    positions = positions.to(torch.int64)
+    """Metadata of a decode step: one query token per request at `positions` [B] (-1 = padding row).
+
+    Validates eagerly (ValueError naming the argument): integer positions >= -1, an integer [B, max_blocks]
+    table on the same device, a positive block_size. Like `advance`, it is total in the position: a position
+    past the table or on an unallocated (-1) block gets slot -1 (never another request's slot), and
+    `validate_attn_metadata` (run by `draft_step`, `propose`, `attention`, `head_forward`) rejects such
+    metadata through its seq_lens and block checks. B = 0 gives empty metadata.
+    """
+    if not torch.compiler.is_compiling():
+        if isinstance(positions, torch.Tensor) and positions.dim() != 1:
+            raise ValueError(f"positions: expected a [B] tensor, got {_describe(positions)}")
+        _check_table_positions(block_table, positions, block_size, in_table=False)
+    return _decode_metadata(positions, block_table, block_size=block_size)
+
+
+def _decode_metadata(positions: torch.Tensor, block_table: torch.Tensor, *, block_size: int) -> AttnMetadata:
+    """`decode_metadata` without validation (branch-free; inside compiled rounds)."""
+    positions = positions.to(torch.int64).contiguous()
     b = positions.shape[0]
     device = positions.device
     live = positions >= 0
@@ -103,7 +129,7 @@ def decode_metadata(positions: torch.Tensor, block_table: torch.Tensor, *, block
         positions=positions,
         query_start_loc=torch.arange(b + 1, device=device, dtype=torch.int32),
         seq_lens=seq_lens,
-        block_table=block_table.to(torch.int32),
+        block_table=block_table.to(torch.int32).contiguous(),
         slot_mapping=_slot_mapping(block_table, positions, block_size, request),
     )
 
@@ -121,7 +147,63 @@ def first_step_metadata(
     Request b's tokens sit at positions start_positions[b] + j for j < num_tokens[b]; the rest of its
     `num_query` rows are padding (-1). A request with start_positions[b] < 0 is a padding row. Typical use:
     the K+1 tokens the target just verified, of which num_accepted + 1 are live.
+
+    Validates eagerly (ValueError naming the argument): num_query and block_size positive ints, integer
+    [B] start_positions >= -1 and num_tokens with num_tokens[b] in [0, num_query] for live rows, a table of
+    B rows on their device. Positions past the table get slot -1, as in `decode_metadata`.
     """
+    if not torch.compiler.is_compiling():
+        _check_first_step(
+            start_positions, num_tokens, block_table, num_query=num_query, block_size=block_size
+        )
+    return _first_step_metadata(
+        start_positions, num_tokens, block_table, num_query=num_query, block_size=block_size
+    )
+
+
+def _check_first_step(start_positions, num_tokens, block_table, *, num_query: int, block_size: int) -> None:
+    check_positive_int("num_query", num_query)
+    check_positive_int("block_size", block_size)
+    for name, x in (("start_positions", start_positions), ("num_tokens", num_tokens)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 1 or not _is_int(x):
+            raise ValueError(f"{name}: expected an integer [B] tensor, got {_describe(x)}")
+    if num_tokens.shape != start_positions.shape or num_tokens.device != start_positions.device:
+        raise ValueError(
+            f"num_tokens: expected shape {tuple(start_positions.shape)} on {start_positions.device} "
+            f"(start_positions'), got {tuple(num_tokens.shape)} on {num_tokens.device}"
+        )
+    if isinstance(block_table, torch.Tensor) and block_table.dim() == 2:
+        if block_table.shape[0] != start_positions.shape[0] or block_table.device != start_positions.device:
+            raise ValueError(
+                f"block_table: expected {start_positions.shape[0]} rows on {start_positions.device} "
+                f"(start_positions'), got {tuple(block_table.shape)} on {block_table.device}"
+            )
+    if bool((start_positions < -1).any()):
+        raise ValueError(
+            f"start_positions: expected values >= -1 (-1 = padding row), got min {int(start_positions.min())}"
+        )
+    live_rows = start_positions >= 0
+    bad = live_rows & ((num_tokens < 0) | (num_tokens > num_query))
+    if bool(bad.any()):
+        raise ValueError(
+            f"num_tokens: expected values in [0, num_query={num_query}] for live rows, "
+            f"got {num_tokens[bad][:4].tolist()}"
+        )
+    j = torch.arange(num_query, device=start_positions.device)
+    live = live_rows[:, None] & (j[None, :] < num_tokens.long()[:, None])
+    positions = torch.where(live, start_positions.long()[:, None] + j[None, :], -1)  # [B, Q]
+    _check_table_positions(block_table, positions, block_size, in_table=False)
+
+
+def _first_step_metadata(
+    start_positions: torch.Tensor,
+    num_tokens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    num_query: int,
+    block_size: int,
+) -> AttnMetadata:
+    """`first_step_metadata` without validation (branch-free; inside compiled rounds)."""
     start = start_positions.to(torch.int64)
     b = start.shape[0]
     device = start.device
@@ -138,7 +220,7 @@ def first_step_metadata(
         positions=positions.reshape(-1),
         query_start_loc=(torch.arange(b + 1, device=device, dtype=torch.int32) * num_query),
         seq_lens=seq_lens,
-        block_table=block_table.to(torch.int32),
+        block_table=block_table.to(torch.int32).contiguous(),
         slot_mapping=slots.reshape(-1),
     )
 
@@ -148,7 +230,11 @@ def advance(meta: AttnMetadata, *, block_size: int, max_model_len: int) -> AttnM
 
     positions + 1 and seq_lens + 1, clamped to max_model_len - 1 and max_model_len; padding rows (-1) stay
     padding; the slot mapping is recomputed from the block table. Branch-free: runs inside a CUDA graph.
+    A position past the block table gets slot -1 (never another request's slot); eager calls check the
+    arguments' types and that `meta` has one token per request (no value checks: no host sync).
     """
+    if not torch.compiler.is_compiling():
+        _check_algebra_args(meta, block_size, max_model_len, decode=True)
     pos = meta.positions
     live = pos >= 0
     new_pos = torch.where(live, (pos + 1).clamp(max=max_model_len - 1), pos)
@@ -168,7 +254,10 @@ def decode_after(meta: AttnMetadata, *, block_size: int, max_model_len: int) -> 
 
     After a multi-token step (the first draft step, target verification) the next token of request b sits at
     position seq_lens[b]; requests with seq_lens 0 are padding. Positions clamp at max_model_len - 1.
+    Eager calls check the arguments' types and shapes (no value checks: no host sync).
     """
+    if not torch.compiler.is_compiling():
+        _check_algebra_args(meta, block_size, max_model_len, decode=False)
     lens = meta.seq_lens.to(torch.int64)
     live = lens > 0
     pos = torch.where(live, lens.clamp(max=max_model_len - 1), torch.full_like(lens, -1))
@@ -182,3 +271,34 @@ def decode_after(meta: AttnMetadata, *, block_size: int, max_model_len: int) -> 
         block_table=meta.block_table,
         slot_mapping=_slot_mapping(meta.block_table, pos, block_size, request),
     )
+
+
+def _check_algebra_args(meta: AttnMetadata, block_size: int, max_model_len: int, *, decode: bool) -> None:
+    """Static checks of `advance` / `decode_after` arguments: types, ranks, dtypes and devices only."""
+    if not isinstance(meta, AttnMetadata):
+        raise ValueError(f"meta: expected an AttnMetadata, got {type(meta).__name__}")
+    check_positive_int("block_size", block_size)
+    check_positive_int("max_model_len", max_model_len)
+    leaves = (
+        ("positions", 1),
+        ("query_start_loc", 1),
+        ("seq_lens", 1),
+        ("block_table", 2),
+        ("slot_mapping", 1),
+    )
+    for name, ndim in leaves:
+        x = getattr(meta, name)
+        if not isinstance(x, torch.Tensor) or x.dim() != ndim or not _is_int(x):
+            raise ValueError(f"meta.{name}: expected an integer {ndim}-d tensor, got {_describe(x)}")
+        if x.device != meta.positions.device:
+            raise ValueError(f"meta.{name}: expected device {meta.positions.device}, got {x.device}")
+    b = meta.seq_lens.shape[0]
+    if meta.block_table.shape[0] != b:
+        raise ValueError(
+            f"meta.block_table: expected {b} rows (seq_lens' B), got {meta.block_table.shape[0]}"
+        )
+    if decode and meta.positions.shape[0] != b:
+        raise ValueError(
+            f"meta.positions: expected one token per request (T = B = {b}: decode metadata), "
+            f"got T={meta.positions.shape[0]} (use decode_after after a multi-token step)"
+        )

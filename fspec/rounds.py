@@ -21,9 +21,9 @@ from fspec.compile import _configure_dynamo
 from fspec.config import DraftConfig, ModelConfig
 from fspec.draft import _step
 from fspec.kernels.salts import SALT_BONUS
-from fspec.metadata import decode_metadata, first_step_metadata
+from fspec.metadata import _decode_metadata, _first_step_metadata
 from fspec.models import llama, project_target_hidden
-from fspec.models.eagle3 import draft_to_target
+from fspec.models.eagle3 import _draft_to_target
 from fspec.state import DraftState
 
 
@@ -32,7 +32,7 @@ def draft_probs_over_target_vocab(draft_probs: torch.Tensor, params: dict, *, cf
     if cfg.kind != "eagle3" or cfg.draft_vocab_size == vocab:
         return draft_probs
     d2t = params["d2t"]
-    ids = draft_to_target(torch.arange(d2t.numel(), device=d2t.device), d2t)  # [Vd] target ids
+    ids = _draft_to_target(torch.arange(d2t.numel(), device=d2t.device), d2t)  # [Vd] target ids
     b, k, _ = draft_probs.shape
     return draft_probs.new_zeros(b, k, vocab).index_copy(2, ids, draft_probs)
 
@@ -102,7 +102,7 @@ def spec_round(
     live = live & (n + 1 < max_len)
     starts = torch.where(live, n, torch.full_like(n, -1))
     # 1. Target forward over K + 1 rows per request; rows past max_model_len are padding.
-    meta = first_step_metadata(starts, (max_len - n).clamp(max=k + 1), table, num_query=k + 1, block_size=bs)
+    meta = _first_step_metadata(starts, (max_len - n).clamp(max=k + 1), table, num_query=k + 1, block_size=bs)
     ids = torch.cat([cur[:, None], draft_tokens.clamp(min=0)], 1).reshape(-1)  # [B·(K+1)]
     aux = dcfg.target_layer_ids if dcfg.kind == "eagle3" else ()
     logits, hidden, _ = llama.forward(
@@ -117,7 +117,7 @@ def spec_round(
     )
     # 3. The next proposal: the head's first step pairs the target hidden of positions n..n+a with the
     #    emitted tokens at n+1..n+a+1 (a = accepted), then K - 1 decode steps.
-    meta_d = first_step_metadata(starts, accepted + 1, table, num_query=k + 1, block_size=bs)
+    meta_d = _first_step_metadata(starts, accepted + 1, table, num_query=k + 1, block_size=bs)
     h = project_target_hidden(dparams, hidden, cfg=dcfg)
     state = first_draft_state(tokens.clamp(min=0).reshape(-1), h, meta_d, temperature, seed, cfg=dcfg)
     next_tokens, next_probs = run_drafts(dparams, state, dcache, cfg=dcfg, backend=backend)
@@ -142,7 +142,7 @@ def decode_step(
     """Target-only decoding of one token per request: the token for position n + 1, [B] int64."""
     live = live & (n + 1 < max_len)
     pos = torch.where(live, n, torch.full_like(n, -1))
-    meta = decode_metadata(pos, table, block_size=block_size)
+    meta = _decode_metadata(pos, table, block_size=block_size)
     logits, _, _ = llama.forward(tparams, cur, meta, tcache, cfg=tcfg, backend=backend, max_query_len=1)
     return torch.ops.fspec.gumbel_sample(logits, temperature, seed, n + 1, SALT_BONUS)
 

@@ -68,6 +68,12 @@ def check_positions(positions: Tensor, *, span: int) -> None:
         )
 
 
+def unit_stride(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """The [N] per-row inputs with unit stride: the kernels index them as ptr + row. An expanded (stride 0)
+    or strided view would otherwise be read at the wrong place, past its storage on the GPU."""
+    return tuple(t.contiguous() for t in tensors)
+
+
 def _validate_gumbel(logits, temperature, seed, positions, salt, out_tokens, out_probs, col) -> None:
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
     n, v = logits.shape
@@ -118,6 +124,8 @@ def gumbel_sample(
         seed: [N] int64 Philox key per row.
         positions: [N] int64 in [-1, 2^31): the position the sampled token is for (Philox counter;
             -1 marks padding rows).
+            temperature, seed and positions may be strided views: the kernels read them with unit
+            stride, so a non-contiguous one is copied first.
         salt: which decision this is (`fspec.kernels.salts`; default SALT_DRAFT).
         out_tokens: [N, K] int64, contiguous; receives the tokens in column `col`.
         out_probs: [N, K, V] float32, contiguous; receives softmax(logits / T) (one-hot at the token where
@@ -126,13 +134,14 @@ def gumbel_sample(
             state can drive it without recompiling or syncing.
 
     Returns:
-        tokens [N] int64 (a fresh tensor).
+        tokens [N] int64 (a fresh tensor); N = 0 gives an empty one.
 
     Raises:
         ValueError naming the argument (eager calls only; skipped under torch.compile).
     """
     if not torch.compiler.is_compiling():
         _validate_gumbel(logits, temperature, seed, positions, salt, out_tokens, out_probs, col)
+    temperature, seed, positions = unit_stride(temperature, seed, positions)
     if out_tokens is None:
         return torch.ops.fspec.gumbel_sample(logits, temperature, seed, positions, salt)
     return torch.ops.fspec.gumbel_sample_into(

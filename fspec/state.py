@@ -8,6 +8,8 @@ a step (a change would recompile). Scalars that change between steps (the step c
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from fspec.config import DraftConfig
@@ -90,14 +92,22 @@ def init_draft_state(
     temperature: torch.Tensor | float = 0.0,
     seed: torch.Tensor | int = 0,
 ) -> DraftState:
-    """A fresh `DraftState` at step 0, draft buffers allocated once (they keep their shape afterwards)."""
+    """A fresh `DraftState` at step 0, draft buffers allocated once (they keep their shape afterwards).
+
+    input_ids: [T] of any integer dtype (stored as int64). temperature: a number or a [B] / [] float tensor;
+    seed: an int or a [B] / [] integer tensor (a float seed is refused, never truncated).
+    """
+    _check_cfg(cfg)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
         raise ValueError(f"input_ids: expected a [T] tensor, got {_describe(input_ids)}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids: expected an integer dtype (token ids), got {input_ids.dtype}")
     if not isinstance(attn, AttnMetadata):
         raise ValueError(f"attn: expected an AttnMetadata, got {type(attn).__name__}")
+    _expect("attn.seq_lens", attn.seq_lens, shape=(None,))
     b, device = attn.num_requests, input_ids.device
-    temperature = torch.as_tensor(temperature, dtype=torch.float32, device=device).expand(b).clone()
-    seed = torch.as_tensor(seed, dtype=torch.int64, device=device).expand(b).clone()
+    temperature = _per_request("temperature", temperature, b, device, floating=True)
+    seed = _per_request("seed", seed, b, device, floating=False)
     k = cfg.num_speculative_steps
     vd = 0 if cfg.greedy_drafts else cfg.draft_vocab_size
     state = DraftState(
@@ -114,6 +124,39 @@ def init_draft_state(
     return state
 
 
+def _check_cfg(cfg: object) -> None:
+    if not isinstance(cfg, DraftConfig):
+        raise ValueError(f"cfg: expected a DraftConfig, got {type(cfg).__name__}")
+
+
+def _per_request(name: str, value: object, b: int, device, *, floating: bool) -> torch.Tensor:
+    """A [B] float32 (temperature) or int64 (seed) tensor from a scalar or a [] / [B] tensor."""
+    kind = "a number" if floating else "an int"
+    if isinstance(value, torch.Tensor):
+        if value.dim() > 1 or (value.dim() == 1 and value.shape[0] != b):
+            raise ValueError(
+                f"{name}: expected {kind} or a [{b}] tensor (one per request), got {_describe(value)}"
+            )
+        if value.dtype == torch.bool or value.is_complex() or (not floating and value.is_floating_point()):
+            want = "a float or integer" if floating else "an integer"
+            raise ValueError(f"{name}: expected {want} dtype, got {value.dtype}")
+    elif isinstance(value, (list, tuple)):
+        try:
+            as_tensor = torch.tensor(value)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as err:
+            raise ValueError(
+                f"{name}: expected {b} numbers (one per request), got {value!r:.80} ({err})"
+            ) from None
+        return _per_request(name, as_tensor, b, device, floating=floating)
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real if floating else numbers.Integral):
+        raise ValueError(f"{name}: expected {kind} or a [{b}] tensor, got {_describe(value)}")
+    elif not floating and not -(2**63) <= int(value) < 2**63:
+        raise ValueError(f"{name}: expected a 64-bit int, got {value!r}")
+    dtype = torch.float32 if floating else torch.int64
+    value = torch.as_tensor(value, dtype=dtype, device=device).expand(b)
+    return value.clone(memory_format=torch.contiguous_format)
+
+
 def _describe(x: object) -> str:
     if isinstance(x, torch.Tensor):
         return f"a tensor of shape {tuple(x.shape)}, dtype {x.dtype}, device {x.device}"
@@ -127,6 +170,7 @@ def _expect(
     shape: tuple | None = None,
     dtype: torch.dtype | tuple | None = None,
     device: torch.device | None = None,
+    contiguous: bool = False,
 ) -> None:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name}: expected a tensor, got {_describe(x)}")
@@ -140,6 +184,9 @@ def _expect(
         raise ValueError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {x.dtype}")
     if device is not None and x.device != device:
         raise ValueError(f"{name}: expected device {device}, got {x.device}")
+    if contiguous and not x.is_contiguous():
+        # The kernels index these buffers with unit stride: a strided view would be read at the wrong place.
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {x.stride()}")
 
 
 def validate_attn_metadata(
@@ -150,17 +197,33 @@ def validate_attn_metadata(
     num_blocks: int | None = None,
     name: str = "attn",
 ) -> None:
-    """Check shapes, dtypes, devices and ranges of `meta`; raise ValueError naming the field. Eager only."""
+    """Check shapes, dtypes, devices and ranges of `meta`; raise ValueError naming the field. Eager only.
+
+    Besides each field's own range: the 1-D fields are contiguous (the kernels read them with unit stride),
+    every live token has its own slot, and no cache block is in use by two requests.
+    """
     if not isinstance(meta, AttnMetadata):
         raise ValueError(f"{name}: expected an AttnMetadata, got {type(meta).__name__}")
+    check_positive_int("block_size", block_size)
+    check_positive_int("max_model_len", max_model_len)
+    if num_blocks is not None:
+        check_positive_int("num_blocks", num_blocks)
     dev = meta.positions.device if isinstance(meta.positions, torch.Tensor) else None
-    _expect(f"{name}.positions", meta.positions, shape=(None,), dtype=torch.int64, device=dev)
+    one_d = dict(dtype=torch.int64, device=dev, contiguous=True)
+    _expect(f"{name}.positions", meta.positions, shape=(None,), **one_d)
     t = meta.positions.shape[0]
-    _expect(f"{name}.seq_lens", meta.seq_lens, shape=(None,), dtype=torch.int32, device=dev)
+    _expect(f"{name}.seq_lens", meta.seq_lens, shape=(None,), dtype=torch.int32, device=dev, contiguous=True)
     b = meta.seq_lens.shape[0]
-    _expect(f"{name}.query_start_loc", meta.query_start_loc, shape=(b + 1,), dtype=torch.int32, device=dev)
+    _expect(
+        f"{name}.query_start_loc",
+        meta.query_start_loc,
+        shape=(b + 1,),
+        dtype=torch.int32,
+        device=dev,
+        contiguous=True,
+    )
     _expect(f"{name}.block_table", meta.block_table, shape=(b, None), dtype=torch.int32, device=dev)
-    _expect(f"{name}.slot_mapping", meta.slot_mapping, shape=(t,), dtype=torch.int64, device=dev)
+    _expect(f"{name}.slot_mapping", meta.slot_mapping, shape=(t,), **one_d)
     qsl = meta.query_start_loc
     if int(qsl[0]) != 0 or int(qsl[-1]) != t or bool((qsl[1:] < qsl[:-1]).any()):
         raise ValueError(
@@ -195,11 +258,31 @@ def validate_attn_metadata(
             f"{name}.block_table: expected blocks in use to lie in [0, num_blocks={num_blocks}), "
             f"got min {int(used.min())}, max {int(used.max())}"
         )
+    if used.unique().numel() != used.numel():
+        # A block shared by two requests (or listed twice) lets one request read and overwrite another's K/V.
+        values, counts = used.unique(return_counts=True)
+        raise ValueError(
+            f"{name}.block_table: expected every block in use to belong to one request once, "
+            f"got blocks {values[counts > 1][:4].tolist()} used more than once"
+        )
     from fspec.metadata import _slot_mapping  # local: metadata imports this module
 
     expected_slots = _slot_mapping(meta.block_table, pos, block_size, req)
     if not torch.equal(expected_slots, meta.slot_mapping):
         raise ValueError(f"{name}.slot_mapping: expected the slots of positions in block_table, got others")
+    live_slots = meta.slot_mapping[live]
+    if live_slots.unique().numel() != live_slots.numel():
+        # Two writes to one slot in one step race on the GPU (which one lands is unspecified).
+        raise ValueError(
+            f"{name}.positions: expected each live token of a request at its own position (distinct slots), "
+            f"got {live_slots.numel() - live_slots.unique().numel()} repeated"
+        )
+
+
+def check_positive_int(name: str, value: object) -> None:
+    """ValueError naming `name` unless `value` is a positive Python int (bools refused)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
 
 
 def _used_blocks(seq_lens: torch.Tensor, max_blocks: int, block_size: int) -> torch.Tensor:
@@ -209,6 +292,7 @@ def _used_blocks(seq_lens: torch.Tensor, max_blocks: int, block_size: int) -> to
 
 def validate_draft_state(state: DraftState, *, cfg: DraftConfig, num_blocks: int | None = None) -> None:
     """Check every leaf of `state` against `cfg`; raise ValueError naming the field. Eager only."""
+    _check_cfg(cfg)
     if not isinstance(state, DraftState):
         raise ValueError(f"state: expected a DraftState, got {type(state).__name__}")
     if not isinstance(state.attn, AttnMetadata):
@@ -224,9 +308,16 @@ def validate_draft_state(state: DraftState, *, cfg: DraftConfig, num_blocks: int
     vd = 0 if cfg.greedy_drafts else cfg.draft_vocab_size
     floats = (torch.float32, torch.bfloat16, torch.float16)
     _expect("state.hidden", state.hidden, shape=(t, None), dtype=floats, device=dev)
+    if state.hidden.shape[1] != cfg.model.hidden_size:
+        raise ValueError(
+            f"state.hidden: expected width H = {cfg.model.hidden_size} (cfg.model.hidden_size), "
+            f"got {state.hidden.shape[1]}"
+        )
     _expect("state.step", state.step, shape=(), dtype=torch.int64, device=dev)
-    _expect("state.draft_tokens", state.draft_tokens, shape=(b, k), dtype=torch.int64, device=dev)
-    _expect("state.draft_probs", state.draft_probs, shape=(b, k, vd), dtype=torch.float32, device=dev)
+    # The draft buffers are written in place, one column per step, by the sampling kernel.
+    buf = dict(device=dev, contiguous=True)
+    _expect("state.draft_tokens", state.draft_tokens, shape=(b, k), dtype=torch.int64, **buf)
+    _expect("state.draft_probs", state.draft_probs, shape=(b, k, vd), dtype=torch.float32, **buf)
     _expect("state.temperature", state.temperature, shape=(b,), dtype=torch.float32, device=dev)
     _expect("state.seed", state.seed, shape=(b,), dtype=torch.int64, device=dev)
     ids = state.input_ids

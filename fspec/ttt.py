@@ -36,7 +36,8 @@ import torch
 from fspec.attention import Attend, dense_attention
 from fspec.checkpoint import Draft, Target
 from fspec.config import DraftConfig
-from fspec.models import draft_to_target, head_hidden, head_logits, llama, project_target_hidden
+from fspec.models import head_hidden, head_logits, llama, project_target_hidden
+from fspec.models.eagle3 import _draft_to_target
 from fspec.models.llama import TargetHidden
 from fspec.pytree import tree
 
@@ -209,7 +210,7 @@ def unroll(
         out_hidden.append(out)
         if feed == "prediction":
             pred = logits.detach().argmax(-1)  # [B, S] draft ids
-            tokens = draft_to_target(pred, params["d2t"]) if cfg.kind == "eagle3" else pred
+            tokens = _draft_to_target(pred, params["d2t"]) if cfg.kind == "eagle3" else pred
         else:  # the data's token after the one this step read: position i + (j + 1) + 1
             tokens = torch.cat((ids[:, j + 2 :], pad[:, : j + 2]), 1)
         hidden = out

@@ -21,7 +21,14 @@ from torch import Tensor
 
 from fspec.kernels import ops  # noqa: F401  (registers the torch.ops.fspec ops)
 from fspec.kernels.philox import MAX_VOCAB
-from fspec.sampling import FLOAT_DTYPES, argument_error, check_positions, check_temperature, check_tensor
+from fspec.sampling import (
+    FLOAT_DTYPES,
+    argument_error,
+    check_positions,
+    check_temperature,
+    check_tensor,
+    unit_stride,
+)
 
 __all__ = ["rejection_sample"]
 
@@ -39,6 +46,14 @@ def _validate_rejection(target_logits, draft_tokens, draft_probs, temperature, s
     check_tensor("draft_tokens", draft_tokens, shape=(b, k), dtypes=(torch.int64,), device=dev)
     if draft_probs is not None:
         check_tensor("draft_probs", draft_probs, shape=(b, k, v), dtypes=(torch.float32,), device=dev)
+        # q enters the test u * q(x) < p(x): a NaN or negative q would accept or reject at will.
+        bad_q = ~torch.isfinite(draft_probs) | (draft_probs < 0)
+        if bool(bad_q.any()):
+            raise argument_error(
+                "draft_probs",
+                "finite probabilities >= 0",
+                f"{draft_probs[bad_q][:4].tolist()} (first bad values)",
+            )
     check_tensor("temperature", temperature, shape=(b,), dtypes=(torch.float32,), device=dev)
     check_tensor("seed", seed, shape=(b,), dtypes=(torch.int64,), device=dev)
     check_tensor("positions", positions, shape=(b,), dtypes=(torch.int64,), device=dev)
@@ -65,11 +80,13 @@ def rejection_sample(
             one-hot at token 0. A vocabulary stride other than 1 costs a contiguous copy.
         draft_tokens: [B, K] int64 in [0, V).
         draft_probs: [B, K, V] float32, the draft's processed probabilities q (what `gumbel_sample` writes
-            to `out_probs`), or None for greedy drafts (q = one-hot of the draft token).
+            to `out_probs`; finite, >= 0), or None for greedy drafts (q = one-hot of the draft token).
         temperature: [B] float32, finite, >= 0: the target's temperature (0 = greedy verification).
         seed: [B] int64 Philox key per request (the same seed the draft sampled with).
         positions: [B] int64: position of each request's first draft token; draft k sits at
-            positions[b] + k and the bonus token at positions[b] + K.
+            positions[b] + k and the bonus token at positions[b] + K. -1 marks a padding row.
+            Any stride is fine for every argument (temperature, seed and positions are copied to unit
+            stride when they are not). B = 0 gives empty outputs.
 
     Returns:
         tokens [B, K+1] int64: accepted drafts, then the replacement or bonus token, then -1;
@@ -80,6 +97,7 @@ def rejection_sample(
     """
     if not torch.compiler.is_compiling():
         _validate_rejection(target_logits, draft_tokens, draft_probs, temperature, seed, positions)
+    temperature, seed, positions = unit_stride(temperature, seed, positions)
     return torch.ops.fspec.rejection_sample(
         target_logits, draft_tokens, draft_probs, temperature, seed, positions
     )

@@ -11,13 +11,22 @@ from types import ModuleType
 
 import torch
 
-from fspec.attention import Attend
-from fspec.cache import KVCache
+from fspec.attention import BACKENDS, Attend, bind, causal, resolve_backend
+from fspec.cache import KVCache, check_cache
 from fspec.config import DraftConfig
 from fspec.models import eagle, eagle3, llama, mtp
 from fspec.models.eagle3 import draft_to_target, vocab_maps
 from fspec.models.llama import TargetHidden, eagle3_layer_ids
-from fspec.state import AttnMetadata
+from fspec.pytree import tree
+from fspec.state import AttnMetadata, _expect, check_positive_int, validate_attn_metadata
+
+# Top-level keys of each head kind's params (see the head modules' docstrings).
+HEAD_KEYS = {
+    "eagle": ("embed", "fc", "layers", "lm_head"),
+    "eagle3": ("embed", "fc", "layer", "norm", "lm_head", "d2t", "t2d"),
+    "mtp": ("embed", "enorm", "hnorm", "eh_proj", "layer", "final_norm", "lm_head"),
+}
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 HEADS: dict[str, ModuleType] = {"eagle": eagle, "eagle3": eagle3, "mtp": mtp}
 
@@ -36,6 +45,15 @@ def head_init(cfg: DraftConfig, target_params: dict, *, seed: int, **kwargs) -> 
 
 def project_target_hidden(params: dict, target_hidden: TargetHidden, *, cfg: DraftConfig) -> torch.Tensor:
     """[T, H]: the first draft step's hidden input from the target's hidden states (EAGLE-3: fc(aux))."""
+    if not torch.compiler.is_compiling():
+        _check_cfg(cfg)
+        if not isinstance(target_hidden, TargetHidden):
+            raise ValueError(f"target_hidden: expected a TargetHidden, got {type(target_hidden).__name__}")
+        if cfg.kind != "eagle3" and target_hidden.last.shape[-1] != cfg.target_hidden_size:
+            raise ValueError(
+                f"target_hidden.last: expected last dim Ht = {cfg.target_hidden_size}, "
+                f"got {target_hidden.last.shape[-1]}"
+            )
     return head_module(cfg.kind).project_target_hidden(params, target_hidden, cfg=cfg)
 
 
@@ -76,8 +94,20 @@ def head_forward(
 
     logits are [T, Vd], or [R, Vd] for the rows `logit_rows` [R] only (the lm_head is the largest matmul of a
     draft step; the first step of a round samples from one row per request, not from all K + 1).
+
+    Eager calls validate (ValueError naming the argument): input_ids [T] int64 in [0, V), hidden [T, H]
+    float, params of `cfg.kind` on their device, `meta` of T tokens valid for `cache` (a KVCache of the
+    head's layout) unless backend="dense", max_query_len >= every request's query count, logit_rows in
+    [0, T). `draft_step` / `propose` validate the whole state and call `_head_forward` directly.
     """
-    return head_module(cfg.kind).forward(
+    if not torch.compiler.is_compiling():
+        _check_head_forward(params, input_ids, hidden, meta, cache, cfg, backend, max_query_len, max_context)
+        if logit_rows is not None:
+            _expect("logit_rows", logit_rows, shape=(None,), dtype=torch.int64, device=input_ids.device)
+            t = input_ids.shape[0]
+            if logit_rows.numel() and (int(logit_rows.min()) < 0 or int(logit_rows.max()) >= t):
+                raise ValueError(f"logit_rows: expected rows in [0, T={t}), got {logit_rows.tolist()[:8]}")
+    return _head_forward(
         params,
         input_ids,
         hidden,
@@ -91,11 +121,114 @@ def head_forward(
     )
 
 
+def _head_forward(
+    params: dict,
+    input_ids: torch.Tensor,
+    hidden: torch.Tensor,
+    meta: AttnMetadata,
+    cache: KVCache | None,
+    *,
+    cfg: DraftConfig,
+    backend: str = "auto",
+    max_query_len: int | None = None,
+    max_context: int | None = None,
+    logit_rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, KVCache | None]:
+    """`head_forward` without validation (the draft loop's step, after `validate_draft_state`)."""
+    attend = bind(meta, cache, backend=backend, max_query_len=max_query_len, max_context=max_context)
+    new_hidden = head_hidden(params, input_ids, hidden, meta.positions, attend, cfg=cfg)  # [T, H]
+    rows = new_hidden if logit_rows is None else new_hidden.index_select(0, logit_rows)
+    return head_logits(params, rows, cfg=cfg), new_hidden, cache
+
+
 def head_forward_dense(
     params: dict, input_ids: torch.Tensor, hidden: torch.Tensor, *, cfg: DraftConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal dense step of head `cfg.kind` over [B, S]: (logits [B, S, Vd], new_hidden [B, S, H])."""
-    return head_module(cfg.kind).forward_dense(params, input_ids, hidden, cfg=cfg)
+    """Causal, cache-free, differentiable step of head `cfg.kind` over [B, S]:
+    (logits [B, S, Vd], new_hidden [B, S, H]).
+
+    Eager calls validate input_ids [B, S] int64 in [0, V) and hidden [B, S, H] float on one device."""
+    if not torch.compiler.is_compiling():
+        _check_cfg(cfg)
+        _expect("input_ids", input_ids, shape=(None, None), dtype=torch.int64)
+        b, s = input_ids.shape
+        dev = input_ids.device
+        _expect("hidden", hidden, shape=(b, s, cfg.model.hidden_size), dtype=FLOATS, device=dev)
+        check_head_params(params, cfg=cfg, device=dev)
+        _check_ids(input_ids, cfg.model.vocab_size)
+    b, s = input_ids.shape
+    positions = torch.arange(s, device=input_ids.device).expand(b, s)
+    out = head_hidden(params, input_ids, hidden, positions, causal, cfg=cfg)
+    return head_logits(params, out, cfg=cfg), out
+
+
+def _check_cfg(cfg: object) -> None:
+    if not isinstance(cfg, DraftConfig):
+        raise ValueError(f"cfg: expected a DraftConfig, got {type(cfg).__name__}")
+
+
+def _check_ids(ids: torch.Tensor, vocab: int, name: str = "input_ids") -> None:
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(
+            f"{name}: expected token ids in [0, {vocab}), got min {int(ids.min())}, max {int(ids.max())}"
+        )
+
+
+def check_head_params(
+    params: object, *, cfg: DraftConfig, device: torch.device, name: str = "params"
+) -> None:
+    """ValueError naming `name` unless `params` is a `cfg.kind` head's dict with every tensor on `device`."""
+    if not isinstance(params, dict):
+        raise ValueError(
+            f"{name}: expected a dict of a {cfg.kind!r} head's parameters, got {type(params).__name__}"
+        )
+    missing = [k for k in HEAD_KEYS[cfg.kind] if k not in params]
+    if missing:
+        raise ValueError(
+            f"{name}: expected a {cfg.kind!r} head's keys {HEAD_KEYS[cfg.kind]}, missing {missing} "
+            f"(got keys {sorted(params)})"
+        )
+    want = (cfg.model.vocab_size, cfg.model.hidden_size)
+    embed = params["embed"]
+    if not isinstance(embed, torch.Tensor) or tuple(embed.shape) != want:
+        got = tuple(embed.shape) if isinstance(embed, torch.Tensor) else type(embed).__name__
+        raise ValueError(f"{name}['embed']: expected shape {list(want)} (cfg.model's V, H), got {got}")
+    for leaf in tree.tree_leaves(params):
+        if isinstance(leaf, torch.Tensor) and leaf.device != device:
+            raise ValueError(f"{name}: expected every tensor on {device}, got one on {leaf.device}")
+
+
+def _check_head_forward(params, input_ids, hidden, meta, cache, cfg, backend, max_query_len, max_context):
+    _check_cfg(cfg)
+    _expect("input_ids", input_ids, shape=(None,), dtype=torch.int64)
+    t, dev = input_ids.shape[0], input_ids.device
+    _expect("hidden", hidden, shape=(t, cfg.model.hidden_size), dtype=FLOATS, device=dev)
+    check_head_params(params, cfg=cfg, device=dev)
+    _check_ids(input_ids, cfg.model.vocab_size)
+    if not isinstance(meta, AttnMetadata):
+        raise ValueError(f"meta: expected an AttnMetadata, got {type(meta).__name__}")
+    _expect("meta.positions", meta.positions, shape=(t,), dtype=torch.int64, device=dev)
+    _expect("meta.query_start_loc", meta.query_start_loc, shape=(None,), dtype=torch.int32, device=dev)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    for name, value in (("max_query_len", max_query_len), ("max_context", max_context)):
+        if value is not None:
+            check_positive_int(name, value)
+    if resolve_backend(backend, cache) != "dense":
+        check_cache(cache, cfg=cfg.model, block_size=cfg.block_size, device=dev)
+        validate_attn_metadata(
+            meta,
+            block_size=cfg.block_size,
+            max_model_len=cfg.max_model_len,
+            num_blocks=cache.num_blocks,
+            name="meta",
+        )
+    counts = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+    if max_query_len is not None and counts.numel() and int(counts.max()) > max_query_len:
+        raise ValueError(
+            f"max_query_len: expected at least the largest query count per request, {int(counts.max())}, "
+            f"got {max_query_len}"
+        )
 
 
 __all__ = [

@@ -4,14 +4,16 @@ Every head module (`eagle`, `eagle3`, `mtp`) has the same functions:
 
     init(cfg: DraftConfig, target_params, *, seed, device=None) -> params
     project_target_hidden(params, target_hidden: TargetHidden, *, cfg) -> [T, H]
-    forward(params, input_ids [T], hidden [T, H], meta, cache, *, cfg, backend="auto",
-            max_query_len=None, max_context=None) -> (logits [T, Vd], new_hidden [T, H], cache)
-    forward_dense(params, input_ids [B, S], hidden [B, S, H], *, cfg)
-        -> (logits [B, S, Vd], new_hidden [B, S, H])
+    _hidden(params, input_ids [...], hidden [..., H], positions [...], attend, *, cfg) -> out [..., H]
+    logits(params, out [..., H], *, cfg) -> [..., Vd]
+
+and `fspec.models.head_forward` (paged, one step over T tokens) / `head_forward_dense` (causal, [B, S]) build
+every head's step from those two, so the paged step, the dense training step and distillation's unrolled
+step share one definition of each head.
 
 `hidden` always has the head's width H: the first draft step feeds
 `project_target_hidden(params, target_hidden)` (computed once from the target's outputs), later steps feed the
-head's own `new_hidden`. So `forward` keeps one shape per call, unlike EAGLE-3's reference, which decides by
+head's own `new_hidden`. So a step keeps one shape per call, unlike EAGLE-3's reference, which decides by
 `hidden.shape[-1]` whether to apply fc.
 
 EAGLE-1, as in SafeAILab/EAGLE eagle/model/cnets1.py:
@@ -32,12 +34,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fspec.attention import bind, causal
-from fspec.cache import KVCache
 from fspec.config import DraftConfig
 from fspec.models import layers as L
 from fspec.models import llama
-from fspec.state import AttnMetadata
 
 
 def target_shape(cfg: DraftConfig, target_params: dict, *, kind: str) -> tuple[torch.dtype, torch.device]:
@@ -97,33 +96,3 @@ def _hidden(params: dict, input_ids, hidden, positions, attend, *, cfg: DraftCon
 def logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
     """[..., V] logits of the head's output [..., H]: the target's lm_head, no final norm (EAGLE-1)."""
     return F.linear(out, params["lm_head"])
-
-
-def forward(
-    params: dict,
-    input_ids: torch.Tensor,
-    hidden: torch.Tensor,
-    meta: AttnMetadata,
-    cache: KVCache | None,
-    *,
-    cfg: DraftConfig,
-    backend: str = "auto",
-    max_query_len: int | None = None,
-    max_context: int | None = None,
-    logit_rows: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, KVCache | None]:
-    """One EAGLE-1 step over T tokens: (logits [T, V], new_hidden [T, H], cache (donated))."""
-    attend = bind(meta, cache, backend=backend, max_query_len=max_query_len, max_context=max_context)
-    new_hidden = _hidden(params, input_ids, hidden, meta.positions, attend, cfg=cfg)  # [T, H]
-    rows = new_hidden if logit_rows is None else new_hidden.index_select(0, logit_rows)
-    return logits(params, rows, cfg=cfg), new_hidden, cache
-
-
-def forward_dense(
-    params: dict, input_ids: torch.Tensor, hidden: torch.Tensor, *, cfg: DraftConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal, cache-free, differentiable: input_ids [B, S], hidden [B, S, H] -> ([B, S, V], [B, S, H])."""
-    b, s = input_ids.shape
-    positions = torch.arange(s, device=input_ids.device).expand(b, s)
-    out = _hidden(params, input_ids, hidden, positions, causal, cfg=cfg)
-    return logits(params, out, cfg=cfg), out

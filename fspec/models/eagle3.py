@@ -22,23 +22,48 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fspec.attention import bind, causal
-from fspec.cache import KVCache
 from fspec.config import DraftConfig
 from fspec.models import layers as L
 from fspec.models import llama
 from fspec.models.eagle import target_shape
-from fspec.state import AttnMetadata
 
 
 def draft_to_target(ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
-    """Target token ids of draft ids (any shape): ids + d2t[ids]; negative ids (padding) stay as they are."""
+    """Target token ids of draft ids (any shape): ids + d2t[ids]; negative ids (padding) stay as they are.
+
+    Eager calls validate: integer ids < Vd on d2t's device, d2t an integer [Vd] tensor (ValueError)."""
+    if not torch.compiler.is_compiling():
+        if not isinstance(d2t, torch.Tensor) or d2t.dim() != 1 or not _is_int(d2t):
+            raise ValueError(f"d2t: expected an integer [Vd] tensor, got {_describe(d2t)}")
+        if not isinstance(ids, torch.Tensor) or not _is_int(ids) or ids.device != d2t.device:
+            raise ValueError(f"ids: expected an integer tensor on {d2t.device} (d2t's), got {_describe(ids)}")
+        if ids.numel() and int(ids.max()) >= d2t.numel():
+            raise ValueError(f"ids: expected draft ids < Vd = {d2t.numel()}, got max {int(ids.max())}")
+    return _draft_to_target(ids, d2t)
+
+
+def _is_int(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"shape {tuple(x.shape)}, dtype {x.dtype}, device {x.device}"
+    return type(x).__name__
+
+
+def _draft_to_target(ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
+    """`draft_to_target` without validation (branch-free; inside compiled steps and training)."""
     mapped = ids + d2t[ids.clamp(min=0)]
     return torch.where(ids < 0, ids, mapped)
 
 
 def vocab_maps(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t [Vd] int64, t2d [V] bool) from `draft_ids`, the draft vocab's target ids (increasing)."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
+        raise ValueError(f"vocab_size: expected a positive int, got {vocab_size!r}")
+    if isinstance(draft_ids, torch.Tensor) and not _is_int(draft_ids):
+        raise ValueError(f"draft_ids: expected integer token ids, got dtype {draft_ids.dtype}")
     ids = torch.as_tensor(draft_ids, dtype=torch.int64)
     if ids.dim() != 1 or ids.numel() == 0 or bool((ids[1:] <= ids[:-1]).any()):
         raise ValueError(
@@ -125,33 +150,3 @@ def _hidden(params: dict, input_ids, hidden, positions, attend, *, cfg: DraftCon
 def logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
     """[..., Vd] logits over the DRAFT vocabulary: lm_head(norm(out))."""
     return F.linear(L.rms_norm(out, params["norm"], cfg.model.rms_norm_eps), params["lm_head"])
-
-
-def forward(
-    params: dict,
-    input_ids: torch.Tensor,
-    hidden: torch.Tensor,
-    meta: AttnMetadata,
-    cache: KVCache | None,
-    *,
-    cfg: DraftConfig,
-    backend: str = "auto",
-    max_query_len: int | None = None,
-    max_context: int | None = None,
-    logit_rows: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, KVCache | None]:
-    """One EAGLE-3 step over T tokens: (logits [T, Vd] over the DRAFT vocab, new_hidden [T, H], cache)."""
-    attend = bind(meta, cache, backend=backend, max_query_len=max_query_len, max_context=max_context)
-    new_hidden = _hidden(params, input_ids, hidden, meta.positions, attend, cfg=cfg)  # [T, H]
-    rows = new_hidden if logit_rows is None else new_hidden.index_select(0, logit_rows)
-    return logits(params, rows, cfg=cfg), new_hidden, cache
-
-
-def forward_dense(
-    params: dict, input_ids: torch.Tensor, hidden: torch.Tensor, *, cfg: DraftConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal, cache-free, differentiable: input_ids [B, S], hidden [B, S, H] -> ([B, S, Vd], [B, S, H])."""
-    b, s = input_ids.shape
-    positions = torch.arange(s, device=input_ids.device).expand(b, s)
-    out = _hidden(params, input_ids, hidden, positions, causal, cfg=cfg)
-    return logits(params, out, cfg=cfg), out

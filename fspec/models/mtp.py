@@ -22,13 +22,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fspec.attention import bind, causal
-from fspec.cache import KVCache
 from fspec.config import DraftConfig
 from fspec.models import layers as L
 from fspec.models import llama
 from fspec.models.eagle import target_shape
-from fspec.state import AttnMetadata
 
 
 def init(cfg: DraftConfig, target_params: dict, *, seed: int, device=None) -> dict:
@@ -74,33 +71,3 @@ def _hidden(params: dict, input_ids, hidden, positions, attend, *, cfg: DraftCon
 def logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
     """[..., V] logits: the module's final norm (shared_head.norm), then the target's lm_head."""
     return F.linear(L.rms_norm(out, params["final_norm"], cfg.model.rms_norm_eps), params["lm_head"])
-
-
-def forward(
-    params: dict,
-    input_ids: torch.Tensor,
-    hidden: torch.Tensor,
-    meta: AttnMetadata,
-    cache: KVCache | None,
-    *,
-    cfg: DraftConfig,
-    backend: str = "auto",
-    max_query_len: int | None = None,
-    max_context: int | None = None,
-    logit_rows: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, KVCache | None]:
-    """One MTP step over T tokens: (logits [T, V], new_hidden [T, H], cache (donated))."""
-    attend = bind(meta, cache, backend=backend, max_query_len=max_query_len, max_context=max_context)
-    new_hidden = _hidden(params, input_ids, hidden, meta.positions, attend, cfg=cfg)  # [T, H]
-    rows = new_hidden if logit_rows is None else new_hidden.index_select(0, logit_rows)
-    return logits(params, rows, cfg=cfg), new_hidden, cache
-
-
-def forward_dense(
-    params: dict, input_ids: torch.Tensor, hidden: torch.Tensor, *, cfg: DraftConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal, cache-free, differentiable: input_ids [B, S], hidden [B, S, H] -> ([B, S, V], [B, S, H])."""
-    b, s = input_ids.shape
-    positions = torch.arange(s, device=input_ids.device).expand(b, s)
-    out = _hidden(params, input_ids, hidden, positions, causal, cfg=cfg)
-    return logits(params, out, cfg=cfg), out
