@@ -295,7 +295,7 @@ def _check_dense(q, k, v, mask) -> None:
     if mask is None:
         if s != sk:
             raise ValueError(
-                f"mask: expected a mask when q has {s} positions and k {sk} (causal needs S == Sk)"
+                f"mask: expected a mask when S != Sk (causal needs S == Sk), got None with S={s}, Sk={sk}"
             )
         return
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.device != q.device:

@@ -113,6 +113,16 @@ def online_batches(
     """step -> this process's batch: windows of the 1-D `tokens` through the target, in the loop."""
     rows = _rows(cfg.batch_size, rank, world)
     device = target.params["embed"].device
+    v = target.cfg.vocab_size
+    if (
+        isinstance(tokens, torch.Tensor)
+        and tokens.numel()
+        and (int(tokens.min()) < 0 or int(tokens.max()) >= v)
+    ):
+        raise ValueError(
+            f"tokens: expected token ids in [0, {v}) (the target's vocabulary), "
+            f"got min {int(tokens.min())}, max {int(tokens.max())}"
+        )
 
     def batches(step: int) -> dict:
         gen = step_generator(cfg.seed, step)
@@ -322,6 +332,7 @@ def distill_head(
     last_step, step = start, start - 1
     for step in bar:
         batch = batches(step)
+        check_batch(batch, draft, values=step == start)
         trainable, opt_state, m = train_step(
             trainable, opt_state, frozen, batch, step=step, cfg=draft.cfg, dcfg=cfg, reduce=reduce
         )
@@ -345,6 +356,53 @@ def distill_head(
     if out is not None and rank == 0:
         save_checkpoint(out, draft, trainable, opt_state, step=step + 1, cfg=cfg)
     return to_draft(draft, trainable), history
+
+
+def check_batch(batch: object, draft: Draft, *, values: bool = True) -> None:
+    """ValueError naming the key unless `batch` is the dict `fspec.ttt` describes for `draft`.
+
+    Shapes, dtypes and devices are checked for every batch (no host sync); token ids in [0, V) only when
+    `values` (distill_head: the first batch of a run, one sync, not one per step).
+    """
+    cfg = draft.cfg
+    if not isinstance(batch, dict):
+        raise ValueError(
+            f"batch: expected a dict with input_ids, hidden, target_logits, got {type(batch).__name__}"
+        )
+    missing = [k for k in ("input_ids", "hidden", "target_logits") if k not in batch]
+    if missing:
+        raise ValueError(f"batch: expected keys input_ids, hidden, target_logits, missing {missing}")
+    ids, device = batch["input_ids"], draft.params["embed"].device
+    if (
+        not isinstance(ids, torch.Tensor)
+        or ids.dim() != 2
+        or ids.dtype != torch.int64
+        or ids.device != device
+    ):
+        got = (
+            f"shape {tuple(ids.shape)}, {ids.dtype} on {ids.device}" if isinstance(ids, torch.Tensor) else ids
+        )
+        raise ValueError(f"batch['input_ids']: expected a [B, S] int64 tensor on {device}, got {got}")
+    b, s = ids.shape
+    hin = cfg.target_hidden_size * (len(cfg.target_layer_ids) if cfg.kind == "eagle3" else 1)
+    for key, width in (("hidden", hin), ("target_logits", cfg.draft_vocab_size)):
+        x = batch[key]
+        if (
+            not isinstance(x, torch.Tensor)
+            or tuple(x.shape) != (b, s, width)
+            or not x.is_floating_point()
+            or x.device != device
+        ):
+            got = f"shape {tuple(x.shape)}, {x.dtype} on {x.device}" if isinstance(x, torch.Tensor) else x
+            raise ValueError(
+                f"batch[{key!r}]: expected a float [{b}, {s}, {width}] tensor on {device}, got {got}"
+            )
+    v = cfg.model.vocab_size
+    if values and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= v):
+        raise ValueError(
+            f"batch['input_ids']: expected token ids in [0, {v}), "
+            f"got min {int(ids.min())}, max {int(ids.max())}"
+        )
 
 
 def _warn_if_changed(saved: dict, now: dict) -> None:

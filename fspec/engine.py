@@ -28,12 +28,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from fspec.checkpoint import Draft, Target
+from fspec.pytree import tree
 from fspec.runner import Run
 
 
@@ -70,13 +71,15 @@ def generate(
     """Generate up to `max_new_tokens` per prompt with speculative decoding (target-only when draft is None).
 
     prompts: strings (the target needs a tokenizer) or token-id lists. temperature and seed: one for all
-    requests or one per prompt; temperature 0 = greedy. Each request stops at an EOS token of the target's
-    config, at max_new_tokens, or when its sequence (prompt + new tokens) reaches max_model_len.
+    requests or one per prompt; temperature 0 = greedy, else >= MIN_TEMPERATURE (1e-6); seeds are 64-bit
+    ints. Bad arguments raise ValueError naming them (see RELIABILITY.md). Each request stops at an EOS
+    token of the target's config, at max_new_tokens, or when its sequence (prompt + new tokens) reaches
+    max_model_len.
     compile=True runs the draft loop and the target's decode/verification forward as CUDA graphs
     (`torch.compile`, reduce-overhead).
     """
     ids, temps, seeds, k, draft = _validate(
-        target, draft, prompts, max_new_tokens, temperature, seed, num_speculative_steps
+        target, draft, prompts, max_new_tokens, temperature, seed, num_speculative_steps, compile, progress
     )
     start = time.perf_counter()
     tokens: list[list[int]] = []
@@ -101,17 +104,34 @@ def generate(
     return GenerateResult(tokens=tokens, text=text, stats=stats.summary(sum(map(len, tokens)), seconds))
 
 
+MIN_TEMPERATURE = 1e-6  # smallest positive temperature `generate` accepts (see `_validate`)
+
+
 def max_model_len(target: Target, draft: Draft | None) -> int:
     """The longest sequence a run may reach: the target's positions, and the head's cache if any."""
     n = target.cfg.max_position_embeddings
     return n if draft is None else min(n, draft.cfg.max_model_len)
 
 
-def _validate(target, draft, prompts, max_new_tokens, temperature, seed, k):
+def _validate(target, draft, prompts, max_new_tokens, temperature, seed, k, compile=False, progress=False):
     if not isinstance(target, Target):
         raise ValueError(f"target: expected a fspec.Target, got {type(target).__name__}")
     if draft is not None and not isinstance(draft, Draft):
         raise ValueError(f"draft: expected a fspec.Draft or None, got {type(draft).__name__}")
+    device = target.params["embed"].device
+    if draft is not None:
+        devices = {x.device for x in tree.tree_leaves(draft.params) if isinstance(x, torch.Tensor)}
+        if devices - {device}:
+            raise ValueError(
+                f"draft: expected parameters on the target's device {device}, got {sorted(map(str, devices))}"
+            )
+        if draft.cfg.kind == "eagle3" and any(
+            i >= target.cfg.num_hidden_layers for i in draft.cfg.target_layer_ids
+        ):
+            raise ValueError(
+                f"draft: expected target_layer_ids in [0, {target.cfg.num_hidden_layers}) (target layers), "
+                f"got {draft.cfg.target_layer_ids}"
+            )
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
         raise ValueError(f"num_speculative_steps: expected an int in [1, 16], got {k!r}")
     if draft is not None:
@@ -129,6 +149,9 @@ def _validate(target, draft, prompts, max_new_tokens, temperature, seed, k):
             draft = dataclasses.replace(draft, cfg=dataclasses.replace(draft.cfg, num_speculative_steps=k))
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
+    for name, flag in (("compile", compile), ("progress", progress)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name}: expected a bool, got {flag!r}")
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise ValueError(f"prompts: expected a non-empty list of strings or token lists, got {prompts!r:.80}")
     ids = [_prompt_ids(target, p, i) for i, p in enumerate(prompts)]
@@ -143,6 +166,13 @@ def _validate(target, draft, prompts, max_new_tokens, temperature, seed, k):
     for i, t in enumerate(temps):
         if not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature[{i}]: expected a finite value >= 0, got {t!r}")
+        if 0 < t < MIN_TEMPERATURE:
+            # The samplers divide logits by T: at T = 1e-38 a logit of 1000 overflows to inf, the softmax
+            # turns NaN and the kernels return token 0. Below 1e-6 sampling is greedy for sane logits anyway.
+            raise ValueError(
+                f"temperature[{i}]: expected 0 (greedy) or a value >= {MIN_TEMPERATURE} "
+                f"(smaller ones overflow logits / temperature), got {t!r}"
+            )
     seeds = _per_request("seed", seed, len(ids), int)
     for i, s in enumerate(seeds):
         if not -(2**63) <= s < 2**63:
@@ -156,9 +186,17 @@ def _prompt_ids(target: Target, prompt, i: int) -> list[int]:
             raise ValueError(f"prompts[{i}]: expected token ids (the target has no tokenizer), got a string")
         ids = target.tokenizer.encode(prompt).ids
     elif isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1:
+            raise ValueError(
+                f"prompts[{i}]: expected a 1-D tensor of token ids, got shape {tuple(prompt.shape)}"
+            )
         ids = prompt.tolist()
-    else:
+    elif isinstance(prompt, Iterable) and not isinstance(prompt, (bytes, dict)):
         ids = list(prompt)
+    else:
+        raise ValueError(
+            f"prompts[{i}]: expected a string or a list of token ids, got {type(prompt).__name__}"
+        )
     if not ids:
         raise ValueError(f"prompts[{i}]: expected at least one token, got an empty prompt")
     v = target.cfg.vocab_size

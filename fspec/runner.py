@@ -85,9 +85,12 @@ class Run:
         self.cur = [0] * self.b  # the current token (emitted, not yet in the target cache)
         self.blocks: list[list[int]] = [[] for _ in range(self.b)]
         # Every request's worst case fits; blocks are still allocated as requests grow and freed as they end.
-        # Every request's worst case fits; blocks are still allocated as requests grow and freed as they end.
+        # The worst case is what `_ensure` can hand out: `_launch` asks for n + 3K + 2 tokens while the
+        # request is live (n <= prompt + max_new_tokens - 2), plus _LOOKAHEAD blocks, capped at max_blocks.
+        # (Capping the tokens at max_len before adding the look-ahead under-counted: one prompt of 1 token,
+        # max_new_tokens=15, K=3 ran out of blocks; tests/test_fuzz.py found it.)
         need = sum(
-            -(-min(len(p) + max_new_tokens + 2 * self.k + 2 + _LOOKAHEAD * self.bs, self.max_len) // self.bs)
+            min(-(-(len(p) + max_new_tokens + 3 * self.k + 2) // self.bs) + _LOOKAHEAD, self.max_blocks)
             for p in self.prompts
         )
         self.table_dirty = True

@@ -59,6 +59,28 @@ def check_temperature(temperature: Tensor) -> None:
         )
 
 
+def check_logits(name: str, logits: Tensor, temperature: Tensor) -> None:
+    """No +inf logit, and logits / temperature finite in every sampled row.
+
+    Either would make the row's softmax NaN: the kernels would then sample a wrong token (token 0 for a
+    temperature of 1e-38 where argmax is 1) and write NaN probabilities q that verification cannot use.
+    NaN and -inf are fine (they count as -inf).
+    """
+    x = logits.float()  # [N, V] or [B, K+1, V]
+    if bool(torch.isposinf(x).any()):
+        raise argument_error(name, "no +inf values (NaN and -inf count as -inf)", "+inf entries")
+    big = torch.where(torch.isfinite(x), x.abs(), 0.0).amax(-1)  # [N] or [B, K+1]
+    t = temperature.view(-1, *([1] * (big.dim() - 1)))  # broadcast over the K+1 slots
+    sampled = (t > 0).expand_as(big)
+    overflow = sampled & ~torch.isfinite(big / torch.where(t > 0, t, 1.0))
+    if bool(overflow.any()):
+        raise argument_error(
+            "temperature",
+            "0 (greedy) or a value for which logits / temperature stays finite",
+            f"{t.expand_as(big)[overflow][:1].tolist()} with max |logit| {big[overflow][:1].tolist()}",
+        )
+
+
 def check_positions(positions: Tensor, *, span: int) -> None:
     """Positions (plus `span` slots after them) must lie in [-1, 2^31), the Philox position field."""
     bad = (positions < -1) | (positions > POSITION_MASK - span)
@@ -89,6 +111,7 @@ def _validate_gumbel(logits, temperature, seed, positions, salt, out_tokens, out
     if any(given) and not all(given):
         raise argument_error("out_tokens, out_probs, col", "all three or none", f"given={given}")
     check_temperature(temperature)
+    check_logits("logits", logits, temperature)
     check_positions(positions, span=0)
     if out_tokens is None:
         return

@@ -24,6 +24,7 @@ from fspec.kernels.philox import MAX_VOCAB
 from fspec.sampling import (
     FLOAT_DTYPES,
     argument_error,
+    check_logits,
     check_positions,
     check_temperature,
     check_tensor,
@@ -61,6 +62,7 @@ def _validate_rejection(target_logits, draft_tokens, draft_probs, temperature, s
     if bool(bad.any()):
         raise argument_error("draft_tokens", f"token ids in [0, {v})", f"{draft_tokens[bad][:4].tolist()}")
     check_temperature(temperature)
+    check_logits("target_logits", target_logits, temperature)
     check_positions(positions, span=k)
 
 
@@ -77,7 +79,8 @@ def rejection_sample(
     Args:
         target_logits: [B, K+1, V] float32 / bfloat16 / float16 (computed in float32): the target's logits
             at the K draft slots and the bonus slot. NaN counts as -inf; a slot without a finite logit is a
-            one-hot at token 0. A vocabulary stride other than 1 costs a contiguous copy.
+            one-hot at token 0. +inf, or a temperature that overflows logits / temperature, is refused.
+            A vocabulary stride other than 1 costs a contiguous copy.
         draft_tokens: [B, K] int64 in [0, V).
         draft_probs: [B, K, V] float32, the draft's processed probabilities q (what `gumbel_sample` writes
             to `out_probs`; finite, >= 0), or None for greedy drafts (q = one-hot of the draft token).

@@ -168,10 +168,17 @@ def _check_cfg(cfg: object) -> None:
 
 
 def _check_ids(ids: torch.Tensor, vocab: int, name: str = "input_ids") -> None:
+    """Token ids in [0, vocab); skipped for ids batched by torch.func.vmap (no data-dependent check there)."""
+    if _is_batched(ids):
+        return
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
         raise ValueError(
             f"{name}: expected token ids in [0, {vocab}), got min {int(ids.min())}, max {int(ids.max())}"
         )
+
+
+def _is_batched(x: torch.Tensor) -> bool:
+    return bool(getattr(torch._C._functorch, "is_batchedtensor", lambda t: False)(x))
 
 
 def check_head_params(
@@ -215,10 +222,13 @@ def _check_head_forward(params, input_ids, hidden, meta, cache, cfg, backend, ma
         if value is not None:
             check_positive_int(name, value)
     if resolve_backend(backend, cache) != "dense":
-        check_cache(cache, cfg=cfg.model, block_size=cfg.block_size, device=dev)
+        # The slots in `meta` must have been computed with the cache's block size (cfg.block_size matters
+        # to the draft loop's metadata algebra, checked by draft_step / propose, not to one forward).
+        bs = cache.block_size if isinstance(cache, KVCache) else cfg.block_size
+        check_cache(cache, cfg=cfg.model, block_size=bs, device=dev)
         validate_attn_metadata(
             meta,
-            block_size=cfg.block_size,
+            block_size=bs,
             max_model_len=cfg.max_model_len,
             num_blocks=cache.num_blocks,
             name="meta",
