@@ -440,6 +440,630 @@ NB01: list[tuple[str, str]] = [
 ]
 
 # ----------------------------------------------------------------------------------------------------------
+# 02_acceptance.ipynb
+# ----------------------------------------------------------------------------------------------------------
+
+NB02: list[tuple[str, str]] = [
+    md("""
+    # 02 — Acceptance length of the embedded default model
+
+    The acceptance length τ is the mean number of tokens one target forward emits: the accepted drafts plus
+    the target's own replacement (or bonus) token, so 1 ≤ τ ≤ K + 1 with K drafts per round. This notebook
+    measures τ of the embedded default model (`fspec.load_default()`: a 4-layer Llama target and the EAGLE-3
+    head fspec distilled for it, both trained on the Python standard library's source) on held-out files
+    of the standard library, for K = 1 .. 7 and temperatures 0, 0.7 and 1.0, and sets it against
+
+    1. the i.i.d. model: if every draft were accepted with the same probability α, independently,
+       τ = 1 + α + α² + … + α^K = (1 − α^{K+1}) / (1 − α), with α the acceptance rate measured at K = 1;
+    2. the identity τ = 1 + Σ_k Π_{i≤k} α_i, with α_i the conditional rate P(draft i accepted | draft i − 1
+       accepted) of the same run. Draft k counts only when drafts 1 .. k − 1 were accepted, so this holds
+       exactly: it checks the bookkeeping, not a model;
+    3. an untrained head of the same shape (random weights, the same draft vocabulary): the floor.
+
+    Every claim in the text is an `assert` in a code cell. CI runs the notebook at tiny size (2 prompts, 24
+    new tokens, K ∈ {1, 3}); the committed outputs are full size (8 prompts, 128 new tokens, K = 1 .. 7),
+    the setting of `benchmarks/bench_acceptance.py` with one more temperature.
+    """),
+    code("""
+    import os
+
+    import matplotlib.pyplot as plt
+    import torch
+
+    import fspec
+    from fspec import data
+
+    # A 4M-parameter model: its matmuls are small, and on a shared CPU one thread is faster than several
+    # (no OpenMP spin-waits; ~10x on the 2-core machine that ran the committed outputs).
+    torch.set_num_threads(1)
+    FULL = os.environ.get("FSPEC_NOTEBOOK_FULL") == "1"
+    if FULL:  # the committed outputs
+        N_PROMPTS, NEW_TOKENS, KS = 8, 128, [1, 2, 3, 4, 5, 6, 7]
+    else:  # CI
+        N_PROMPTS, NEW_TOKENS, KS = 2, 24, [1, 3]
+    PROMPT_LEN, TEMPS = 64, [0.0, 0.7, 1.0]
+    print(f"{'full' if FULL else 'tiny'} size: {N_PROMPTS} held-out prompts of {PROMPT_LEN} tokens, "
+          f"{NEW_TOKENS} new tokens each, K in {KS}, temperatures {TEMPS}")
+
+
+    def show_table(header, rows):
+        \"\"\"Print rows as an aligned text table.\"\"\"
+        cols = [[str(h)] + [str(r[i]) for r in rows] for i, h in enumerate(header)]
+        widths = [max(map(len, c)) for c in cols]
+        for j in range(len(rows) + 1):
+            print("  ".join(c[j].rjust(w) for c, w in zip(cols, widths)))
+            if j == 0:
+                print("  ".join("-" * w for w in widths))
+    """),
+    md("""
+    ## The model, an untrained head, and held-out prompts
+
+    The untrained head is `fspec.init_draft` with the trained head's shape and draft vocabulary (the 2048
+    most frequent target tokens), so the two differ only in their weights. The prompts are the first
+    `PROMPT_LEN` tokens of held-out files: `fspec.data` holds out files by a hash of their path, and neither
+    the target nor the head saw them in training.
+    """),
+    code("""
+    target, trained = fspec.load_default()
+    dc = trained.cfg
+    untrained = fspec.init_draft(
+        target, kind="eagle3", seed=1, num_speculative_steps=max(KS), draft_vocab_size=dc.draft_vocab_size,
+        block_size=dc.block_size, max_model_len=dc.max_model_len,
+        draft_ids=fspec.draft_to_target(torch.arange(dc.draft_vocab_size), trained.params["d2t"]),
+    )
+    HEADS = {"trained": trained, "untrained": untrained}
+
+
+    def own_params(d):
+        return sum(x.numel() for k, v in d.params.items() if k not in d.shared
+                   for x in fspec.tree.tree_leaves(v) if x.is_floating_point())
+
+
+    tc = target.cfg
+    print(f"target: Llama, {tc.num_hidden_layers} layers, hidden {tc.hidden_size}, vocab {tc.vocab_size}, "
+          f"{sum(x.numel() for x in fspec.tree.tree_leaves(target.params)):,} parameters")
+    print(f"head: {dc.kind}, reads target layers {dc.target_layer_ids}, draft vocabulary "
+          f"{dc.draft_vocab_size}, {own_params(trained):,} parameters of its own (embedding: the target's)")
+
+    root = data.stdlib_root()
+    _, held_files = data.split_files(data.stdlib_files())
+    prompts, names = [], []
+    for f in held_files:
+        for text in data.read_texts([f]):  # skips the few files that are not UTF-8
+            ids = target.tokenizer.encode(text).ids
+            if len(ids) >= PROMPT_LEN:
+                prompts.append(ids[:PROMPT_LEN])
+                names.append(f.relative_to(root).as_posix())
+        if len(prompts) == N_PROMPTS:
+            break
+    assert len(prompts) == N_PROMPTS and all(data.is_held_out(n) for n in names), "held-out files only"
+    print(f"\\n{len(held_files)} held-out files; prompts from: {', '.join(names)}")
+    print("\\nthe first prompt:\\n" + target.tokenizer.decode(prompts[0]))
+    """),
+    md("""
+    ## The sweep
+
+    One `fspec.generate` call per (head, temperature, K), over all prompts at once, with one seed per prompt;
+    and one target-only call (`draft=None`), greedy, as the reference. `stats` carries τ
+    (`acceptance_length`), the rate at which draft k was accepted over all request-rounds
+    (`acceptance_rate_per_position`) and the conditional rates (`conditional_acceptance_per_position`).
+    """),
+    code("""
+    plain = fspec.generate(target, None, prompts, max_new_tokens=NEW_TOKENS)
+    runs = {}
+    for head_name, head in HEADS.items():
+        for temp in TEMPS:
+            for k in KS:
+                res = fspec.generate(
+                    target, head, prompts, max_new_tokens=NEW_TOKENS, temperature=temp,
+                    seed=list(range(N_PROMPTS)), num_speculative_steps=k,
+                )
+                runs[head_name, temp, k] = res.tokens, res.stats
+    print(f"{len(runs) + 1} generate calls")  # no timings: re-running gives byte-identical outputs
+    """),
+    md("""
+    ## Greedy speculative decoding emits the target's own tokens, up to rounding ties
+
+    At temperature 0 the verification accepts a draft exactly when it is the target's argmax, and the
+    replacement is the target's argmax: the output is target-only greedy decoding, for every K and for both
+    heads — the untrained one just takes one target forward per token to get there. Token for token, with
+    one caveat: the model runs in bf16, and the verification forward (K + 1 rows per request) rounds
+    differently from a one-row decode step. Where the target's two best logits are within a bf16 rounding
+    step of each other, the two runs may pick different tokens, and from there on they continue different
+    (equally greedy) texts. So the cell checks: each greedy output equals the target-only output, or first
+    differs from it at a position where the target's top two tokens are exactly the two tokens the runs
+    picked, with logits at most two bf16 ulps apart (recomputed by a third forward, the dense one). And τ
+    stays within its bounds: at least the one token the target always emits, at most K + 1.
+    """),
+    code("""
+    EPS = torch.finfo(torch.bfloat16).eps  # 2^-7: a bf16 ulp at |x| is at most EPS * |x|
+    equal, ties, total = 0, {}, 0
+    for (head_name, temp, k), (tokens, stats) in runs.items():
+        assert 1.0 <= stats["acceptance_length"] <= k + 1, (head_name, temp, k)
+        if temp != 0.0:
+            continue
+        for i, (spec, ref) in enumerate(zip(tokens, plain.tokens)):
+            total += 1
+            j = next((n for n, (a, b) in enumerate(zip(spec, ref)) if a != b), None)
+            if j is None:
+                assert spec == ref, (head_name, k, i)  # same tokens; EOS would end both at the same place
+                equal += 1
+            else:
+                ties.setdefault((i, j, ref[j], spec[j]), []).append(f"{head_name} K={k}")
+    rows = []
+    for (i, j, ref_tok, spec_tok), where in sorted(ties.items()):
+        ids = torch.tensor([prompts[i] + plain.tokens[i][:j]])
+        with torch.no_grad():
+            logits, _ = fspec.models.llama.forward_dense(target.params, ids, cfg=target.cfg)
+        top = logits[0, -1].float().topk(2)
+        margin = float(top.values[0] - top.values[1])
+        assert set(top.indices.tolist()) == {ref_tok, spec_tok}, (i, j, top.indices.tolist())
+        assert margin <= 2 * EPS * abs(float(top.values[0])), (i, j, margin)
+        ref_text, spec_text = (repr(target.tokenizer.decode([t])) for t in (ref_tok, spec_tok))
+        rows.append((i, f"{j} / {len(plain.tokens[i])}", ref_text, spec_text, f"{float(top.values[0]):.4f}",
+                     f"{margin:.4f}", f"{len(where)} runs"))
+    print(f"{equal} of {total} greedy (run, prompt) outputs equal the target-only output token for token")
+    if rows:
+        print("the others first differ at a rounding tie of the target (margin: top-1 minus top-2 logit):\\n")
+        show_table(["prompt", "position", "target-only", "speculative", "top logit", "margin", "in"], rows)
+    print(f"\\n1 <= tau <= K + 1 in all {len(runs)} runs")
+    print("\\ntarget-only greedy, first prompt's continuation:\\n" + plain.text[0])
+    """),
+    md("""
+    ## τ against the two predictions
+
+    For each run: the measured τ; 1 + Σ Π α_i from the same run's conditional rates (equal to the measured
+    τ to rounding: the identity); the i.i.d. prediction (1 − α^{K+1}) / (1 − α) with α from the K = 1 run of
+    the same head and temperature; and the per-position acceptance rates P(draft k accepted). The rates never
+    increase with k, since draft k + 1 is accepted only when draft k was. (The ceiling K + 1 is far above
+    every curve in the plot below, and left out of it.) At T > 0 each run samples its own text, so its τ
+    carries sampling noise that the greedy runs do not have.
+    """),
+    code("""
+    def tau_from_conditional(cond):
+        \"\"\"1 + sum_k prod_{i<=k} alpha_i.\"\"\"
+        tau, prod = 1.0, 1.0
+        for a in cond:
+            prod *= a
+            tau += prod
+        return tau
+
+
+    def tau_iid(alpha, k):
+        \"\"\"(1 - alpha^(K+1)) / (1 - alpha): K drafts, each accepted with probability alpha, independently
+        (once the previous one was).\"\"\"
+        return k + 1.0 if alpha == 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+    alpha = {(h, t): runs[h, t, 1][1]["acceptance_rate_per_position"][0] for h in HEADS for t in TEMPS}
+    rows, worst_identity = [], 0.0
+    for (head_name, temp, k), (_, s) in runs.items():
+        tau, rates = s["acceptance_length"], s["acceptance_rate_per_position"]
+        ident = tau_from_conditional(s["conditional_acceptance_per_position"])
+        worst_identity = max(worst_identity, abs(tau - ident))
+        assert abs(tau - ident) <= 1e-9, (head_name, temp, k, tau, ident)
+        assert all(a >= b for a, b in zip(rates, rates[1:])), "rates never increase with the position"
+        iid = tau_iid(alpha[head_name, temp], k)
+        rows.append((head_name, temp, k, f"{tau:.3f}", f"{ident:.3f}", f"{iid:.3f}",
+                     ", ".join(f"{r:.2f}" for r in rates)))
+    show_table(["head", "T", "K", "tau", "1 + sum prod a_i", "iid (a from K=1)", "P(draft k accepted)"], rows)
+    print(f"\\n|tau - (1 + sum prod a_i)| <= {worst_identity:.1e} over {len(runs)} runs (tolerance 1e-9)")
+    """),
+    code("""
+    fig, axes = plt.subplots(1, len(TEMPS), figsize=(4.2 * len(TEMPS), 3.8), sharey=True)
+    for ax, temp in zip(axes, TEMPS):
+        for head_name, color in (("trained", "C0"), ("untrained", "C7")):
+            a = alpha[head_name, temp]
+            ax.plot(KS, [runs[head_name, temp, k][1]["acceptance_length"] for k in KS], "o-", color=color,
+                    label=f"{head_name} head, measured")
+            ax.plot(KS, [tau_iid(a, k) for k in KS], "--", color=color, alpha=0.7,
+                    label=f"{head_name}: (1 - a^(K+1)) / (1 - a), a = {a:.2f}")
+        top = max(runs["trained", t, k][1]["acceptance_length"] for t in TEMPS for k in KS)
+        ax.set_ylim(0.9, max(2.0, top + 0.4))
+        ax.set_xticks(KS)
+        ax.set(title=f"temperature {temp}", xlabel="K (drafts per round)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
+    axes[0].set_ylabel("acceptance length tau (tokens / target forward)")
+    fig.suptitle(f"Embedded default model on {N_PROMPTS} held-out files, {NEW_TOKENS} new tokens each")
+    fig.tight_layout()
+    plt.show()
+    """),
+    md("""
+    ## Per-position acceptance
+
+    At the largest K, the trained head's rate of acceptance at each draft position (bars), with the i.i.d.
+    model's α^k (dashed), and the conditional rates P(draft k accepted | draft k − 1 accepted) (right), which
+    the i.i.d. model takes to be α at every position. Two things separate the model from the measurement:
+    the conditional rates vary with depth, and even the first draft's rate depends on K. With K drafts per
+    round, a round ends at a rejected draft (unless all K were accepted), so the next round's first draft
+    continues text the head just got wrong; at K = 1, a round follows an accepted draft as often as a draft
+    is accepted. The table under the plot lists P(draft 1 accepted) for every K.
+
+    At full size the cell asserts, for greedy decoding (deterministic, so the numbers are not sampling
+    noise): the first draft is accepted less often at the largest K than at K = 1, and the i.i.d. curve lies
+    above the measured τ at every K ≥ 2.
+    """),
+    code("""
+    kmax = max(KS)
+    pos = range(1, kmax + 1)
+    width = 0.8 / len(TEMPS)
+    fig, (ax_rate, ax_cond) = plt.subplots(1, 2, figsize=(12, 4))
+    for i, temp in enumerate(TEMPS):
+        s, a = runs["trained", temp, kmax][1], alpha["trained", temp]
+        x = [p - 0.4 + width * (i + 0.5) for p in pos]
+        ax_rate.bar(x, s["acceptance_rate_per_position"], width, color=f"C{i}", label=f"T = {temp}, measured")
+        ax_rate.plot(pos, [a**p for p in pos], "--", color=f"C{i}", label=f"T = {temp}, a^k (a = {a:.2f})")
+        ax_cond.plot(pos, s["conditional_acceptance_per_position"], "o-", color=f"C{i}", label=f"T = {temp}")
+        ax_cond.axhline(a, ls="--", color=f"C{i}", alpha=0.5)
+    ax_rate.set(title=f"P(draft k accepted), trained head, K = {kmax}", xlabel="draft position k",
+                ylabel="fraction of request-rounds")
+    ax_cond.set(title="P(draft k accepted | draft k-1 accepted); dashed: a from K = 1",
+                xlabel="draft position k", ylim=(0, 1))
+    for ax in (ax_rate, ax_cond):
+        ax.set_xticks(list(pos))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.show()
+
+    print("P(draft 1 accepted), trained head, by K:")
+    show_table(["T"] + [f"K={k}" for k in KS],
+               [(t, *(f"{runs['trained', t, k][1]['acceptance_rate_per_position'][0]:.3f}" for k in KS))
+                for t in TEMPS])
+    if FULL:
+        greedy = {k: runs["trained", 0.0, k][1] for k in KS}
+        assert greedy[kmax]["acceptance_rate_per_position"][0] < alpha["trained", 0.0]
+        gaps = {k: tau_iid(alpha["trained", 0.0], k) - greedy[k]["acceptance_length"] for k in KS if k >= 2}
+        assert all(g > 0 for g in gaps.values()), gaps
+        print("greedy: i.i.d. prediction minus measured tau, K >= 2: "
+              + ", ".join(f"K={k}: {g:+.3f}" for k, g in gaps.items()))
+    """),
+    md("""
+    ## Trained against untrained
+
+    Distillation is what makes drafts worth verifying: the trained head's τ is above the untrained head's for
+    every temperature and K. The untrained head's drafts are essentially never the target's argmax (greedy
+    τ below 1.05, asserted); sampling accepts a draft with probability Σ min(p, q), which a random q earns
+    by chance only rarely. Sampling lowers the trained head's τ too (asserted at full size, T = 1 against
+    greedy; the tiny run's 48 tokens are too few): at T > 0 a draft is accepted with probability
+    min(1, p/q), not by matching an argmax.
+    """),
+    code("""
+    rows = []
+    for temp in TEMPS:
+        for k in KS:
+            t_tau, u_tau = (runs[h, temp, k][1]["acceptance_length"] for h in ("trained", "untrained"))
+            assert t_tau > u_tau, (temp, k, t_tau, u_tau)
+            rows.append((temp, k, f"{t_tau:.2f}", f"{u_tau:.2f}", f"{t_tau / u_tau:.2f}x"))
+    show_table(["T", "K", "tau trained", "tau untrained", "ratio"], rows)
+    for k in KS:
+        assert runs["untrained", 0.0, k][1]["acceptance_length"] < 1.05
+        if FULL:
+            greedy_tau = runs["trained", 0.0, k][1]["acceptance_length"]
+            assert greedy_tau > runs["trained", 1.0, k][1]["acceptance_length"], "sampling lowers tau"
+    """),
+    md("""
+    ## What this shows
+
+    - Greedy speculative decoding emits the target's own greedy tokens for every K and both heads; where an
+      output differs from the target-only run, it first differs at a bf16 rounding tie of the target's top
+      two logits (the verification forward and the one-row decode round differently), never elsewhere.
+    - τ = 1 + Σ_k Π_{i≤k} α_i holds to rounding in every run: acceptance is a prefix, so τ is the sum of the
+      per-position acceptance rates, plus one.
+    - The i.i.d. formula with α from K = 1 is a model, not an identity: exact at K = 1 by construction, and
+      for greedy decoding above the measurement at every larger K (full size), in part because a round's
+      first draft is accepted less often when rounds are longer.
+    - The trained head beats the untrained one everywhere, and greedy decoding gets more from it than
+      sampling at T = 1. `BENCHMARKS.md` (the acceptance section) reports the same measurement for T ∈ {0, 1}.
+    """),
+]
+
+# ----------------------------------------------------------------------------------------------------------
+# 03_distill_a_head.ipynb
+# ----------------------------------------------------------------------------------------------------------
+
+NB03: list[tuple[str, str]] = [
+    md("""
+    # 03 — Distill an EAGLE-3 head, and what unrolling buys
+
+    A draft head is trained against a frozen target: the target's distribution p over the next token is the
+    soft label, the head's q is fitted to it. At serving time, though, the head's step k ≥ 2 does not read the
+    target's hidden state and the true token: it reads its own previous output and its own previous draft.
+    EAGLE-3's training-time test (TTT) trains for exactly that: the head step is unrolled K times per batch,
+    step j reading step j − 1's hidden state and argmax, and the loss is Σ_j w^j · CE(p_j, q_j)
+    (`fspec.ttt.ttt_loss`; K = `ttt_steps`, w = `step_weight` = 0.8).
+
+    This notebook trains two EAGLE-3 heads from scratch against the embedded default target
+    (`fspec.load_default()`), on a slice of the standard library's source, with the same initialisation,
+    the same batches and the same number of optimizer steps:
+
+    - **unrolled**: `ttt_steps = 5`, the K it is evaluated at;
+    - **K = 1**: `ttt_steps = 1`, plain next-token distillation (each step costs ~1/4 as much).
+
+    It plots the loss and the acceptance length τ (`fspec.generate`, greedy, K = 5, held-out prompts) over
+    training, and the held-out top-1 agreement with the target at each unrolled depth at the end.
+
+    **Budget.** At full size (the committed outputs) each head trains for 400 steps of 8 × 128 tokens, which
+    with the evaluations fits about 10 minutes on 2 CPU cores with one thread: on the shared machine that
+    ran the committed outputs the unrolled head trained at ~0.8 s a step, the K = 1 head at ~0.2 s, and the
+    whole notebook took 8 minutes (no timings are printed, so that re-running gives byte-identical
+    outputs). The shipped head had 2.3 minutes on an H200 at 185k tokens/s, about 70x the tokens (printed
+    below). CI runs a tiny size (24 steps of 2 × 32 tokens, a few seconds) and checks only the mechanics
+    there.
+    """),
+    code("""
+    import json
+    import math
+    import os
+    from pathlib import Path
+
+    import matplotlib.pyplot as plt
+    import torch
+
+    import fspec
+    from fspec import data, distill, ttt
+
+    # A 4M-parameter target and a 1.6M-parameter head: small matmuls, one thread is fastest on a shared CPU.
+    torch.set_num_threads(1)
+    FULL = os.environ.get("FSPEC_NOTEBOOK_FULL") == "1"
+    if FULL:  # the committed outputs: about 10 minutes on 2 CPU cores
+        FILES, STEPS, BATCH, SEQ_LEN, WARMUP = 200, 400, 8, 128, 20
+        CHECKPOINTS = [0, 25, 50, 100, 200, 300, 400]
+        EVAL_PROMPTS, EVAL_NEW, FINAL_PROMPTS, FINAL_NEW, HELD_WINDOWS = 4, 64, 8, 128, 16
+    else:  # CI: seconds
+        FILES, STEPS, BATCH, SEQ_LEN, WARMUP = 10, 24, 2, 32, 4
+        CHECKPOINTS = [0, 12, 24]
+        EVAL_PROMPTS, EVAL_NEW, FINAL_PROMPTS, FINAL_NEW, HELD_WINDOWS = 2, 16, 2, 24, 4
+    LR, VD, EVAL_K, PROMPT_LEN = 3e-3, 2048, 5, 64
+    print(f"{'full' if FULL else 'tiny'} size: {STEPS} steps of {BATCH} x {SEQ_LEN} tokens per head, "
+          f"lr {LR}, draft vocabulary {VD}, tau at K = {EVAL_K} at steps {CHECKPOINTS}")
+
+
+    def show_table(header, rows):
+        \"\"\"Print rows as an aligned text table.\"\"\"
+        cols = [[str(h)] + [str(r[i]) for r in rows] for i, h in enumerate(header)]
+        widths = [max(map(len, c)) for c in cols]
+        for j in range(len(rows) + 1):
+            print("  ".join(c[j].rjust(w) for c, w in zip(cols, widths)))
+            if j == 0:
+                print("  ".join("-" * w for w in widths))
+    """),
+    md("""
+    ## The target and the data
+
+    The target is the embedded one, frozen. Training text is the first `FILES` files of the standard
+    library's training split (`fspec.data.split_files`); evaluation uses held-out files only: prompts for
+    `fspec.generate`, and consecutive windows for the per-depth agreement.
+    """),
+    code("""
+    target, shipped = fspec.load_default()
+    train_files, held_files = data.split_files(data.stdlib_files())
+    train_tokens = data.encode_files(target.tokenizer, train_files[:FILES]).long()
+    held_tokens = data.encode_files(target.tokenizer, held_files).long()
+
+    prompts = []
+    for text in data.read_texts(held_files):
+        ids = target.tokenizer.encode(text).ids
+        if len(ids) >= PROMPT_LEN:
+            prompts.append(ids[:PROMPT_LEN])
+        if len(prompts) == max(EVAL_PROMPTS, FINAL_PROMPTS):
+            break
+    held_ids = held_tokens[: HELD_WINDOWS * SEQ_LEN].view(HELD_WINDOWS, SEQ_LEN)
+    seen = STEPS * BATCH * SEQ_LEN
+    print(f"training slice: {FILES} of {len(train_files)} training files, {train_tokens.numel():,} tokens; "
+          f"{seen:,} tokens seen per head ({seen / train_tokens.numel():.2f} epochs)")
+    print(f"held out: {len(held_files)} files, {held_tokens.numel():,} tokens; {len(prompts)} prompts of "
+          f"{PROMPT_LEN} tokens, {HELD_WINDOWS} windows of {SEQ_LEN} for the agreement")
+
+    # The shipped head's training run, for scale (its log ships next to the weights).
+    shipped_log = json.loads(Path(fspec.__file__).with_name("assets").joinpath("default", "train_log.json")
+                             .read_text())
+    r, shipped_steps = shipped_log["recipe"], shipped_log["draft"]["records"][-1]["step"]
+    shipped_tokens = shipped_steps * r["draft_batch"] * r["draft_seq_len"]
+    print(f"the shipped head: ttt_steps={r['ttt_steps']}, {shipped_steps} steps of {r['draft_batch']} x "
+          f"{r['draft_seq_len']} tokens = {shipped_tokens:,} tokens ({shipped_log['device']}), "
+          f"{shipped_tokens / seen:.0f}x what each head here sees")
+    """),
+    md("""
+    ## Training, one pure step at a time
+
+    `fspec.distill_head` runs this loop; here it is written out so that τ can be measured at checkpoints
+    while training runs. `fspec.distill.new_draft` makes a fresh head whose draft vocabulary is the `VD` most
+    frequent tokens of the slice; `online_batches` maps a step number to a batch (windows of the slice run
+    through the frozen target), a pure function of (seed, step), so both heads see the same batches;
+    `fspec.ttt.train_step` is one pure AdamW step on the TTT loss (`torch.func.grad_and_value`).
+    `fspec.distill.to_draft` turns the fp32 master weights into a servable `Draft` at each checkpoint.
+
+    At each checkpoint: τ with `fspec.generate` (greedy, K = 5) on held-out prompts, and the head's top-1
+    agreement with the target at each of 5 unrolled depths on held-out windows (`ttt_loss`'s metrics, with
+    `ttt_steps = 5` whatever the head was trained with).
+    """),
+    code("""
+    def held_out_agreement(head):
+        \"\"\"Top-1 agreement with the target at unrolled depths 1..EVAL_K on the held-out windows.\"\"\"
+        trainable, frozen = ttt.split_params(head.params, head.shared)
+        with torch.no_grad():
+            _, m = ttt.ttt_loss(trainable, frozen, ttt.target_batch(target, head, held_ids), cfg=head.cfg,
+                                ttt_steps=EVAL_K)
+        return m["agreement"].tolist()
+
+
+    def generate_stats(head, n_prompts, new_tokens):
+        \"\"\"`fspec.generate`'s stats, greedy, K = EVAL_K, on the first n_prompts held-out prompts.\"\"\"
+        res = fspec.generate(target, head, prompts[:n_prompts], max_new_tokens=new_tokens,
+                             num_speculative_steps=EVAL_K)
+        return res.stats
+
+
+    def train_head(ttt_steps):
+        cfg = fspec.DistillConfig(ttt_steps=ttt_steps, steps=STEPS, batch_size=BATCH, seq_len=SEQ_LEN, lr=LR,
+                                  warmup_steps=WARMUP, seed=0)
+        draft = distill.new_draft(target, kind="eagle3", tokens=train_tokens, draft_vocab_size=VD, seed=0,
+                                  num_speculative_steps=EVAL_K)
+        batches = distill.online_batches(target, draft, train_tokens, cfg=cfg)
+        trainable, frozen = ttt.split_params(draft.params, draft.shared)
+        opt = ttt.adamw_init(trainable)
+        log = {"loss": [], "ce": [], "checkpoints": [], "tau": [], "agreement": []}
+        for step in range(STEPS + 1):
+            if step in CHECKPOINTS:
+                head = distill.to_draft(draft, trainable)
+                log["checkpoints"].append(step)
+                log["tau"].append(generate_stats(head, EVAL_PROMPTS, EVAL_NEW)["acceptance_length"])
+                log["agreement"].append(held_out_agreement(head))
+            if step == STEPS:
+                break
+            trainable, opt, m = ttt.train_step(
+                trainable, opt, frozen, batches(step), step=step, cfg=draft.cfg, dcfg=cfg
+            )
+            log["loss"].append(float(m["loss"]))  # sum_j w^j CE_j over this batch
+            log["ce"].append(m["loss_per_step"].tolist())  # CE_j, j = 0 .. ttt_steps - 1
+        return distill.to_draft(draft, trainable), log
+
+
+    heads, logs = {}, {}
+    for name, ttt_steps in (("unrolled", EVAL_K), ("K=1", 1)):
+        heads[name], logs[name] = train_head(ttt_steps)
+        print(f"{name} head (ttt_steps={ttt_steps}), {STEPS} steps; tau at K={EVAL_K} by checkpoint: "
+              + ", ".join(f"{s}: {t:.2f}" for s, t in zip(logs[name]["checkpoints"], logs[name]["tau"])))
+    """),
+    md("""
+    ## Mechanics
+
+    Both heads started from the same weights (the same seed) and took the same number of steps on the same
+    batches; every loss is finite, τ stays within [1, K + 1], training changed the head's own weights and
+    left the shared embedding (the target's) alone. The loss goes down from the first steps to the last
+    (means of the first and last tenth of the run, so one noisy batch does not decide it).
+    """),
+    code("""
+    first = {n: logs[n]["agreement"][0] for n in logs}
+    assert first["unrolled"] == first["K=1"], "the same initial head"
+    for name, log in logs.items():
+        assert len(log["loss"]) == STEPS and all(math.isfinite(x) for x in log["loss"])
+        assert log["checkpoints"] == CHECKPOINTS
+        assert all(1.0 <= t <= EVAL_K + 1 for t in log["tau"])
+        n = max(STEPS // 10, 3)
+        start, end = sum(log["loss"][:n]) / n, sum(log["loss"][-n:]) / n
+        assert end < start, (name, start, end)
+        print(f"{name}: loss {start:.3f} -> {end:.3f} (mean of the first and last {n} steps)")
+    initial = distill.new_draft(target, kind="eagle3", tokens=train_tokens, draft_vocab_size=VD, seed=0)
+    for head in heads.values():
+        assert not torch.equal(head.params["fc"], initial.params["fc"]), "training changed the weights"
+        assert torch.equal(head.params["embed"], target.params["embed"]), "the embedding is the target's"
+    """),
+    code("""
+    def smooth(xs, n=max(STEPS // 20, 1)):
+        \"\"\"Trailing moving average over n steps (batches of 8 sequences are noisy).\"\"\"
+        return [sum(xs[max(i - n + 1, 0) : i + 1]) / (i + 1 - max(i - n + 1, 0)) for i in range(len(xs))]
+
+
+    steps = range(1, STEPS + 1)
+    fig, (ax_loss, ax_ce, ax_tau) = plt.subplots(1, 3, figsize=(16, 4.2))
+    ax_loss.plot(steps, smooth(logs["unrolled"]["loss"]), color="C0",
+                 label=f"unrolled: sum_j 0.8^j CE_j over {EVAL_K} steps")
+    ax_loss.plot(steps, smooth(logs["K=1"]["loss"]), color="C1", label="K = 1: CE_0")
+    ax_loss.set(title="training loss (moving average)", xlabel="optimizer step", ylabel="nats")
+    ce = logs["unrolled"]["ce"]
+    for j in range(EVAL_K):
+        ax_ce.plot(steps, smooth([c[j] for c in ce]), color=plt.cm.Blues(0.35 + 0.65 * (EVAL_K - j) / EVAL_K),
+                   label=f"unrolled, depth {j + 1}")
+    ax_ce.plot(steps, smooth([c[0] for c in logs["K=1"]["ce"]]), color="C1", ls="--", label="K = 1, depth 1")
+    ax_ce.set(title="training cross-entropy per unrolled depth", xlabel="optimizer step", ylabel="nats")
+    for name, color in (("unrolled", "C0"), ("K=1", "C1")):
+        ax_tau.plot(logs[name]["checkpoints"], logs[name]["tau"], "o-", color=color, label=f"{name} head")
+    ax_tau.set(title=f"tau at K = {EVAL_K}, greedy, {EVAL_PROMPTS} held-out prompts x {EVAL_NEW} tokens",
+               xlabel="optimizer step", ylabel="tokens / target forward")
+    for ax in (ax_loss, ax_ce, ax_tau):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.show()
+    """),
+    md("""
+    ## What unrolling buys
+
+    After the same number of steps: each head's held-out top-1 agreement with the target at each unrolled
+    depth, and, from `fspec.generate` on more prompts and longer outputs, τ at K = 5 with its conditional
+    acceptance rates α_k = P(draft k accepted | draft k − 1 accepted). The shipped head (`ttt_steps = 7`,
+    about 70x the tokens) is the reference.
+
+    The K = 1 head puts all of its training into depth 1, where the unrolled head gives only a weight of 1 in
+    1 + 0.8 + … + 0.8⁴ ≈ 3.4. From depth 2 on, a head drafts from its own previous hidden state and its own
+    previous draft: inputs the K = 1 head never saw in training, and its agreement there is a fraction of the
+    unrolled head's. τ = 1 + α_1 + α_1·α_2 + … weighs both effects: the K = 1 head tends to win the first
+    factor, the unrolled head the later ones, and α_1 multiplies everything after it. How they net out at
+    this budget is the τ column below.
+
+    At full size the notebook asserts that the K = 1 head's held-out agreement at every depth ≥ 2 is below
+    the unrolled head's, and so is its α_2 in generation, and that both heads from scratch stay below the
+    shipped head's τ; at tiny size (a few dozen steps) neither head has learned enough for a comparison to
+    mean anything, and only the mechanics are checked.
+    """),
+    code("""
+    final = {name: heads[name] for name in ("unrolled", "K=1")} | {"shipped (reference)": shipped}
+    agreement = {name: held_out_agreement(h) for name, h in final.items()}
+    stats = {name: generate_stats(h, FINAL_PROMPTS, FINAL_NEW) for name, h in final.items()}
+    taus = {name: s["acceptance_length"] for name, s in stats.items()}
+    cond = {name: s["conditional_acceptance_per_position"] for name, s in stats.items()}
+    depth_cols = [f"d{j + 1}" for j in range(EVAL_K)]
+    show_table(["head", f"tau (K={EVAL_K})"] + [f"a_{j + 1}" for j in range(EVAL_K)] + depth_cols,
+               [(n, f"{taus[n]:.3f}", *(f"{a:.2f}" for a in cond[n]), *(f"{a:.3f}" for a in agreement[n]))
+                for n in final])
+    print(f"\\ntau, a_k = P(draft k accepted | draft k-1 accepted): fspec.generate, greedy, K = {EVAL_K}, "
+          f"{FINAL_PROMPTS} held-out prompts x {FINAL_NEW} new tokens")
+    print(f"d_j: top-1 agreement with the target at unrolled depth j on {HELD_WINDOWS} held-out windows of "
+          f"{SEQ_LEN} tokens")
+    assert all(1.0 <= t <= EVAL_K + 1 for t in taus.values())
+    if FULL:
+        deep = [(j + 1, agreement["K=1"][j], agreement["unrolled"][j]) for j in range(1, EVAL_K)]
+        assert all(k1 < un for _, k1, un in deep), deep
+        assert cond["K=1"][1] < cond["unrolled"][1], (cond["K=1"], cond["unrolled"])  # alpha_2
+        assert max(taus["unrolled"], taus["K=1"]) < taus["shipped (reference)"]
+        print("\\nK=1 / unrolled agreement at depths 2..5: "
+              + ", ".join(f"{k1 / un:.2f}" for _, k1, un in deep))
+    """),
+    code("""
+    fig, (ax_agree, ax_cond, ax_ckpt) = plt.subplots(1, 3, figsize=(17, 4.2))
+    depths = range(1, EVAL_K + 1)
+    width = 0.8 / len(final)
+    for i, (name, color) in enumerate(zip(final, ("C0", "C1", "C7"))):
+        x = [d - 0.4 + width * (i + 0.5) for d in depths]
+        ax_agree.bar(x, agreement[name], width, color=color, label=name)
+        ax_cond.bar(x, cond[name], width, color=color, label=f"{name}: tau {taus[name]:.2f}")
+    ax_agree.set(title=f"held-out top-1 agreement with the target after {STEPS} steps",
+                 xlabel="unrolled depth", ylabel="fraction of positions")
+    ax_cond.set(title=f"generate, K = {EVAL_K}: P(draft k accepted | draft k-1 accepted)",
+                xlabel="draft position k", ylabel="fraction of request-rounds", ylim=(0, 1))
+    for ax in (ax_agree, ax_cond):
+        ax.set_xticks(list(depths))
+    for name, color in (("unrolled", "C0"), ("K=1", "C1")):
+        deep = [sum(a[1:]) / (EVAL_K - 1) for a in logs[name]["agreement"]]
+        ax_ckpt.plot(logs[name]["checkpoints"], [a[0] for a in logs[name]["agreement"]], "o-", color=color,
+                     label=f"{name}: depth 1")
+        ax_ckpt.plot(logs[name]["checkpoints"], deep, "s--", color=color, label=f"{name}: mean of depths 2-5")
+    ax_ckpt.set(title="held-out agreement over training", xlabel="optimizer step",
+                ylabel="fraction of positions")
+    for ax in (ax_agree, ax_cond, ax_ckpt):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.show()
+    """),
+    md("""
+    ## What this shows
+
+    - fspec's distillation is a pure step (`fspec.ttt.train_step`) over dict pytrees, fed by a batch function
+      of the step number; `fspec.distill_head` is this loop with logging, checkpoints and torchrun.
+    - Unrolling trains the depths the draft loop runs at serving time. Trained at depth 1 only, a head's
+      agreement with the target from depth 2 on is a fraction of the unrolled head's. The price is paid at
+      depth 1 (a third of the loss weight goes there, not all of it) and in compute (an unrolled step runs
+      the head K times); τ, a sum of products led by α_1, weighs both.
+    - With a CPU budget of minutes, a head from scratch gets part of the way to the shipped head, which saw
+      about 70x the tokens.
+    """),
+]
+
+# ----------------------------------------------------------------------------------------------------------
 # 04_performance.ipynb
 # ----------------------------------------------------------------------------------------------------------
 
@@ -801,6 +1425,8 @@ NB04: list[tuple[str, str]] = [
 #: notebook file name -> its cells, each ("markdown" | "code", source).
 NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
     "01_pure_draft_step.ipynb": NB01,
+    "02_acceptance.ipynb": NB02,
+    "03_distill_a_head.ipynb": NB03,
     "04_performance.ipynb": NB04,
 }
 

@@ -21,6 +21,8 @@ RESULTS_DIR = NOTEBOOKS_DIR.parent / "benchmarks" / "results"
 # One line per notebook.
 NOTEBOOKS = [
     "01_pure_draft_step.ipynb",
+    "02_acceptance.ipynb",
+    "03_distill_a_head.ipynb",
     "04_performance.ipynb",
 ]
 
