@@ -53,6 +53,8 @@ def main(argv=None) -> int:
         block_size=trained.cfg.block_size,
         max_model_len=trained.cfg.max_model_len,
         draft_ids=fspec.draft_to_target(torch.arange(trained.cfg.draft_vocab_size), trained.params["d2t"]),
+        target_layer_ids=trained.cfg.target_layer_ids,
+        intermediate_size=trained.cfg.model.intermediate_size,
     )
     prompts = prompts_from_held_out(target.tokenizer, args.prompts, args.prompt_len)
     rows = []

@@ -68,7 +68,7 @@ import torch
 
 import fspec
 from fspec import rounds, runner
-from fspec.compile import compile_propose
+from fspec.compile import compile_propose, jit
 from fspec.config import ModelConfig
 from fspec.draft import propose
 from fspec.engine import Stats
@@ -523,7 +523,7 @@ def _target_piece(cfg: ModelConfig, aux: tuple[int, ...], q: int):
         )
         return logits, hidden
 
-    return torch.compile(run, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    return jit(run)
 
 
 @functools.cache

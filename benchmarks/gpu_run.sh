@@ -1,14 +1,46 @@
 #!/usr/bin/env bash
-# One GPU-host session step: `bash benchmarks/gpu_run.sh STAGE` with $OUT set; logs and JSON go to $OUT.
-# Stages: tests (GPU tests), sampling, draft, attention, generate.
+# One GPU-host step: `bash benchmarks/gpu_run.sh STAGE [ARGS]` with $OUT set. Each stage writes its JSON and
+# the last lines of its log to $OUT (full logs stay in $WORK, default /tmp/fspec-gpu): few, small files.
+# Stages:
+#   tests        the GPU tests (pytest -m gpu)
+#   sampling     benchmarks/bench_sampling.py
+#   draft        benchmarks/bench_draft_loop.py
+#   attention    benchmarks/bench_attention.py
+#   generate     benchmarks/bench_generate.py
+#   scaling      benchmarks/bench_distill_scaling.py (two GPUs)
+#   memcheck     compute-sanitizer memcheck over the kernel GPU tests (caching allocator off; graph tests
+#                excluded: capture cannot allocate with the allocator off)
+#   racecheck    compute-sanitizer racecheck over the same tests
+#   ncu-sampling Nsight Compute speed-of-light of the Gumbel block kernel at B = 256, V = 128256
+#   ttt          benchmarks/bench_ttt_memory.py --cuda (TTT loss: dense vs lean, time and peak memory)
 set -u
 stage=$1; shift
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+WORK=${WORK:-/tmp/fspec-gpu}
+mkdir -p "$WORK"
 cd "$(dirname "$0")/.."
+log="$WORK/$stage.log"
+kernel_tests=(tests/kernels/test_paged_attention.py tests/test_gpu.py -k "not graph and not generate and not draft_loop")
 case "$stage" in
-  tests) timeout 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider -rA 2>&1 | tail -40 | tee "$OUT/gpu_tests.log" ;;
-  sampling) timeout 240 python3 benchmarks/bench_sampling.py --out "$OUT/sampling.json" "$@" 2>&1 | tee "$OUT/sampling.log" | tail -30 ;;
-  draft) timeout 540 python3 benchmarks/bench_draft_loop.py --out "$OUT/draft_loop.json" "$@" 2>&1 | tee "$OUT/draft_loop.log" | tail -30 ;;
-  attention) timeout 560 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" "$@" 2>&1 | tee "$OUT/attention.log" | tail -40 ;;
-  generate) timeout 560 python3 benchmarks/bench_generate.py --out "$OUT/generate.json" "$@" 2>&1 | tee "$OUT/generate.log" | tail -40 ;;
+  tests) timeout 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider -rA > "$log" 2>&1 ;;
+  sampling) timeout 240 python3 benchmarks/bench_sampling.py --out "$OUT/sampling.json" "$@" > "$log" 2>&1 ;;
+  draft) timeout 540 python3 benchmarks/bench_draft_loop.py --out "$OUT/draft_loop.json" "$@" > "$log" 2>&1 ;;
+  attention) timeout 560 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" "$@" > "$log" 2>&1 ;;
+  generate) timeout 560 python3 benchmarks/bench_generate.py --out "$OUT/generate.json" "$@" > "$log" 2>&1 ;;
+  scaling) timeout 300 python3 benchmarks/bench_distill_scaling.py --out "$OUT/distill_scaling.json" "$@" \
+      > "$log" 2>&1 ;;
+  memcheck) PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 300 compute-sanitizer --tool memcheck \
+      --target-processes all python3 -m pytest -q -m gpu -p no:cacheprovider "${kernel_tests[@]}" > "$log" 2>&1 ;;
+  racecheck) timeout 400 compute-sanitizer --tool racecheck --target-processes all \
+      python3 -m pytest -q -m gpu -p no:cacheprovider "${kernel_tests[@]}" > "$log" 2>&1 ;;
+  ncu-sampling) timeout 300 ncu --kernel-name regex:_gumbel_block_kernel --launch-skip 3 --launch-count 1 \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      python3 benchmarks/bench_sampling.py --batch 256 --vocab 128256 --rep 20 --out "$WORK/ncu.json" \
+      > "$log" 2>&1 ;;
+  ttt) timeout 400 python3 benchmarks/bench_ttt_memory.py --cuda --out "$OUT/ttt_memory.json" "$@" > "$log" 2>&1 ;;
+  *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
+rc=$?
+grep -v "Host Frame\|DEBUG" "$log" | tail -c 12000 > "$OUT/$stage.tail.log"
+echo "$stage rc=$rc" | tee -a "$OUT/stages.txt"
+exit $rc

@@ -36,15 +36,18 @@ def attention(d: dict) -> list[str]:
 
 def sampling(d: dict) -> list[str]:
     out = [
-        "| op | B | V | floor µs | fspec, graph replay µs | fspec, eager call µs | PyTorch reference, eager µs "
-        "| torch.multinomial µs | graph / floor |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| op | B | V | floor µs | fspec, graph µs | fspec, eager µs | exponential race, graph µs "
+        "| exponential race, eager µs | torch.multinomial, graph µs | torch.multinomial, eager µs "
+        "| PyTorch reference, eager µs | fspec graph / floor |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in d["rows"]:
         c = r["case"]
         out.append(
             f"| {c['op']} | {c['B']} | {c['V']} | {_f(r['floor_us'])} | {_f(r['fspec_graph_us'])} "
-            f"| {_f(r['fspec_us'])} | {_f(r['ref_eager_us'], '{:.0f}')} | {_f(r.get('torch_multinomial_us'))} "
+            f"| {_f(r['fspec_us'])} | {_f(r.get('exponential_race_graph_us'))} "
+            f"| {_f(r.get('exponential_race_us'))} | {_f(r.get('torch_multinomial_graph_us'))} "
+            f"| {_f(r.get('torch_multinomial_us'))} | {_f(r['ref_eager_us'], '{:.0f}')} "
             f"| {r['fspec_graph_us'] / max(r['floor_us'], 1e-9):.1f} |"
         )
     return out
@@ -97,8 +100,49 @@ def acceptance(d: dict) -> list[str]:
     return out
 
 
+def distill_scaling(d: dict) -> list[str]:
+    t, e, n = d["throughput"], d["equality"], d["gpus"]
+    return [
+        "| run | GPUs | global batch × seq | tokens/s | s/step | scaling |",
+        "|---|---:|---|---:|---:|---:|",
+        f"| throughput, bf16 autocast | 1 | {d['global_batch']} × {d['seq_len']} | {t['1']['tokens_per_s']:,.0f} "
+        f"| {t['1']['s_per_step']:.3f} | 1.00 |",
+        f"| throughput, bf16 autocast | {n} | {d['global_batch']} × {d['seq_len']} "
+        f"| {t[str(n)]['tokens_per_s']:,.0f} | {t[str(n)]['s_per_step']:.3f} | {t['scaling']:.2f} |",
+        "",
+        "| equality after N steps | global batch × seq | max abs diff | ‖θ₁ − θ₂‖ / ‖θ₁ − θ₀‖ | loss, 1 GPU | "
+        f"loss, {n} GPUs |",
+        "|---|---|---:|---:|---:|---:|",
+        f"| {e['steps']} steps, {e['dtype']} | {e['global_batch']} × {e['seq_len']} | {e['max_abs_diff']:.2e} "
+        f"| {e['relative_distance']:.2e} | {e['loss_1']:.6f} | {e[f'loss_{n}']:.6f} |",
+    ]
+
+
+def ttt_memory(d: dict) -> list[str]:
+    out = [
+        "| head shapes | B × S | Vd | K | dense attention + plain CE, GB | + lean attention, GB "
+        "| + lean CE (default), GB | reduction |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in d["rows"]:
+        out.append(
+            f"| {r['head']} | {r['batch']} × {r['seq_len']} | {r['draft_vocab']} | {r['ttt_steps']} "
+            f"| {r['dense_GB']:.1f} | {r['lean_attention_GB']:.1f} | {r['lean_attention_and_ce_GB']:.1f} "
+            f"| {r['reduction']:.2f}× |"
+        )
+    return out
+
+
 def main(names: list[str]) -> int:
-    for name in names or ["attention", "sampling", "draft_loop", "generate", "acceptance"]:
+    for name in names or [
+        "attention",
+        "sampling",
+        "draft_loop",
+        "generate",
+        "acceptance",
+        "distill_scaling",
+        "ttt_memory",
+    ]:
         path = RESULTS / f"{name}.json"
         if not path.exists():
             continue

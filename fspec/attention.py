@@ -267,15 +267,21 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> tor
 # --- validation of the public functions (eager only) --------------------------------------------------------
 
 
-def _check_qkv(q, k, v, *, ndim: int, layout: str) -> None:
-    """q [..., N, D], k/v [..., Nkv, D]: tensors of rank `ndim`, one float dtype and device, N % Nkv == 0."""
+def _check_qkv(q, k, v, *, ndim: int, layout: str, autocast_ok: bool = False) -> None:
+    """q [..., N, D], k/v [..., Nkv, D]: tensors of rank `ndim`, one float dtype and device, N % Nkv == 0.
+
+    autocast_ok: mixed float dtypes pass while autocast is on for q's device (autocast casts them for SDPA;
+    under bf16 autocast the projections give bf16 q/k/v and RoPE promotes q and k back to fp32).
+    """
+    kind = q.device.type
+    mixed_ok = autocast_ok and torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != ndim:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{name}: expected a {layout} tensor, got {got}")
         if not x.is_floating_point():
             raise ValueError(f"{name}: expected a float dtype, got {x.dtype}")
-        if x.dtype != q.dtype or x.device != q.device:
+        if (x.dtype != q.dtype and not mixed_ok) or x.device != q.device:
             raise ValueError(
                 f"{name}: expected q's dtype {q.dtype} on {q.device}, got {x.dtype} on {x.device}"
             )
@@ -290,7 +296,7 @@ def _check_qkv(q, k, v, *, ndim: int, layout: str) -> None:
 
 
 def _check_dense(q, k, v, mask) -> None:
-    _check_qkv(q, k, v, ndim=4, layout="[B, S, heads, D]")
+    _check_qkv(q, k, v, ndim=4, layout="[B, S, heads, D]", autocast_ok=True)
     b, s, sk = q.shape[0], q.shape[1], k.shape[1]
     if mask is None:
         if s != sk:

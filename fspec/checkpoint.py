@@ -279,6 +279,31 @@ def _shared_names(params: dict, target: Target) -> tuple[str, ...]:
     return tuple(n for n in SHAREABLE if n in params and params[n] is _target_param(n, target))
 
 
+def _positive(name: str, value, default: int) -> int:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return value
+
+
+def _layer_ids(kind: str, ids, num_layers: int) -> tuple[int, ...]:
+    if kind != "eagle3":
+        if ids:
+            raise ValueError(f"target_layer_ids: expected None for kind={kind!r}, got {ids!r}")
+        return ()
+    if ids is None:
+        return eagle3_layer_ids(num_layers)
+    ids = tuple(ids)
+    if len(ids) != 3 or any(
+        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers for i in ids
+    ):
+        raise ValueError(
+            f"target_layer_ids: expected three target layer ids in [0, {num_layers}), got {ids!r}"
+        )
+    return ids
+
+
 def init_draft(
     target: Target,
     *,
@@ -290,8 +315,14 @@ def init_draft(
     max_model_len: int | None = None,
     greedy_drafts: bool = False,
     draft_ids: torch.Tensor | None = None,
+    target_layer_ids: tuple[int, ...] | None = None,
+    intermediate_size: int | None = None,
 ) -> Draft:
     """A fresh one-layer head of `kind` for `target`, with the target's layer shapes and RoPE.
+
+    target_layer_ids (EAGLE-3 only): the three target layers whose input the head reads; default
+    `eagle3_layer_ids(L)`, the published (2, L // 2, L - 3).
+    intermediate_size: the head layer's MLP width; default the target's (config.json records it).
 
     draft_vocab_size (EAGLE-3 only; default V) with draft_ids, the target ids of the draft vocabulary
     (default 0..Vd-1). max_model_len defaults to the target's max_position_embeddings.
@@ -306,6 +337,7 @@ def init_draft(
         attention_bias=False,
         qk_norm=False,
         tie_word_embeddings=False,
+        intermediate_size=_positive("intermediate_size", intermediate_size, tc.intermediate_size),
     )
     cfg = DraftConfig(
         kind=kind,
@@ -313,7 +345,7 @@ def init_draft(
         num_speculative_steps=num_speculative_steps,
         draft_vocab_size=draft_vocab_size or 0,
         target_hidden_size=tc.hidden_size,
-        target_layer_ids=eagle3_layer_ids(tc.num_hidden_layers) if kind == "eagle3" else (),
+        target_layer_ids=_layer_ids(kind, target_layer_ids, tc.num_hidden_layers),
         block_size=block_size,
         max_model_len=max_model_len or tc.max_position_embeddings,
         greedy_drafts=greedy_drafts,

@@ -17,6 +17,7 @@ graph would be skipped for "mutated inputs". Parameters are `nn.Parameter`s, sta
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -31,6 +32,22 @@ from fspec.state import AttnMetadata, DraftState
 # sampled drafts, the per-step path's two shapes): dynamo's default limit of 8 recompiles per code object
 # would silently fall back to eager.
 _RECOMPILE_LIMIT = 8 * len(BATCH_BUCKETS)
+
+
+def jit(fn: Callable, mode: str | None = "reduce-overhead") -> Callable:
+    """`torch.compile(fn, fullgraph=True, dynamic=False)` in `mode`: every fspec graph goes through here.
+
+    `FSPEC_COORDINATE_DESCENT=1` adds Inductor's coordinate-descent tuning on CUDA (gpt-fast's setting): each
+    Triton kernel's launch parameters are tuned, and a one-row matmul (batch 1 decode) is lowered to a Triton
+    reduction that can fuse with its neighbours instead of a cuBLAS GEMV. Off by default: on the H200 it
+    took the 8B-head draft loop's compile from 20 s to over 100 s (BENCHMARKS.md).
+    """
+    _configure_dynamo()
+    tune = os.environ.get("FSPEC_COORDINATE_DESCENT") == "1" and torch.cuda.is_available()
+    if mode == "reduce-overhead" and tune:
+        options = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
+        return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+    return torch.compile(fn, mode=mode, fullgraph=True, dynamic=False)
 
 
 def _configure_dynamo() -> None:
@@ -53,12 +70,11 @@ def compile_propose(
     them before calling again. The cache is donated and must have static addresses (`mark_static`, done
     here on first use of each cache object).
     """
-    _configure_dynamo()
 
     def run(params: dict, state: DraftState, cache: KVCache) -> DraftState:
         return propose(params, state, cache, cfg=cfg, backend=backend, max_context=max_context)[0]
 
-    compiled = torch.compile(run, mode=mode, fullgraph=True, dynamic=False)
+    compiled = jit(run, mode)
     marked: set[int] = set()
 
     def call(params: dict, state: DraftState, cache: KVCache) -> tuple[DraftState, KVCache]:
@@ -85,12 +101,11 @@ def compile_step(
     draft buffers of each batch shape are allocated once, marked static and written in place by every
     replay; the result's `draft_tokens` / `draft_probs` are those buffers (overwritten by the next call).
     """
-    _configure_dynamo()
 
     def run(params: dict, state: DraftState, cache: KVCache) -> DraftState:
         return _step(params, state, cache, cfg=cfg, backend=backend, max_context=max_context)[0]
 
-    compiled = torch.compile(run, mode=mode, fullgraph=True, dynamic=False)
+    compiled = jit(run, mode)
     buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
     marked: set[int] = set()
 

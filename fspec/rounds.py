@@ -17,7 +17,7 @@ import functools
 import torch
 
 from fspec.cache import KVCache
-from fspec.compile import _configure_dynamo
+from fspec.compile import jit
 from fspec.config import DraftConfig, ModelConfig
 from fspec.draft import _step
 from fspec.kernels.salts import SALT_BONUS
@@ -150,14 +150,10 @@ def decode_step(
 @functools.cache
 def compiled_spec_round(tcfg: ModelConfig, dcfg: DraftConfig, max_len: int):
     """`spec_round` as one CUDA graph per batch bucket (torch.compile, reduce-overhead, fullgraph)."""
-    _configure_dynamo()
-    fn = functools.partial(spec_round, tcfg=tcfg, dcfg=dcfg, max_len=max_len)
-    return torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    return jit(functools.partial(spec_round, tcfg=tcfg, dcfg=dcfg, max_len=max_len))
 
 
 @functools.cache
 def compiled_decode_step(tcfg: ModelConfig, block_size: int, max_len: int):
     """`decode_step` as one CUDA graph per batch bucket."""
-    _configure_dynamo()
-    fn = functools.partial(decode_step, tcfg=tcfg, block_size=block_size, max_len=max_len)
-    return torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    return jit(functools.partial(decode_step, tcfg=tcfg, block_size=block_size, max_len=max_len))

@@ -11,8 +11,9 @@ A batch is a dict of the target's outputs over sequences [B, S] (see `fspec.dist
      "target_logits": [B, S, Vd]}   the target's logits restricted to the draft vocabulary (EAGLE-3: the Vd
                                     columns of d2t; others: all V); `target_batch` makes one
 
-The head step is unrolled K times with the dense attention backend (the head's own `_hidden`, so the same
-decoder layer serves training and serving):
+The head step is unrolled K times with differentiable attention over explicit keys (step 0: causal SDPA;
+later steps: `fspec.ttt_attention`, which keeps no score matrix) through the head's own `_hidden`, so the
+same decoder layer serves training and serving:
 
 * step 0 is the causal pass over pairs (hidden_i, token_{i+1}) at positions i (EAGLE's shift);
 * step j >= 1 feeds row i its own output hidden of step j-1 and its own prediction (argmax of step j-1's
@@ -40,6 +41,7 @@ from fspec.models import head_hidden, head_logits, llama, project_target_hidden
 from fspec.models.eagle3 import _draft_to_target
 from fspec.models.llama import TargetHidden
 from fspec.pytree import tree
+from fspec.ttt_attention import ttt_attention
 
 FEEDS = ("prediction", "data")
 NEVER_TRAINED = ("d2t", "t2d")  # integer/bool vocabulary maps of EAGLE-3 heads
@@ -142,7 +144,9 @@ def ttt_mask(seq_len: int, step: int, *, device: torch.device | str | None = Non
 
 def ttt_attend(kv: dict, step: int) -> Attend:
     """`attend` for unroll step `step`: appends this step's k/v [B, S, Nkv, D] to kv[layer] and attends over
-    the keys of steps 0..step under `ttt_mask` (step 0: plain causal attention)."""
+    the keys of steps 0..step under `ttt_mask`. Step 0 is plain causal attention (SDPA); later steps use
+    `fspec.ttt_attention.ttt_attention`, which equals the dense masked attention without materialising its
+    [B, N, S, (step+1)·S] scores."""
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         keys, values = kv.setdefault(layer, ([], []))
@@ -150,8 +154,7 @@ def ttt_attend(kv: dict, step: int) -> Attend:
         values.append(v)
         if step == 0:
             return dense_attention(q, k, v)
-        mask = ttt_mask(q.shape[1], step, device=q.device)  # [S, (step+1)·S]
-        return dense_attention(q, torch.cat(keys, 1), torch.cat(values, 1), mask=mask[None])
+        return ttt_attention(q, keys, values)
 
     return attend
 
@@ -217,6 +220,40 @@ def unroll(
     return out_logits, out_hidden
 
 
+class _SoftCrossEntropy(torch.autograd.Function):
+    """mean over rows of CE(softmax(p_logits), softmax(q_logits)), computed in fp32, saving only its inputs.
+
+    The plain expression -(p.softmax(-1) * q.log_softmax(-1)).sum(-1).mean() keeps softmax(p) and
+    log_softmax(q) for the backward pass: two more [rows, Vd] fp32 tensors per unrolled step on top of the
+    logits (2.1 GB each at 16 x 1024 rows and Vd = 32000). Here the backward pass recomputes them from the
+    logits, which are kept anyway (q's by the lm_head matmul's graph, p's by the batch):
+    CE = logsumexp(q) - sum_x p(x) q(x), dCE/dq = softmax(q) - p.
+    """
+
+    generate_vmap_rule = True  # composes with torch.func.vmap (heads stacked over a leading dim)
+
+    @staticmethod
+    def forward(q_logits, p_logits):
+        q, p = q_logits.float(), p_logits.float()
+        return (torch.logsumexp(q, -1) - (p.softmax(-1) * q).sum(-1)).mean()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q_logits, p_logits = ctx.saved_tensors
+        rows = q_logits.numel() // q_logits.shape[-1]
+        dq = (q_logits.float().softmax(-1) - p_logits.float().softmax(-1)) * (grad / rows)
+        return dq.to(q_logits.dtype), None
+
+
+def soft_cross_entropy(q_logits: torch.Tensor, p_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of -sum_x softmax(p)(x) log softmax(q)(x) for logits [..., V] (no gradient to p)."""
+    return _SoftCrossEntropy.apply(q_logits, p_logits)
+
+
 def ttt_loss(
     trainable: dict,
     frozen: dict,
@@ -240,9 +277,9 @@ def ttt_loss(
     losses, agree = [], []
     for j, q_logits in enumerate(unroll(params, batch, cfg=cfg, ttt_steps=ttt_steps, feed=feed)[0]):
         n = s - 1 - j  # rows i whose target distribution exists: position i + j + 1 <= S - 1
-        p_j = p_logits[:, j + 1 :].float()  # [B, n, Vd]
-        q_j = q_logits[:, :n].float()
-        ce = -(p_j.softmax(-1) * q_j.log_softmax(-1)).sum(-1).mean()
+        p_j = p_logits[:, j + 1 :]  # [B, n, Vd] views: nothing new is kept for the backward pass
+        q_j = q_logits[:, :n]
+        ce = soft_cross_entropy(q_j, p_j)
         total = total + step_weight**j * ce
         losses.append(ce.detach())
         agree.append((q_j.argmax(-1) == p_j.argmax(-1)).float().mean().detach())

@@ -170,6 +170,8 @@ def gumbel_sample(
     n, v = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    # per-row inputs are read at ptr + row: a strided or expanded view must become a real [N] tensor
+    temperature, seed, positions = temperature.contiguous(), seed.contiguous(), positions.contiguous()
     into = out_tokens is not None
     nb = triton.cdiv(v, block)
     tokens = torch.empty(n, dtype=torch.int64, device=logits.device)

@@ -78,6 +78,7 @@ def kv_write(
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
+    slot_mapping = slot_mapping.contiguous()  # read at ptr + t
     _kv_write_kernel[(t,)](
         k, v, kc, vc, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         KV_HEADS=nkv, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(nkv), BLOCK_D=triton.next_power_of_2(d),

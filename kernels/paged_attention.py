@@ -301,6 +301,9 @@ def paged_attention(
         q = q.contiguous()
     if block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
+    # per-request / per-token metadata is read at ptr + index
+    seq_lens, positions = seq_lens.contiguous(), positions.contiguous()
+    query_start_loc = query_start_loc.contiguous()
     group = n // nkv
     cfg = default_config(
         batch=b,

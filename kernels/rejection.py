@@ -259,6 +259,7 @@ def rejection_sample(
     if target_logits.stride(-1) != 1:
         target_logits = target_logits.contiguous()
     draft_tokens = draft_tokens.contiguous()
+    temperature, seed, positions = temperature.contiguous(), seed.contiguous(), positions.contiguous()
     has_q = draft_probs is not None
     draft_probs = draft_probs.contiguous() if has_q else draft_tokens  # dummy pointer when q is one-hot
     tokens = torch.empty((b, k1), dtype=torch.int64, device=dev)

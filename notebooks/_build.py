@@ -498,8 +498,8 @@ NB02: list[tuple[str, str]] = [
     md("""
     ## The model, an untrained head, and held-out prompts
 
-    The untrained head is `fspec.init_draft` with the trained head's shape and draft vocabulary (the 2048
-    most frequent target tokens), so the two differ only in their weights. The prompts are the first
+    The untrained head is `fspec.init_draft` with the trained head's shape, draft vocabulary (all 4096 ids)
+    and target layers, so the two differ only in their weights. The prompts are the first
     `PROMPT_LEN` tokens of held-out files: `fspec.data` holds out files by a hash of their path, and neither
     the target nor the head saw them in training.
     """),
@@ -510,6 +510,7 @@ NB02: list[tuple[str, str]] = [
         target, kind="eagle3", seed=1, num_speculative_steps=max(KS), draft_vocab_size=dc.draft_vocab_size,
         block_size=dc.block_size, max_model_len=dc.max_model_len,
         draft_ids=fspec.draft_to_target(torch.arange(dc.draft_vocab_size), trained.params["d2t"]),
+        target_layer_ids=dc.target_layer_ids, intermediate_size=dc.model.intermediate_size,
     )
     HEADS = {"trained": trained, "untrained": untrained}
 
@@ -788,8 +789,8 @@ NB03: list[tuple[str, str]] = [
     with the evaluations fits about 10 minutes on 2 CPU cores with one thread: on the shared machine that
     ran the committed outputs the unrolled head trained at ~0.8 s a step, the K = 1 head at ~0.2 s, and the
     whole notebook took 8 minutes (no timings are printed, so that re-running gives byte-identical
-    outputs). The shipped head had 2.3 minutes on an H200 at 185k tokens/s, about 70x the tokens (printed
-    below). CI runs a tiny size (24 steps of 2 × 32 tokens, a few seconds) and checks only the mechanics
+    outputs). The shipped head had 3.2 minutes on an H200 at ~170k tokens/s, about 84x the tokens (printed
+    below), with a wider MLP and the whole vocabulary (`fspec/default_model.py`). CI runs a tiny size (24 steps of 2 × 32 tokens, a few seconds) and checks only the mechanics
     there.
     """),
     code("""
@@ -985,7 +986,7 @@ NB03: list[tuple[str, str]] = [
     After the same number of steps: each head's held-out top-1 agreement with the target at each unrolled
     depth, and, from `fspec.generate` on more prompts and longer outputs, τ at K = 5 with its conditional
     acceptance rates α_k = P(draft k accepted | draft k − 1 accepted). The shipped head (`ttt_steps = 7`,
-    about 70x the tokens) is the reference.
+    about 84x the tokens, a 4x wider MLP) is the reference.
 
     The K = 1 head puts all of its training into depth 1, where the unrolled head gives only a weight of 1 in
     1 + 0.8 + … + 0.8⁴ ≈ 3.4. From depth 2 on, a head drafts from its own previous hidden state and its own

@@ -134,6 +134,22 @@ def test_dense_attention_matches_naive_and_masks_rows_to_zero():
     assert torch.equal(out[1, 2], torch.zeros(6, 4))
 
 
+def test_dense_attention_takes_mixed_dtypes_under_autocast_only():
+    """bf16 autocast gives bf16 v with fp32 q/k (RoPE promotes them): accepted inside autocast, where SDPA
+    casts them (the TTT loss trains this way on CUDA), and a ValueError naming v outside it."""
+    gen = torch.Generator().manual_seed(1)
+    q, k = torch.randn(2, 5, 4, 8, generator=gen), torch.randn(2, 5, 2, 8, generator=gen)
+    v = torch.randn(2, 5, 2, 8, generator=gen).bfloat16()
+    mask = torch.ones(2, 5, 5, dtype=torch.bool).tril()
+    with pytest.raises(ValueError, match="^v: expected q's dtype torch.float32"):
+        dense_attention(q, k, v)
+    want = dense_attention(q, k, v.float())
+    for m in (None, mask):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = dense_attention(q, k, v, mask=m)
+        torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.05)
+
+
 def test_dense_backend_gradients_flow_and_stay_finite():
     """Gradients reach q, k and v through the dense path, finite even with a fully masked row."""
     gen = torch.Generator().manual_seed(1)

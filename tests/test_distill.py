@@ -20,6 +20,7 @@ import torch
 import fspec
 from fspec import distill as D
 from fspec import ttt
+from fspec.attention import dense_attention
 from fspec.cache import KVCache
 from fspec.metadata import decode_metadata, first_step_metadata
 from fspec.models import head_forward, head_forward_dense, llama, project_target_hidden
@@ -188,9 +189,14 @@ def test_ttt_unroll_equals_serving_draft_loop_at_every_position(kind, feed, monk
             ):
                 torch.testing.assert_close(logits[j][0, row], ref_logits, atol=1e-5, rtol=1e-5)
                 torch.testing.assert_close(hiddens[j][0, row], ref_hidden, atol=1e-5, rtol=1e-5)
+
         # The comparison sees a mask error: steps seeing each other causally moves hiddens 100x past atol.
-        causal_blocks = lambda n, step, device=None: torch.ones(n, (step + 1) * n, dtype=torch.bool).tril()
-        monkeypatch.setattr(ttt, "ttt_mask", causal_blocks)
+        def causal_blocks(q, keys, values):  # later steps' keys seen causally, not only their diagonal
+            n = q.shape[1]
+            mask = torch.ones(n, len(keys) * n, dtype=torch.bool).tril()
+            return dense_attention(q, torch.cat(keys, 1), torch.cat(values, 1), mask=mask[None])
+
+        monkeypatch.setattr(ttt, "ttt_attention", causal_blocks)
         assert _max_gap(draft, batch, k=k, s=s, feed=feed) > 1e-3
 
 

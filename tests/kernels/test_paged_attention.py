@@ -530,3 +530,30 @@ def test_ops_gpu_cuda_graph_replay_follows_metadata_tensors():
     """One captured kv_write + paged_attention replays with new seq_lens/positions/slots (changed in place
     between replays) and gives the new results: nothing about the metadata is frozen into the graph."""
     _in_fresh_process("_gpu_cuda_graph_replay")
+
+
+def _gpu_kv_write() -> None:
+    q, kc, vc, table, seq, positions, qsl = _gpu_case(4, seed=5)
+    block_size = kc.shape[1]
+    # new tokens at the last 4 positions of each request (a padding request: slots -1), crossing block
+    # boundaries where a context length is not a multiple of the block size
+    p = positions.clamp(min=0)
+    rows = torch.arange(len(positions), device="cuda") // 4
+    slots = table[rows, p // block_size].long() * block_size + p % block_size
+    slots = torch.where(positions < 0, -1, slots)
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    k_new = torch.randn(len(slots), kc.shape[2], kc.shape[3], device="cuda", generator=gen).bfloat16()
+    v_new = torch.randn_like(k_new)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    torch.ops.fspec.kv_write(k_new, v_new, kc, vc, slots)
+    kv_write_ref(k_new, v_new, kc_ref, vc_ref, slots)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    assert (slots < 0).any() and (slots >= 0).sum() > 4
+
+
+@pytest.mark.gpu
+def test_kv_write_gpu_writes_exactly_the_reference_slots():
+    """The compiled KV-write kernel on the H200 (bf16, 8 KV heads of 128, block 16, a padding request) leaves
+    the cache bit-identical to the reference: live slots written, -1 skipped, nothing else touched. Outside
+    a graph, so compute-sanitizer memcheck can run it with the caching allocator off."""
+    _in_fresh_process("_gpu_kv_write")

@@ -1,0 +1,167 @@
+"""Memory-lean attention for the unrolled TTT steps: the causal block plus diagonals, chunked, recomputed.
+
+At unrolled step j >= 1, row i attends to the step-0 keys at positions <= i (causal) and to its own keys of
+steps 1..j (one per step: the diagonal of each later block; `fspec.ttt.ttt_mask`). As a dense masked
+attention this materialises [B, N, S, (j + 1)·S] scores and keeps them for the backward pass: at
+Llama-3.2-1B shapes (16 x 1024 tokens, 32 heads) that is 2.1 GB per block, 60 GB over seven unrolled steps,
+most of what a TTT step keeps (benchmarks/bench_ttt_memory.py).
+
+Here the diagonal blocks are j scores per row (elementwise products), the causal block is computed in chunks
+of query rows, and the backward pass recomputes the probabilities from the saved log-sum-exp per row
+(FlashAttention's recomputation, in plain PyTorch): what is kept is q, the keys and values, the output and
+one log-sum-exp per (row, head), O(S·j) instead of O(S²·j). Exact (same softmax, fp32 accumulation), a
+`torch.autograd.Function` that composes with `torch.func.grad` and `vmap`.
+
+GQA: q has N = Nkv·G heads; head n reads KV head n // G (as `enable_gqa` in SDPA), without expanding K/V.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Scores per chunk: B·N·chunk·S fp32 values; 2^26 of them (256 MB) per live chunk tensor.
+_CHUNK_ELEMENTS = 1 << 26
+
+
+def _split_heads(q: torch.Tensor, nkv: int) -> torch.Tensor:
+    """[B, S, N, D] -> [B, Nkv, G, S, D] (head n = kv·G + g)."""
+    b, s, n, d = q.shape
+    return q.reshape(b, s, nkv, n // nkv, d).permute(0, 2, 3, 1, 4)
+
+
+def _merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """[B, Nkv, G, S, D] -> [B, S, N, D]."""
+    b, nkv, g, s, d = x.shape
+    return x.permute(0, 3, 1, 2, 4).reshape(b, s, nkv * g, d)
+
+
+def _heads_first(q, k0, v0, kd, vd, acc: torch.dtype):
+    """The inputs in the compute layout and dtype: q [B, Nkv, G, S, D], k0/v0 [B, Nkv, 1, S, D],
+    kd/vd [B, Nkv, 1, S, J, D]."""
+    nkv = k0.shape[2]
+    return (
+        _split_heads(q, nkv).to(acc),
+        k0.permute(0, 2, 1, 3).to(acc)[:, :, None],
+        v0.permute(0, 2, 1, 3).to(acc)[:, :, None],
+        kd.permute(0, 3, 1, 2, 4).to(acc)[:, :, None],
+        vd.permute(0, 3, 1, 2, 4).to(acc)[:, :, None],
+    )
+
+
+def _chunk_rows(b: int, n: int, s: int, chunk: int | None) -> int:
+    if chunk is not None:
+        return chunk
+    return max(1, min(s, _CHUNK_ELEMENTS // max(b * n * s, 1)))
+
+
+class _TTTAttention(torch.autograd.Function):
+    """(q [B,S,N,D], k0/v0 [B,S,Nkv,D], kd/vd [B,S,J,Nkv,D]) -> [B,S,N,D]; see the module docstring."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k0, v0, kd, vd, chunk):
+        nkv = k0.shape[2]
+        s, d = q.shape[1], q.shape[3]
+        scale = 1.0 / math.sqrt(d)
+        acc = torch.promote_types(q.dtype, torch.float32)  # fp32 accumulation (fp64 stays fp64)
+        qh, k0h, v0h, kdh, vdh = _heads_first(q, k0, v0, kd, vd, acc)
+        sd = (qh[..., None, :] * kdh).sum(-1) * scale  # [B, Nkv, G, S, J]
+        b, _, g = qh.shape[:3]
+        c = _chunk_rows(b, nkv * g, s, chunk)
+        keys = torch.arange(s, device=q.device)
+        outs, lses = [], []
+        for lo in range(0, s, c):
+            hi = min(lo + c, s)
+            s0 = (qh[:, :, :, lo:hi] @ k0h.transpose(-1, -2)) * scale  # [B, Nkv, G, C, S]
+            visible = keys[None, :] <= torch.arange(lo, hi, device=q.device)[:, None]  # [C, S]
+            s0 = s0.masked_fill(~visible, float("-inf"))
+            sdc = sd[:, :, :, lo:hi]  # [B, Nkv, G, C, J]
+            m = torch.maximum(s0.amax(-1), sdc.amax(-1))  # [B, Nkv, G, C]
+            e0 = torch.exp(s0 - m[..., None])
+            ed = torch.exp(sdc - m[..., None])
+            den = e0.sum(-1) + ed.sum(-1)
+            num = e0 @ v0h + (ed[..., None] * vdh[:, :, :, lo:hi]).sum(-2)  # [B, Nkv, G, C, D]
+            outs.append(num / den[..., None])
+            lses.append(m + torch.log(den))
+        out = torch.cat(outs, dim=3)  # [B, Nkv, G, S, D]
+        return _merge_heads(out).to(q.dtype), torch.cat(lses, dim=3)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k0, v0, kd, vd, chunk = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k0, v0, kd, vd, out, lse)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(lse)
+
+    @staticmethod
+    def backward(ctx, d_out, _d_lse):
+        q, k0, v0, kd, vd, out, lse = ctx.saved_tensors
+        nkv = k0.shape[2]
+        s, d = q.shape[1], q.shape[3]
+        scale = 1.0 / math.sqrt(d)
+        acc = lse.dtype
+        qh, k0h, v0h, kdh, vdh = _heads_first(q, k0, v0, kd, vd, acc)
+        do = _split_heads(d_out, nkv).to(acc)  # [B, Nkv, G, S, D]
+        delta = (do * _split_heads(out, nkv).to(acc)).sum(-1)  # [B, Nkv, G, S]
+        sd = (qh[..., None, :] * kdh).sum(-1) * scale  # [B, Nkv, G, S, J]
+        pd = torch.exp(sd - lse[..., None])
+        dpd = (do[..., None, :] * vdh).sum(-1)  # [B, Nkv, G, S, J]
+        dsd = pd * (dpd - delta[..., None])
+        # diagonal blocks: per-row products, no chunking needed
+        d_kd = ((dsd[..., None] * qh[..., None, :]).sum(2) * scale).permute(0, 2, 3, 1, 4)  # [B,S,J,Nkv,D]
+        d_vd = (pd[..., None] * do[..., None, :]).sum(2).permute(0, 2, 3, 1, 4)
+        dq_parts = []
+        dk0 = torch.zeros_like(k0h[:, :, 0])  # [B, Nkv, S, D]
+        dv0 = torch.zeros_like(v0h[:, :, 0])
+        b, _, g = qh.shape[:3]
+        c = _chunk_rows(b, nkv * g, s, ctx.chunk)
+        keys = torch.arange(s, device=q.device)
+        for lo in range(0, s, c):
+            hi = min(lo + c, s)
+            qc, doc = qh[:, :, :, lo:hi], do[:, :, :, lo:hi]
+            s0 = (qc @ k0h.transpose(-1, -2)) * scale  # [B, Nkv, G, C, S]
+            visible = keys[None, :] <= torch.arange(lo, hi, device=q.device)[:, None]
+            p0 = torch.exp(s0 - lse[:, :, :, lo:hi, None]).masked_fill(~visible, 0.0)
+            dp0 = doc @ v0h.transpose(-1, -2)  # [B, Nkv, G, C, S]
+            ds0 = p0 * (dp0 - delta[:, :, :, lo:hi, None])
+            dq_parts.append(
+                (ds0 @ k0h + (dsd[:, :, :, lo:hi, :, None] * kdh[:, :, :, lo:hi]).sum(-2)) * scale
+            )
+            dk0 = dk0 + (ds0.transpose(-1, -2) @ qc).sum(2) * scale  # [B, Nkv, S, D]
+            dv0 = dv0 + (p0.transpose(-1, -2) @ doc).sum(2)
+        dq = _merge_heads(torch.cat(dq_parts, dim=3))
+        return (
+            dq.to(q.dtype),
+            dk0.permute(0, 2, 1, 3).to(k0.dtype),
+            dv0.permute(0, 2, 1, 3).to(v0.dtype),
+            d_kd.to(kd.dtype),
+            d_vd.to(vd.dtype),
+            None,
+        )
+
+
+def ttt_attention(
+    q: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    *,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """Attention of unrolled step j = len(keys) - 1 >= 1 under `fspec.ttt.ttt_mask`.
+
+    q [B, S, N, D]; keys/values: j + 1 tensors [B, S, Nkv, D], step 0's first (causal), then steps 1..j
+    (diagonal). Returns [B, S, N, D] in q's dtype, equal to `dense_attention(q, cat(keys), cat(values),
+    mask=ttt_mask(S, j))` but keeping O(S·j) memory for the backward pass. `chunk`: query rows per chunk of
+    the causal block (default: about 2^26 scores per chunk).
+    """
+    if len(keys) < 2 or len(keys) != len(values):
+        raise ValueError(
+            f"keys/values: expected the same number (>= 2) of per-step tensors, got {len(keys)}/{len(values)}"
+        )
+    kd = torch.stack(keys[1:], dim=2)  # [B, S, J, Nkv, D]
+    vd = torch.stack(values[1:], dim=2)
+    return _TTTAttention.apply(q, keys[0], values[0], kd, vd, chunk)[0]
