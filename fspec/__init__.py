@@ -38,8 +38,9 @@ from fspec.verify import rejection_sample
 # The draft loop.
 from fspec.draft import draft_step, propose
 
-# End-to-end generation.
+# End-to-end generation, and its first step as a function.
 from fspec.engine import GenerateResult, generate
+from fspec.prefill import Prefill, prefill
 
 # Training-time-test distillation and the embedded default model.
 from fspec.default_model import load_default
@@ -84,6 +85,8 @@ __all__ = [
     "ModelConfig",
     "project_target_hidden",
     "propose",
+    "Prefill",
+    "prefill",
     "pytree_dataclass",
     "rejection_sample",
     "replace",

@@ -16,18 +16,8 @@ import torch
 
 from fspec.cache import BlockAllocator, KVCache, mark_static
 from fspec.config import bucket_for
-from fspec.draft import last_live_rows
-from fspec.kernels.salts import SALT_BONUS
-from fspec.metadata import first_step_metadata
-from fspec.models import llama, project_target_hidden
-from fspec.rounds import (
-    compiled_decode_step,
-    compiled_spec_round,
-    decode_step,
-    first_draft_state,
-    run_drafts,
-    spec_round,
-)
+from fspec.prefill import prefill_batch
+from fspec.rounds import compiled_decode_step, compiled_spec_round, decode_step, run_drafts, spec_round
 
 # Blocks allocated ahead of need, so the block table (a host-to-device copy) changes every few rounds, not
 # every round a request crosses a block boundary.
@@ -102,7 +92,6 @@ class Run:
                 # A greedy batch verifies by argmax: q is one-hot, so skip building [B, K, V] probabilities.
                 cfg = dataclasses.replace(draft.cfg, greedy_drafts=True)
                 self.draft = draft = dataclasses.replace(draft, cfg=cfg)
-        self.aux = draft.cfg.target_layer_ids if draft is not None and draft.cfg.kind == "eagle3" else ()
 
     # -- host bookkeeping --
 
@@ -169,35 +158,22 @@ class Run:
         ids = torch.zeros(self.b, q, dtype=torch.int64)
         for b, p in enumerate(self.prompts):
             ids[b, : len(p)] = torch.tensor(p)
-        ids = ids.to(self.device)
-        starts = torch.tensor([0 if not d else -1 for d in self.done], device=self.device)
-        counts = torch.tensor(lens, device=self.device)
-        meta = first_step_metadata(starts, counts, self._table(), num_query=q, block_size=self.bs)
         self.stats.target_forwards += 1  # eager: the prefill's shape is the prompts'
-        logits, hidden, _ = llama.forward(
-            self.target.params,
-            ids.view(-1),
-            meta,
+        first, _, state = prefill_batch(
+            self.target,
+            self.draft,
+            ids.to(self.device),
+            lens,
+            [not d for d in self.done],
+            self._table(),
+            self.temp,
+            self.seed,
             self.tcache,
-            cfg=self.target.cfg,
-            aux_layer_ids=self.aux,
-            max_query_len=q,
-        )
-        rows = last_live_rows(meta)
-        first = torch.ops.fspec.gumbel_sample(
-            logits.index_select(0, rows).float(), self.temp, self.seed, counts.long(), SALT_BONUS
+            block_size=self.bs,
         )
         drafts = None
-        if self.draft is not None:
-            # The head's rows are positions 0..n-1, pairing hidden i with token i + 1 (last: the new token).
-            shifted = torch.cat(
-                [ids[:, 1:], torch.zeros(self.b, 1, dtype=torch.int64, device=self.device)], 1
-            )
-            shifted[torch.arange(self.b, device=self.device), (counts - 1).clamp(min=0)] = first
-            cfg = self.draft.cfg
-            h = project_target_hidden(self.draft.params, hidden, cfg=cfg)
-            state = first_draft_state(shifted.view(-1), h, meta, self.temp, self.seed, cfg=cfg)
-            drafts = run_drafts(self.draft.params, state, self.dcache, cfg=cfg)
+        if state is not None:
+            drafts = run_drafts(self.draft.params, state, self.dcache, cfg=self.draft.cfg)
         first_list = first.tolist()
         for b in range(self.n_real):
             self._emit(b, [first_list[b]], first=True)  # at position n, the prompt length

@@ -183,6 +183,20 @@ NB01: list[tuple[str, str]] = [
     print("first new token per request:", first_token[:-1].tolist())
     """),
     md("""
+    `fspec.prefill` does all of this in one call — it is what `fspec.generate` runs before its first round —
+    with contiguous blocks of its own and no padding request. Its rows for the three requests are the ones
+    built above (greedy first tokens: temperature 0 is its default).
+    """),
+    code("""
+    R = len(PROMPT_LENS)
+    pre = fspec.prefill(target, draft, [prompts[b, :n].tolist() for b, n in enumerate(PROMPT_LENS)])
+    assert torch.equal(pre.tokens, first_token[:R])
+    assert torch.equal(pre.state.input_ids.view(R, Q), shifted[:R])
+    torch.testing.assert_close(pre.state.hidden.view(R, Q, -1), hidden.view(B, Q, -1)[:R])
+    print("fspec.prefill: the same first tokens, token rows and hidden rows; its block table:")
+    print(pre.block_table)
+    """),
+    md("""
     ## The state pytree
 
     `DraftState` is a frozen dataclass registered twice: with optree under the namespace `"fspec"` (what
