@@ -18,6 +18,7 @@ runs once per round and is amortised over K), and K/V = B · ctx · 2 · Nkv · 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -49,6 +50,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--budget-s", type=float, default=540.0, help="stop starting new rows after this many seconds"
     )
+    p.add_argument("--fuse", action="store_true", help="fused q/k/v and gate/up (fspec.fuse_projections)")
     p.add_argument("--profile", help="write the compiled loop's CUDA kernel table (top 40) to this file")
     p.add_argument("--out", default="benchmarks/results/draft_loop.json")
     return p.parse_args(argv)
@@ -152,6 +154,8 @@ def measure(head: str, b: int, k: int, args, bw: float) -> dict:
     from fspec.compile import compile_propose, compile_step
 
     draft, cache, state, wbytes, kvbytes = build(head, b, k, args.ctx)
+    if args.fuse:  # same weights, one matmul for q/k/v and one for gate/up
+        draft = dataclasses.replace(draft, params=fspec.fuse_projections(draft.params))
     floor_us = (wbytes + kvbytes) / (bw * 1e12) * 1e6
     row = {"case": {"head": head, "B": b, "K": k, "ctx": args.ctx}, "floor_us": round(floor_us, 1)}
     eager = lambda: fspec.propose(draft.params, state, cache, cfg=draft.cfg)  # noqa: E731

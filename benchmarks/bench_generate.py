@@ -128,6 +128,7 @@ class Setup:
     label: str
     time_iters: int = 20
     time_repeats: int = 5
+    fuse: bool = False
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -144,6 +145,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-hf-static", action="store_true", help="no static-cache HF row")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny float32 model on the CPU")
     parser.add_argument("--smoke-compile", action="store_true", help="with --cpu-smoke: compile=True")
+    parser.add_argument(
+        "--fuse", action="store_true", help="fspec rows with fused q/k/v and gate/up (fspec.fuse_projections)"
+    )
     return parser.parse_args(argv)
 
 
@@ -216,6 +220,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
         else "random-weight Llama-3.2-1B shape, bf16 (random weights, tied embeddings)",
         time_iters=2 if smoke else 20,
         time_repeats=2 if smoke else 5,
+        fuse=args.fuse,
     )
 
 
@@ -432,6 +437,16 @@ def build_models(s: Setup) -> Models:
     forced_draft = fspec.Draft(
         cfg=draft.cfg, params={**draft.params, "lm_head": L.zeros(vd, h, **kw)}, shared=draft.shared
     )
+    if s.fuse:  # one matmul for q/k/v and one for gate/up per layer; shared Parameters stay shared
+        tp, dp = fspec.fuse_projections(params), fspec.fuse_projections(draft.params)
+        target = fspec.Target(cfg=s.cfg, params=tp)
+        forced_target = dataclasses.replace(
+            forced_target, params={**tp, "lm_head": forced_target.params["lm_head"]}
+        )
+        draft = dataclasses.replace(draft, params=dp)
+        forced_draft = dataclasses.replace(
+            forced_draft, params={**dp, "lm_head": forced_draft.params["lm_head"]}
+        )
     return Models(target, draft, forced_target, forced_draft)
 
 

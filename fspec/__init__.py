@@ -24,10 +24,12 @@ from fspec.models import (
     TargetHidden,
     draft_to_target,
     eagle3_layer_ids,
+    fuse_projections,
     head_forward,
     head_forward_dense,
     head_init,
     project_target_hidden,
+    unfuse_projections,
     vocab_maps,
 )
 
@@ -69,6 +71,7 @@ __all__ = [
     "DraftState",
     "eagle3_layer_ids",
     "first_step_metadata",
+    "fuse_projections",
     "generate",
     "GenerateResult",
     "gumbel_sample",
@@ -93,6 +96,7 @@ __all__ = [
     "save_draft",
     "save_target",
     "slot_mapping",
+    "unfuse_projections",
     "static_field",
     "Target",
     "TargetHidden",

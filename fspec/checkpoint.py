@@ -257,10 +257,9 @@ def save_target(target: Target, path, *, max_shard_bytes: int | None = None) -> 
     """Write `target` as an HF directory transformers can load (sharded past `max_shard_bytes`)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    keys = target_key_map(target.params)
-    _write_tensors(
-        {k: _get(target.params, p) for k, p in keys.items()}, path, max_shard_bytes=max_shard_bytes
-    )
+    params = L.unfuse_projections(target.params, target.cfg)  # HF keeps q/k/v and gate/up apart
+    keys = target_key_map(params)
+    _write_tensors({k: _get(params, p) for k, p in keys.items()}, path, max_shard_bytes=max_shard_bytes)
     config = target.cfg.to_hf()
     config["torch_dtype"] = _DTYPE_NAMES.get(target.params["embed"].dtype, "float32")
     (path / "config.json").write_text(json.dumps(config, indent=2))
@@ -360,7 +359,8 @@ def save_draft(draft: Draft, path) -> None:
     not written."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg, params = draft.cfg, draft.params
+    cfg = draft.cfg
+    params = L.unfuse_projections(draft.params, cfg.model)
     keys = draft_key_map(cfg.kind, params)
     tensors = {k: _get(params, p) for k, p in keys.items() if p[0] not in draft.shared}
     _write_tensors(tensors, path, max_shard_bytes=None)

@@ -16,6 +16,7 @@ from fspec.cache import KVCache, check_cache
 from fspec.config import DraftConfig
 from fspec.models import eagle, eagle3, llama, mtp
 from fspec.models.eagle3 import draft_to_target, vocab_maps
+from fspec.models.layers import fuse_projections, unfuse_projections
 from fspec.models.llama import TargetHidden, eagle3_layer_ids
 from fspec.pytree import tree
 from fspec.state import AttnMetadata, _expect, check_positive_int, validate_attn_metadata
@@ -248,6 +249,7 @@ __all__ = [
     "eagle",
     "eagle3",
     "eagle3_layer_ids",
+    "fuse_projections",
     "head_forward",
     "head_forward_dense",
     "head_hidden",
@@ -257,5 +259,6 @@ __all__ = [
     "llama",
     "mtp",
     "project_target_hidden",
+    "unfuse_projections",
     "vocab_maps",
 ]

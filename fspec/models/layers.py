@@ -86,10 +86,17 @@ def bias_layout(cfg: ModelConfig) -> tuple[bool, bool]:
 def project_qkv(
     p: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, cfg: ModelConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [..., N, D], k/v [..., Nkv, D] from x [..., Hin]: bias, per-head q/k norm (Qwen3), then RoPE."""
-    q = F.linear(x, p["q"], p.get("q_bias"))
-    k = F.linear(x, p["k"], p.get("k_bias"))
-    v = F.linear(x, p["v"], p.get("v_bias"))
+    """q [..., N, D], k/v [..., Nkv, D] from x [..., Hin]: bias, per-head q/k norm (Qwen3), then RoPE.
+
+    A fused layer (`fuse_projections`) computes all three with one matmul over its "qkv" weight.
+    """
+    if "qkv" in p:
+        sizes = [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim] * 2
+        q, k, v = F.linear(x, p["qkv"], p.get("qkv_bias")).split(sizes, dim=-1)
+    else:
+        q = F.linear(x, p["q"], p.get("q_bias"))
+        k = F.linear(x, p["k"], p.get("k_bias"))
+        v = F.linear(x, p["v"], p.get("v_bias"))
     q = rearrange(q, "... (n d) -> ... n d", d=cfg.head_dim)
     k = rearrange(k, "... (n d) -> ... n d", d=cfg.head_dim)
     v = rearrange(v, "... (n d) -> ... n d", d=cfg.head_dim)
@@ -100,8 +107,62 @@ def project_qkv(
 
 
 def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-    return F.linear(F.silu(F.linear(x, p["gate"])) * F.linear(x, p["up"]), p["down"])
+    """SwiGLU: down(silu(gate(x)) * up(x)); a fused layer computes gate and up with one matmul."""
+    if "gate_up" in p:
+        gate, up = F.linear(x, p["gate_up"]).chunk(2, dim=-1)
+    else:
+        gate, up = F.linear(x, p["gate"]), F.linear(x, p["up"])
+    return F.linear(F.silu(gate) * up, p["down"])
+
+
+# --- fused projections --------------------------------------------------------------------------------------
+
+_QKV = ("q", "k", "v")
+_FUSED_AWAY = ("q", "k", "v", "q_bias", "k_bias", "v_bias", "gate", "up")
+
+
+def fuse_projections(params):
+    """`params` (a model's or a head's pytree) with every decoder layer's q/k/v weights concatenated into
+    "qkv" (biases into "qkv_bias") and gate/up into "gate_up": one matmul instead of three and two, as
+    gpt-fast's `wqkv` and vLLM's merged linear layers do. The result computes the same function (up to the
+    matmul's summation order); the separate weights are not kept in it (drop the input to free them).
+    `unfuse_projections` inverts it; `save_target` / `save_draft` do that themselves.
+    """
+    if isinstance(params, list):
+        return [fuse_projections(x) for x in params]
+    if not isinstance(params, dict):
+        return params
+    if all(k in params for k in (*_QKV, "gate", "up")):
+        out = {k: v for k, v in params.items() if k not in _FUSED_AWAY}
+        with torch.no_grad():
+            out["qkv"] = param(torch.cat([params[k] for k in _QKV]))
+            if "q_bias" in params:
+                out["qkv_bias"] = param(torch.cat([params[f"{k}_bias"] for k in _QKV]))
+            out["gate_up"] = param(torch.cat([params["gate"], params["up"]]))
+        return out
+    return {k: fuse_projections(v) for k, v in params.items()}
+
+
+def unfuse_projections(params, cfg: ModelConfig):
+    """The separate q/k/v and gate/up weights of a `fuse_projections` pytree (others pass through); cfg gives
+    the head counts (a head's: its `DraftConfig.model`)."""
+    if isinstance(params, list):
+        return [unfuse_projections(x, cfg) for x in params]
+    if not isinstance(params, dict):
+        return params
+    if "qkv" in params:
+        sizes = [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim] * 2
+        out = {k: v for k, v in params.items() if k not in ("qkv", "qkv_bias", "gate_up")}
+        with torch.no_grad():
+            for name, w in zip(_QKV, params["qkv"].split(sizes)):
+                out[name] = param(w.clone())
+            if "qkv_bias" in params:
+                for name, b in zip(_QKV, params["qkv_bias"].split(sizes)):
+                    out[f"{name}_bias"] = param(b.clone())
+            gate, up = params["gate_up"].chunk(2)
+            out["gate"], out["up"] = param(gate.clone()), param(up.clone())
+        return out
+    return {k: unfuse_projections(v, cfg) for k, v in params.items()}
 
 
 def decoder_layer(
