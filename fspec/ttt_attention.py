@@ -17,6 +17,7 @@ GQA: q has N = Nkv·G heads; head n reads KV head n // G (as `enable_gqa` in SDP
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -63,31 +64,8 @@ class _TTTAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k0, v0, kd, vd, chunk):
-        nkv = k0.shape[2]
-        s, d = q.shape[1], q.shape[3]
-        scale = 1.0 / math.sqrt(d)
-        acc = torch.promote_types(q.dtype, torch.float32)  # fp32 accumulation (fp64 stays fp64)
-        qh, k0h, v0h, kdh, vdh = _heads_first(q, k0, v0, kd, vd, acc)
-        sd = (qh[..., None, :] * kdh).sum(-1) * scale  # [B, Nkv, G, S, J]
-        b, _, g = qh.shape[:3]
-        c = _chunk_rows(b, nkv * g, s, chunk)
-        keys = torch.arange(s, device=q.device)
-        outs, lses = [], []
-        for lo in range(0, s, c):
-            hi = min(lo + c, s)
-            s0 = (qh[:, :, :, lo:hi] @ k0h.transpose(-1, -2)) * scale  # [B, Nkv, G, C, S]
-            visible = keys[None, :] <= torch.arange(lo, hi, device=q.device)[:, None]  # [C, S]
-            s0 = s0.masked_fill(~visible, float("-inf"))
-            sdc = sd[:, :, :, lo:hi]  # [B, Nkv, G, C, J]
-            m = torch.maximum(s0.amax(-1), sdc.amax(-1))  # [B, Nkv, G, C]
-            e0 = torch.exp(s0 - m[..., None])
-            ed = torch.exp(sdc - m[..., None])
-            den = e0.sum(-1) + ed.sum(-1)
-            num = e0 @ v0h + (ed[..., None] * vdh[:, :, :, lo:hi]).sum(-2)  # [B, Nkv, G, C, D]
-            outs.append(num / den[..., None])
-            lses.append(m + torch.log(den))
-        out = torch.cat(outs, dim=3)  # [B, Nkv, G, S, D]
-        return _merge_heads(out).to(q.dtype), torch.cat(lses, dim=3)
+        with _exact(q.device.type):
+            return _forward(q, k0, v0, kd, vd, chunk)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -99,49 +77,88 @@ class _TTTAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, _d_lse):
-        q, k0, v0, kd, vd, out, lse = ctx.saved_tensors
-        nkv = k0.shape[2]
-        s, d = q.shape[1], q.shape[3]
-        scale = 1.0 / math.sqrt(d)
-        acc = lse.dtype
-        qh, k0h, v0h, kdh, vdh = _heads_first(q, k0, v0, kd, vd, acc)
-        do = _split_heads(d_out, nkv).to(acc)  # [B, Nkv, G, S, D]
-        delta = (do * _split_heads(out, nkv).to(acc)).sum(-1)  # [B, Nkv, G, S]
-        sd = (qh[..., None, :] * kdh).sum(-1) * scale  # [B, Nkv, G, S, J]
-        pd = torch.exp(sd - lse[..., None])
-        dpd = (do[..., None, :] * vdh).sum(-1)  # [B, Nkv, G, S, J]
-        dsd = pd * (dpd - delta[..., None])
-        # diagonal blocks: per-row products, no chunking needed
-        d_kd = ((dsd[..., None] * qh[..., None, :]).sum(2) * scale).permute(0, 2, 3, 1, 4)  # [B,S,J,Nkv,D]
-        d_vd = (pd[..., None] * do[..., None, :]).sum(2).permute(0, 2, 3, 1, 4)
-        dq_parts = []
-        dk0 = torch.zeros_like(k0h[:, :, 0])  # [B, Nkv, S, D]
-        dv0 = torch.zeros_like(v0h[:, :, 0])
-        b, _, g = qh.shape[:3]
-        c = _chunk_rows(b, nkv * g, s, ctx.chunk)
-        keys = torch.arange(s, device=q.device)
-        for lo in range(0, s, c):
-            hi = min(lo + c, s)
-            qc, doc = qh[:, :, :, lo:hi], do[:, :, :, lo:hi]
-            s0 = (qc @ k0h.transpose(-1, -2)) * scale  # [B, Nkv, G, C, S]
-            visible = keys[None, :] <= torch.arange(lo, hi, device=q.device)[:, None]
-            p0 = torch.exp(s0 - lse[:, :, :, lo:hi, None]).masked_fill(~visible, 0.0)
-            dp0 = doc @ v0h.transpose(-1, -2)  # [B, Nkv, G, C, S]
-            ds0 = p0 * (dp0 - delta[:, :, :, lo:hi, None])
-            dq_parts.append(
-                (ds0 @ k0h + (dsd[:, :, :, lo:hi, :, None] * kdh[:, :, :, lo:hi]).sum(-2)) * scale
-            )
-            dk0 = dk0 + (ds0.transpose(-1, -2) @ qc).sum(2) * scale  # [B, Nkv, S, D]
-            dv0 = dv0 + (p0.transpose(-1, -2) @ doc).sum(2)
-        dq = _merge_heads(torch.cat(dq_parts, dim=3))
-        return (
-            dq.to(q.dtype),
-            dk0.permute(0, 2, 1, 3).to(k0.dtype),
-            dv0.permute(0, 2, 1, 3).to(v0.dtype),
-            d_kd.to(kd.dtype),
-            d_vd.to(vd.dtype),
-            None,
-        )
+        with _exact(d_out.device.type):
+            return _backward(ctx.saved_tensors, d_out, ctx.chunk)
+
+
+def _exact(device_type: str):
+    """Autocast off: the forward pass must compute the scores exactly as the backward pass recomputes them
+    (under bf16 autocast the matmuls below would otherwise run in bf16 in the forward pass only)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _forward(q, k0, v0, kd, vd, chunk):
+    nkv = k0.shape[2]
+    s, d = q.shape[1], q.shape[3]
+    scale = 1.0 / math.sqrt(d)
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 accumulation (fp64 stays fp64)
+    qh, k0h, v0h, kdh, vdh = _heads_first(q, k0, v0, kd, vd, acc)
+    sd = (qh[..., None, :] * kdh).sum(-1) * scale  # [B, Nkv, G, S, J]
+    b, _, g = qh.shape[:3]
+    c = _chunk_rows(b, nkv * g, s, chunk)
+    keys = torch.arange(s, device=q.device)
+    outs, lses = [], []
+    for lo in range(0, s, c):
+        hi = min(lo + c, s)
+        s0 = (qh[:, :, :, lo:hi] @ k0h.transpose(-1, -2)) * scale  # [B, Nkv, G, C, S]
+        visible = keys[None, :] <= torch.arange(lo, hi, device=q.device)[:, None]  # [C, S]
+        s0 = s0.masked_fill(~visible, float("-inf"))
+        sdc = sd[:, :, :, lo:hi]  # [B, Nkv, G, C, J]
+        m = torch.maximum(s0.amax(-1), sdc.amax(-1))  # [B, Nkv, G, C]
+        e0 = torch.exp(s0 - m[..., None])
+        ed = torch.exp(sdc - m[..., None])
+        den = e0.sum(-1) + ed.sum(-1)
+        num = e0 @ v0h + (ed[..., None] * vdh[:, :, :, lo:hi]).sum(-2)  # [B, Nkv, G, C, D]
+        outs.append(num / den[..., None])
+        lses.append(m + torch.log(den))
+    out = torch.cat(outs, dim=3)  # [B, Nkv, G, S, D]
+    return _merge_heads(out).to(q.dtype), torch.cat(lses, dim=3)
+
+
+def _backward(saved, d_out, chunk):
+    q, k0, v0, kd, vd, out, lse = saved
+    nkv = k0.shape[2]
+    s, d = q.shape[1], q.shape[3]
+    scale = 1.0 / math.sqrt(d)
+    acc = lse.dtype
+    qh, k0h, v0h, kdh, vdh = _heads_first(q, k0, v0, kd, vd, acc)
+    do = _split_heads(d_out, nkv).to(acc)  # [B, Nkv, G, S, D]
+    delta = (do * _split_heads(out, nkv).to(acc)).sum(-1)  # [B, Nkv, G, S]
+    sd = (qh[..., None, :] * kdh).sum(-1) * scale  # [B, Nkv, G, S, J]
+    pd = torch.exp(sd - lse[..., None])
+    dpd = (do[..., None, :] * vdh).sum(-1)  # [B, Nkv, G, S, J]
+    dsd = pd * (dpd - delta[..., None])
+    # diagonal blocks: per-row products, no chunking needed
+    d_kd = ((dsd[..., None] * qh[..., None, :]).sum(2) * scale).permute(0, 2, 3, 1, 4)  # [B,S,J,Nkv,D]
+    d_vd = (pd[..., None] * do[..., None, :]).sum(2).permute(0, 2, 3, 1, 4)
+    dq_parts = []
+    dk0 = torch.zeros_like(k0h[:, :, 0])  # [B, Nkv, S, D]
+    dv0 = torch.zeros_like(v0h[:, :, 0])
+    b, _, g = qh.shape[:3]
+    c = _chunk_rows(b, nkv * g, s, chunk)
+    keys = torch.arange(s, device=q.device)
+    for lo in range(0, s, c):
+        hi = min(lo + c, s)
+        qc, doc = qh[:, :, :, lo:hi], do[:, :, :, lo:hi]
+        s0 = (qc @ k0h.transpose(-1, -2)) * scale  # [B, Nkv, G, C, S]
+        visible = keys[None, :] <= torch.arange(lo, hi, device=q.device)[:, None]
+        p0 = torch.exp(s0 - lse[:, :, :, lo:hi, None]).masked_fill(~visible, 0.0)
+        dp0 = doc @ v0h.transpose(-1, -2)  # [B, Nkv, G, C, S]
+        ds0 = p0 * (dp0 - delta[:, :, :, lo:hi, None])
+        dq_parts.append((ds0 @ k0h + (dsd[:, :, :, lo:hi, :, None] * kdh[:, :, :, lo:hi]).sum(-2)) * scale)
+        dk0 = dk0 + (ds0.transpose(-1, -2) @ qc).sum(2) * scale  # [B, Nkv, S, D]
+        dv0 = dv0 + (p0.transpose(-1, -2) @ doc).sum(2)
+    dq = _merge_heads(torch.cat(dq_parts, dim=3))
+    return (
+        dq.to(q.dtype),
+        dk0.permute(0, 2, 1, 3).to(k0.dtype),
+        dv0.permute(0, 2, 1, 3).to(v0.dtype),
+        d_kd.to(kd.dtype),
+        d_vd.to(vd.dtype),
+        None,
+    )
 
 
 def ttt_attention(

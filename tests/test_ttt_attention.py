@@ -97,3 +97,17 @@ def test_bad_key_lists_name_the_argument():
         ttt_attention(q, keys[:1], values[:1])
     with pytest.raises(ValueError, match="^keys/values: expected the same number"):
         ttt_attention(q, keys, values[:2])
+
+
+def test_autocast_does_not_change_the_computation():
+    """Under bf16 autocast (how `--autocast` distillation runs) the forward pass still computes in fp32, as
+    the backward pass recomputes it: output and gradients are bit-identical to the run without autocast."""
+    q, keys, values = _inputs(2, 10, 4, 2, 8, 2, dtype=torch.float32)
+    leaves = [q, *keys, *values]
+    plain = ttt_attention(q, keys, values, chunk=4)
+    g_plain = torch.autograd.grad(plain.square().sum(), leaves)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = ttt_attention(q, keys, values, chunk=4)
+        g_cast = torch.autograd.grad(cast.float().square().sum(), leaves)
+    assert cast.dtype == torch.float32 and torch.equal(cast, plain)
+    assert all(torch.equal(a, b) for a, b in zip(g_cast, g_plain))
