@@ -1,15 +1,16 @@
-"""fuse_projections: q/k/v and gate/up as single matmuls compute the same model, round-trip exactly, and save in
-the published layouts."""
+"""fuse_projections: q/k/v and gate/up as single matmuls compute the same model, round-trip exactly, and
+save in the published layouts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from draft_setup import tiny_draft
 from test_checkpoint import leaves_equal, tiny_target
 
 import fspec
 from fspec.models import head_forward_dense, llama, project_target_hidden
+
+from draft_setup import tiny_draft
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral"])
@@ -46,7 +47,8 @@ def test_fused_heads_draft_the_same_and_save_in_the_published_layout(kind, tmp_p
     )
 
     def run(params):
-        return head_forward_dense(params, ids, project_target_hidden(params, th, cfg=draft.cfg), cfg=draft.cfg)
+        hidden = project_target_hidden(params, th, cfg=draft.cfg)
+        return head_forward_dense(params, ids, hidden, cfg=draft.cfg)
 
     for got, want in zip(run(fused.params), run(draft.params)):  # logits, new hidden
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
