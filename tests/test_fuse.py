@@ -42,9 +42,7 @@ def test_fused_heads_draft_the_same_and_save_in_the_published_layout(kind, tmp_p
     draft = tiny_draft(target, kind=kind, k=2)
     fused = fspec.Draft(cfg=draft.cfg, params=fspec.fuse_projections(draft.params), shared=draft.shared)
     ids = torch.tensor([[5, 9, 1, 44, 12]])
-    _, th = llama.forward_dense(
-        target.params, ids, cfg=target.cfg, aux_layer_ids=draft.cfg.target_layer_ids
-    )
+    _, th = llama.forward_dense(target.params, ids, cfg=target.cfg, aux_layer_ids=draft.cfg.target_layer_ids)
 
     def run(params):
         hidden = project_target_hidden(params, th, cfg=draft.cfg)
