@@ -3,7 +3,10 @@
 token = argmax_v (logits[v] / T + g_v), g_v = Philox Gumbel noise at (seed, position, v, salt); T = 0 is a
 plain argmax without noise. Greedy and sampled rows mix freely in one batch. NaN logits count as -inf, so
 they never win; ties go to the smallest token id; a row without any finite logit returns token 0 (and, with
-`out_probs`, a one-hot at token 0).
+`out_probs`, a one-hot at token 0). A sampled row whose logits / T reach +inf (a +inf logit, or a temperature
+small enough to overflow) is decided as a greedy row: its first raw argmax, and a one-hot in `out_probs` (the
+T -> 0 limit, and no NaN). The public `fspec.gumbel_sample` refuses such inputs; compiled callers skip
+validation and get this instead.
 
 With `out_tokens [N, K]`, `out_probs [N, K, V]` and `col` (0-d int64 tensor on the device, read inside the
 kernel, never a Python int) the token also goes to `out_tokens[:, col]` and the processed probabilities
@@ -48,6 +51,7 @@ def _gumbel_block_kernel(
     block_token_ptr,  # [N, NB] int64 out: smallest token id attaining that max
     block_max_ptr,  # [N, NB] float32 out (WITH_STATS): block max of logits / T
     block_sum_ptr,  # [N, NB] float32 out (WITH_STATS): sum of exp(logits / T - block max)
+    block_hot_ptr,  # [N, NB] float32 out: the block's max logit if logits / T reaches +inf in it, else -inf
     V,  # vocabulary size
     NB,  # number of vocabulary blocks, cdiv(V, BLOCK)
     SALT: tl.constexpr,  # Philox salt of this sampling decision
@@ -61,22 +65,29 @@ def _gumbel_block_kernel(
     # [GROUPS, 4] tile: four consecutive tokens share one Philox call (kernels/philox.py)
     token = start + 4 * tl.arange(0, GROUPS).to(tl.int64)[:, None] + tl.arange(0, 4)[None, :]
     valid = token < V
-    x = tl.load(logits_ptr + row * stride_row + token, mask=valid, other=float("-inf")).to(tl.float32)
-    x = tl.where(x != x, float("-inf"), x)  # NaN never wins
+    raw = tl.load(logits_ptr + row * stride_row + token, mask=valid, other=float("-inf")).to(tl.float32)
+    raw = tl.where(raw != raw, float("-inf"), raw)  # NaN never wins
     t = tl.load(temperature_ptr + row)
-    x = x / tl.where(t > 0, t, 1.0)
+    x = raw / tl.where(t > 0, t, 1.0)
     key = x
+    hot = tl.full([], float("-inf"), tl.float32)
     if t > 0:  # greedy rows skip Philox entirely
         seed = tl.load(seed_ptr + row)
         position = tl.load(positions_ptr + row)
         key = x + philox_gumbel_tile(seed, position, SALT, start, GROUPS)
+        if tl.max(tl.max(x, axis=1), axis=0) == float("inf"):
+            # logits / T reaches +inf (a +inf logit, or T small enough to overflow): the row is decided
+            # greedily, by its raw logits (the T -> 0 limit); this block competes with its raw maximum
+            key = raw
+            hot = tl.max(tl.max(raw, axis=1), axis=0)
     best, best_token = block_argmax(key, token, valid, V)
     tl.store(block_key_ptr + row * NB + blk, best)
     tl.store(block_token_ptr + row * NB + blk, best_token)
+    tl.store(block_hot_ptr + row * NB + blk, hot)
     if WITH_STATS:
         m = tl.max(tl.max(x, axis=1), axis=0)
-        # an all -inf block has sum 0 (exp(-inf - 0)), not NaN
-        e = tl.exp(x - tl.where(m == float("-inf"), 0.0, m))
+        # an all -inf block has sum 0 (exp(-inf - 0)), not NaN; a +inf block's sum is never read
+        e = tl.exp(x - tl.where((m == float("-inf")) | (m == float("inf")), 0.0, m))
         tl.store(block_max_ptr + row * NB + blk, m)
         tl.store(block_sum_ptr + row * NB + blk, tl.sum(tl.sum(e, axis=1), axis=0))
 
@@ -87,6 +98,7 @@ def _gumbel_reduce_kernel(
     block_token_ptr,  # [N, NB] int64: their token ids
     block_max_ptr,  # [N, NB] float32 (WITH_STATS): block max of logits / T
     block_sum_ptr,  # [N, NB] float32 (WITH_STATS): block sum of exp(logits / T - block max)
+    block_hot_ptr,  # [N, NB] float32: a block's max logit where logits / T reaches +inf, else -inf
     tokens_ptr,  # [N] int64 out: sampled tokens
     out_tokens_ptr,  # [N, K] int64 out (WITH_STATS): column col receives the tokens
     col_ptr,  # [] int64 (WITH_STATS): the column, loaded here, never a Python int
@@ -106,6 +118,11 @@ def _gumbel_reduce_kernel(
     best = tl.max(key, axis=0)
     # blocks are ordered, so the smallest id among maximal blocks is the first maximal block's token
     token = tl.min(tl.where(in_row & (key == best), tok, V), axis=0)
+    # a row whose logits / T reaches +inf takes its first raw argmax, held by a block that overflows
+    hot = tl.load(block_hot_ptr + row * NB + nb, mask=in_row, other=float("-inf"))
+    hot_best = tl.max(hot, axis=0)
+    hot_token = tl.min(tl.where(in_row & (hot == hot_best), tok, V), axis=0)
+    token = tl.where(hot_best > float("-inf"), hot_token, token)
     tl.store(tokens_ptr + row, token)
     if WITH_STATS:
         col = tl.load(col_ptr)
@@ -113,7 +130,7 @@ def _gumbel_reduce_kernel(
         bmax = tl.load(block_max_ptr + row * NB + nb, mask=in_row, other=float("-inf"))
         bsum = tl.load(block_sum_ptr + row * NB + nb, mask=in_row, other=0.0)
         m = tl.max(bmax, axis=0)
-        s = tl.sum(bsum * tl.exp(bmax - tl.where(m == float("-inf"), 0.0, m)), axis=0)
+        s = tl.sum(bsum * tl.exp(bmax - tl.where((m == float("-inf")) | (m == float("inf")), 0.0, m)), axis=0)
         tl.store(row_max_ptr + row, m)
         tl.store(row_sum_ptr + row, s)
 
@@ -141,8 +158,8 @@ def _gumbel_probs_kernel(
     m = tl.load(row_max_ptr + row)
     s = tl.load(row_sum_ptr + row)
     one_hot = tl.where(token == tl.load(tokens_ptr + row), 1.0, 0.0)
-    # greedy rows and rows without a finite logit get the one-hot of their token
-    soft = (t > 0) & (m > float("-inf"))
+    # greedy rows, rows without a finite logit, rows whose logits / T reach +inf: the one-hot of their token
+    soft = (t > 0) & (m > float("-inf")) & (m < float("inf"))
     # exp(-inf) = 0 where the one-hot is used: no overflow in greedy rows, no -inf - -inf in dead rows
     z = tl.where(soft, x / tl.where(t > 0, t, 1.0) - tl.where(soft, m, 0.0), float("-inf"))
     p = tl.exp(z) / tl.where(soft, s, 1.0)
@@ -184,13 +201,14 @@ def gumbel_sample(
     block_sum = torch.empty((n, nb), **f32) if into else block_key
     row_max = torch.empty(n, **f32) if into else block_key
     row_sum = torch.empty(n, **f32) if into else block_key
+    block_hot = torch.empty((n, nb), **f32)
     k = out_tokens.shape[1] if into else 0
     _gumbel_block_kernel[(n, nb)](
         logits, logits.stride(0), temperature, seed, positions, block_key, block_token, block_max,
-        block_sum, v, nb, SALT=salt, WITH_STATS=into, BLOCK=block,
+        block_sum, block_hot, v, nb, SALT=salt, WITH_STATS=into, BLOCK=block,
     )  # fmt: skip
     _gumbel_reduce_kernel[(n,)](
-        block_key, block_token, block_max, block_sum, tokens,
+        block_key, block_token, block_max, block_sum, block_hot, tokens,
         out_tokens if into else tokens, col if into else tokens, row_max, row_sum, v, nb, k,
         WITH_STATS=into, NB_POW2=triton.next_power_of_2(nb),
     )  # fmt: skip
@@ -240,10 +258,11 @@ def gumbel_sample_ref(
 ) -> Tensor:
     """Plain-PyTorch twin of `gumbel_sample` (same noise, ties, NaN handling and column write)."""
     x = clean_logits_ref(logits)  # [N, V]
-    sampled = (temperature > 0)[:, None]  # [N, 1]
-    scaled = x / torch.where(sampled, temperature[:, None], 1.0)
+    scaled = x / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    # rows whose logits / T reach +inf are decided greedily, by the raw logits (the T -> 0 limit)
+    sampled = ((temperature > 0) & (scaled.amax(-1) < float("inf")))[:, None]  # [N, 1]
     noise = philox_gumbel_ref(seed, positions, x.shape[-1], salt)  # [N, V]
-    tokens = first_argmax_ref(torch.where(sampled, scaled + noise, scaled))  # [N]
+    tokens = first_argmax_ref(torch.where(sampled, scaled + noise, x))  # [N]
     if out_tokens is not None:
         probs, m, _ = softmax_ref(scaled)
         one_hot = torch.nn.functional.one_hot(tokens, x.shape[-1]).float()

@@ -10,7 +10,10 @@ replacement / bonus is argmax p. Output: tokens [B, K+1] = accepted drafts, the 
 num_accepted [B] in [0, K].
 
 NaN target logits count as -inf; a target row without any finite logit is a one-hot at token 0 (as in
-`gumbel_sample`). Draft token ids are clamped into [0, V) for memory safety; validation happens upstream.
+`gumbel_sample`). A slot whose logits / T reach +inf (a +inf logit, or an overflowing temperature) verifies
+greedily: p there is the T -> 0 limit, a point mass at the first argmax of the raw logits (no NaN reaches the
+comparison). The public `fspec.rejection_sample` refuses such inputs; compiled callers get this instead.
+Draft token ids are clamped into [0, V) for memory safety; validation happens upstream.
 
 Four launches, none per k on the host: softmax statistics per (row, vocabulary block); their per-row
 reduction; the residual / bonus Gumbel block maxima; one program per request walks k with fixed-shape masks.
@@ -51,7 +54,8 @@ def _rejection_stats_kernel(
     temperature_ptr,  # [B] float32, 0 = greedy target
     block_max_ptr,  # [R, NB] float32 out (R = B * (K+1)): block max of logits / T (logits if greedy)
     block_sum_ptr,  # [R, NB] float32 out: sum of exp(logits / T - block max)
-    block_token_ptr,  # [R, NB] int64 out: smallest token id attaining the block max
+    block_token_ptr,  # [R, NB] int64 out: smallest token id attaining the block's max raw logit
+    block_raw_ptr,  # [R, NB] float32 out: the block's max raw logit
     V,  # vocabulary size
     NB,  # vocabulary blocks, cdiv(V, BLOCK)
     K1,  # K + 1 slots per request
@@ -62,26 +66,31 @@ def _rejection_stats_kernel(
     b = row // K1
     token = blk * BLOCK + tl.arange(0, BLOCK)
     valid = token < V
-    x = tl.load(logits_ptr + b * stride_b + (row % K1) * stride_k + token, mask=valid, other=float("-inf"))
-    x = x.to(tl.float32)
-    x = tl.where(x != x, float("-inf"), x)
+    raw = tl.load(logits_ptr + b * stride_b + (row % K1) * stride_k + token, mask=valid, other=float("-inf"))
+    raw = raw.to(tl.float32)
+    raw = tl.where(raw != raw, float("-inf"), raw)
     t = tl.load(temperature_ptr + b)
-    x = x / tl.where(t > 0, t, 1.0)
+    x = raw / tl.where(t > 0, t, 1.0)
     m = tl.max(x, axis=0)
-    e = tl.exp(x - tl.where(m == float("-inf"), 0.0, m))
+    # an all -inf block has sum 0; a block where logits / T reach +inf has a sum that is never read
+    e = tl.exp(x - tl.where((m == float("-inf")) | (m == float("inf")), 0.0, m))
     tl.store(block_max_ptr + row * NB + blk, m)
     tl.store(block_sum_ptr + row * NB + blk, tl.sum(e, axis=0))
-    tl.store(block_token_ptr + row * NB + blk, tl.min(tl.where(valid & (x == m), token, V), axis=0))
+    # the argmax of the raw logits: what greedy targets, and rows whose logits / T reach +inf, take
+    mr = tl.max(raw, axis=0)
+    tl.store(block_raw_ptr + row * NB + blk, mr)
+    tl.store(block_token_ptr + row * NB + blk, tl.min(tl.where(valid & (raw == mr), token, V), axis=0))
 
 
 @triton.jit
 def _rejection_row_kernel(
     block_max_ptr,  # [R, NB] float32: block max of logits / T
     block_sum_ptr,  # [R, NB] float32: block sum of exp(logits / T - block max)
-    block_token_ptr,  # [R, NB] int64: block argmax
+    block_token_ptr,  # [R, NB] int64: block argmax of the raw logits
+    block_raw_ptr,  # [R, NB] float32: block max of the raw logits
     row_max_ptr,  # [R] float32 out: max of logits / T (-inf for a row without finite logits)
     row_sum_ptr,  # [R] float32 out: sum of exp(logits / T - row max) (0 for such a row)
-    greedy_ptr,  # [R] int64 out: argmax of the row, smallest id on ties (0 for such a row)
+    greedy_ptr,  # [R] int64 out: argmax of the row's raw logits, smallest id on ties (0 for such a row)
     V,  # vocabulary size (sentinel token id)
     NB,  # vocabulary blocks
     NB_POW2: tl.constexpr,  # next power of two >= NB
@@ -92,12 +101,14 @@ def _rejection_row_kernel(
     bmax = tl.load(block_max_ptr + row * NB + nb, mask=in_row, other=float("-inf"))
     bsum = tl.load(block_sum_ptr + row * NB + nb, mask=in_row, other=0.0)
     btok = tl.load(block_token_ptr + row * NB + nb, mask=in_row, other=V)
+    braw = tl.load(block_raw_ptr + row * NB + nb, mask=in_row, other=float("-inf"))
     m = tl.max(bmax, axis=0)
-    s = tl.sum(bsum * tl.exp(bmax - tl.where(m == float("-inf"), 0.0, m)), axis=0)
+    s = tl.sum(bsum * tl.exp(bmax - tl.where((m == float("-inf")) | (m == float("inf")), 0.0, m)), axis=0)
     tl.store(row_max_ptr + row, m)
     tl.store(row_sum_ptr + row, s)
     # all blocks -inf: every block matches and block 0 starts at token 0
-    tl.store(greedy_ptr + row, tl.min(tl.where(in_row & (bmax == m), btok, V), axis=0))
+    mr = tl.max(braw, axis=0)
+    tl.store(greedy_ptr + row, tl.min(tl.where(in_row & (braw == mr), btok, V), axis=0))
 
 
 @triton.jit
@@ -134,8 +145,9 @@ def _rejection_residual_kernel(
     is_draft = k < K
     t = tl.load(temperature_ptr + b)
     # Greedy targets (T = 0) need none of this: the accept kernel uses their argmax, so skip the pass (no
-    # logits, q or Philox traffic for greedy verification).
-    if t > 0:
+    # logits, q or Philox traffic for greedy verification). So do slots whose logits / T reach +inf: they
+    # verify greedily too.
+    if (t > 0) & (tl.load(row_max_ptr + row) < float("inf")):
         salt = tl.where(is_draft, _SALT_RESIDUAL, _SALT_BONUS).to(tl.int64)
         noise = philox_gumbel_tile(tl.load(seed_ptr + b), tl.load(positions_ptr + b) + k, salt, start, GROUPS)
         x = tl.load(logits_ptr + b * stride_b + k * stride_k + token, mask=valid, other=float("-inf"))
@@ -214,14 +226,16 @@ def _rejection_accept_kernel(
     p_best = tl.max(p_key, axis=1)
     p_tok = tl.min(tl.where(live & (p_key == p_best[:, None]), tl.load(p_token_ptr + at, mask=live), V), 1)
     greedy = tl.load(greedy_ptr + rows, mask=in_row, other=0)
-    final = tl.where(t > 0, tl.where(is_draft & has_mass, res_tok, p_tok), greedy)  # [K1_POW2]
+    m = tl.load(row_max_ptr + rows, mask=in_row, other=0.0)
+    # a slot whose logits / T reach +inf is a greedy slot (the T -> 0 limit of p: a point mass)
+    sampled = ((tl.zeros([K1_POW2], tl.float32) + t) > 0) & (m < float("inf"))  # [K1_POW2]
+    final = tl.where(sampled, tl.where(is_draft & has_mass, res_tok, p_tok), greedy)  # [K1_POW2]
     # 2. Acceptance: u_k * q(x_k) < p(x_k) (no division); greedy target: argmax p == x_k.
     x = tl.load(draft_tokens_ptr + b * K + kk, mask=is_draft, other=-1)
     xc = tl.minimum(tl.maximum(x, 0), V - 1)
     lx = tl.load(logits_ptr + b * stride_b + kk * stride_k + xc, mask=is_draft, other=float("-inf"))
     lx = lx.to(tl.float32)
     lx = tl.where(lx != lx, float("-inf"), lx) / tl.where(t > 0, t, 1.0)
-    m = tl.load(row_max_ptr + rows, mask=in_row, other=0.0)
     s = tl.load(row_sum_ptr + rows, mask=in_row, other=1.0)
     lx, m, s = _one_hot_if_degenerate(lx, xc, m, s)
     p_x = tl.exp(lx - m) / s
@@ -230,7 +244,7 @@ def _rejection_accept_kernel(
     else:
         q_x = tl.full([K1_POW2], 1.0, tl.float32)
     u = tl.rand(tl.load(seed_ptr + b), philox_offset(tl.load(positions_ptr + b) + kk, 0, _SALT_ACCEPT))
-    accept = tl.where(t > 0, u * q_x < p_x, greedy == x)
+    accept = tl.where(sampled, u * q_x < p_x, greedy == x)
     # 3. n = index of the first rejection (K if none); emit drafts before it, the candidate at it, -1 after.
     n = tl.min(tl.where(is_draft & (accept == 0), kk, K), axis=0)
     final_n = tl.sum(tl.where(kk == n, final, 0), axis=0)
@@ -271,14 +285,17 @@ def rejection_sample(
     # scratch: per (row, block) partial results, then per row; R * NB = 1512 * 126 at B = 256, K = 5
     block_max, block_sum, res_key, res_mass, p_key = (torch.empty((r, nb), **f32) for _ in range(5))
     block_token, res_token, p_token = (torch.empty((r, nb), **i64) for _ in range(3))
+    block_raw = torch.empty((r, nb), **f32)
     row_max, row_sum, greedy = torch.empty(r, **f32), torch.empty(r, **f32), torch.empty(r, **i64)
     sb, sk = target_logits.stride(0), target_logits.stride(1)
     _rejection_stats_kernel[(r, nb)](
-        target_logits, sb, sk, temperature, block_max, block_sum, block_token, v, nb, k1, BLOCK=block
-    )
+        target_logits, sb, sk, temperature, block_max, block_sum, block_token, block_raw, v, nb, k1,
+        BLOCK=block,
+    )  # fmt: skip
     _rejection_row_kernel[(r,)](
-        block_max, block_sum, block_token, row_max, row_sum, greedy, v, nb, NB_POW2=triton.next_power_of_2(nb)
-    )
+        block_max, block_sum, block_token, block_raw, row_max, row_sum, greedy, v, nb,
+        NB_POW2=triton.next_power_of_2(nb),
+    )  # fmt: skip
     _rejection_residual_kernel[(r, nb)](
         target_logits, sb, sk, draft_tokens, draft_probs, temperature, seed, positions, row_max, row_sum,
         res_key, res_token, res_mass, p_key, p_token, v, nb, k, HAS_Q=has_q, BLOCK=block,
@@ -308,12 +325,14 @@ def rejection_sample_ref(
     b, k1, v = target_logits.shape
     k = k1 - 1
     ids = torch.arange(v, device=target_logits.device)
-    sampled = temperature > 0  # [B]
-    x = clean_logits_ref(target_logits) / torch.where(sampled, temperature, 1.0)[:, None, None]  # [B, K+1, V]
+    raw = clean_logits_ref(target_logits)  # [B, K+1, V]
+    x = raw / torch.where(temperature > 0, temperature, 1.0)[:, None, None]
+    # slots whose logits / T reach +inf verify greedily (the T -> 0 limit of p is a point mass)
+    sampled = (temperature > 0)[:, None] & (x.amax(-1) < float("inf"))  # [B, K+1]
     # a row without any finite logit becomes a one-hot at token 0
     x = torch.where(x.amax(-1, keepdim=True) == float("-inf"), torch.where(ids == 0, 0.0, float("-inf")), x)
     p, _, _ = softmax_ref(x)  # [B, K+1, V]
-    greedy = first_argmax_ref(x)  # [B, K+1]
+    greedy = first_argmax_ref(raw)  # [B, K+1]: the raw logits' argmax (0 for a row without finite logits)
     slot_pos = positions[:, None] + torch.arange(k1, device=positions.device)  # [B, K+1]
     # 1. Acceptance: u_k * q(x_k) < p(x_k); greedy target: argmax p == x_k.
     xc = draft_tokens.clamp(0, v - 1)  # [B, K]
@@ -321,7 +340,7 @@ def rejection_sample_ref(
     q = draft_probs if draft_probs is not None else torch.nn.functional.one_hot(xc, v).float()  # [B, K, V]
     q_x = q.gather(-1, xc[..., None]).squeeze(-1)
     u = philox_uniform_ref(seed[:, None], slot_pos[:, :k], torch.zeros_like(xc), SALT_ACCEPT)  # [B, K]
-    accept = torch.where(sampled[:, None], u * q_x < p_x, greedy[:, :k] == draft_tokens)
+    accept = torch.where(sampled[:, :k], u * q_x < p_x, greedy[:, :k] == draft_tokens)
     n = accept.long().cumprod(dim=-1).sum(dim=-1)  # [B]
     # 2. Candidates: residual sample norm(max(p - q, 0)) (p itself if no mass), bonus from p, or argmax.
     r = (p[:, :k] - q).clamp_min(0.0)  # [B, K, V]
@@ -331,7 +350,7 @@ def rejection_sample_ref(
         r.amax(-1) > 0, first_argmax_ref(log_r + noise), first_argmax_ref(x[:, :k] + noise)
     )  # [B, K]
     bonus = first_argmax_ref(x[:, k] + philox_gumbel_ref(seed, slot_pos[:, k], v, SALT_BONUS))  # [B]
-    final = torch.where(sampled[:, None], torch.cat([residual, bonus[:, None]], dim=1), greedy)  # [B, K+1]
+    final = torch.where(sampled, torch.cat([residual, bonus[:, None]], dim=1), greedy)  # [B, K+1]
     # 3. Assemble: drafts before n, the candidate at n, -1 after.
     slot = torch.arange(k1, device=draft_tokens.device)
     drafts = torch.nn.functional.pad(draft_tokens, (0, 1), value=-1)  # [B, K+1]

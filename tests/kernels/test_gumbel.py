@@ -129,3 +129,34 @@ def test_gumbel_kernel_nan_never_wins_and_dead_rows_return_token_zero(temperatur
     assert bool(torch.isfinite(out_probs).all())
     assert float(out_probs[0, 1, nan_at].abs().max()) == 0.0
     torch.testing.assert_close(out_probs, ref_probs, rtol=1e-5, atol=2e-6)
+
+
+def test_gumbel_kernel_rows_reaching_inf_are_decided_greedily():
+    """Compiled callers skip validation: a sampled row whose logits / T reach +inf — a +inf logit, two of
+    them, or a temperature that overflows finite logits — takes its first raw argmax with a one-hot
+    probability, in the kernel and the reference alike; no NaN anywhere; the other rows are unchanged."""
+    v = 300
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(5, v, generator=gen) * 3
+    logits[0, 170] = float("inf")  # one +inf: token 170
+    logits[1, [40, 260]] = float("inf")  # two: the first, 40
+    logits[2, 7], logits[2, 250] = 3e30, 5e30  # both overflow at T = 1e-9; the raw argmax is 250
+    t = torch.tensor([1.0, 0.6, 1e-9, 0.8, 0.0])
+    seeds, positions = torch.arange(5) + 9, torch.arange(5) * 4
+    out_tokens, out_probs = _buffers(5, 2, v)
+    tokens = gumbel_sample(
+        logits, t, seeds, positions, out_tokens=out_tokens, out_probs=out_probs, col=torch.tensor(0), block=64
+    )
+    ref_tokens, ref_probs = _buffers(5, 2, v)
+    ref = gumbel_sample_ref(
+        logits, t, seeds, positions, out_tokens=ref_tokens, out_probs=ref_probs, col=torch.tensor(0)
+    )
+    assert tokens[:3].tolist() == ref[:3].tolist() == [170, 40, 250]
+    assert torch.equal(tokens, ref) and torch.equal(out_tokens, ref_tokens)
+    one_hot = torch.nn.functional.one_hot(tokens[:3], v).float()
+    assert torch.equal(out_probs[:3, 0], one_hot) and torch.equal(ref_probs[:3, 0], one_hot)
+    assert bool(torch.isfinite(out_probs).all()) and bool(torch.isfinite(ref_probs).all())
+    torch.testing.assert_close(out_probs, ref_probs, rtol=0, atol=PROB_TOL[torch.float32])
+    # rows 3 and 4 are what they are without the others (batch invariance)
+    alone = gumbel_sample(logits[3:], t[3:], seeds[3:], positions[3:], block=64)
+    assert torch.equal(alone, tokens[3:])

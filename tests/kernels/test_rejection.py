@@ -125,3 +125,30 @@ def test_rejection_kernel_nan_and_dead_target_rows(temperature):
     assert int(tokens[0, 0]) == 0 and int(n[0]) == 0  # draft 7 rejected, one-hot at 0 emitted
     assert int(tokens[1, 0]) == 0 and int(n[1]) >= 1  # draft 0 accepted in the dead slot
     assert int(n[2]) == 0 and int(tokens[2, 0]) >= 40  # p(12) = 0: rejected, replacement outside the NaNs
+
+
+def test_rejection_kernel_slots_reaching_inf_verify_greedily():
+    """A sampled slot whose target logits / T reach +inf verifies greedily against the raw argmax: a draft
+    equal to it is accepted, another one is replaced by it, the bonus is it; slots and requests without +inf
+    keep their sampled verification. Kernel and reference agree, tokens are valid ids."""
+    gen = torch.Generator().manual_seed(8)
+    b, k, v = 4, 3, 97
+    target = torch.randn(b, k + 1, v, generator=gen) * 2
+    target[0, 0, 11] = float("inf")  # request 0, slot 0: argmax 11
+    target[1, 1, [5, 60]] = float("inf")  # request 1, slot 1: the first +inf, 5
+    target[2, :, 30] = 2e30  # request 2: every slot overflows at T = 1e-9 (point mass at 30)
+    target[2, :, 31] = 1e30
+    temperature = torch.tensor([1.0, 0.7, 1e-9, 0.9])
+    seeds, positions = torch.arange(b) + 3, torch.arange(b) * 10
+    drafts, q = _draft(target, temperature, seeds, positions, sampled=True, closeness=0.5, gen=gen)
+    drafts[0, 0] = 11  # accepted (slot 0 of request 0 is greedy and 11 its argmax)
+    drafts[1, :] = torch.tensor([int(drafts[1, 0]), 7, 5])  # slot 1 rejects 7, replaced by 5
+    drafts[2] = torch.tensor([30, 30, 30])  # all accepted, bonus 30
+    tokens, n = rejection_sample(target, drafts, q, temperature, seeds, positions, block=32)
+    ref_tokens, ref_n = rejection_sample_ref(target, drafts, q, temperature, seeds, positions)
+    assert torch.equal(tokens, ref_tokens) and torch.equal(n, ref_n)
+    _check_layout(tokens, n, drafts, v)
+    assert int(n[0]) >= 1 and int(tokens[0, 0]) == 11
+    if int(n[1]) >= 1:  # slot 0 of request 1 is sampled; when it is accepted, slot 1 is the greedy one
+        assert int(n[1]) == 1 and int(tokens[1, 1]) == 5
+    assert int(n[2]) == k and tokens[2].tolist() == [30, 30, 30, 30]
