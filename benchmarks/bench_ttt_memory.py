@@ -2,6 +2,7 @@
 
     python benchmarks/bench_ttt_memory.py [--out benchmarks/results/ttt_memory.json]
     python benchmarks/bench_ttt_memory.py --cuda [--out ...]   # also time each variant on the GPU
+    python benchmarks/bench_ttt_memory.py --smoke              # tiny shapes, timed on the CPU
 
 Counts the distinct storages that autograd saves while `fspec.ttt.ttt_loss` runs forward (a
 `saved_tensors_hooks` pack hook), on the meta device: nothing is allocated, so full Llama-3.2-1B / 3.1-8B
@@ -48,6 +49,7 @@ from fspec.models import llama  # noqa: E402
 SHAPES = {
     "1b": dict(hidden=2048, heads=32, kv_heads=8, head_dim=64, intermediate=8192, layers=16),
     "8b": dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, layers=32),
+    "tiny": dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, layers=2),  # --smoke
 }
 
 
@@ -74,7 +76,9 @@ def saved_bytes(fn) -> int:
     return sum(storages.values())
 
 
-def measure(shape: str, *, batch: int, seq_len: int, vocab: int, ttt_steps: int, cuda: bool = False) -> dict:
+def measure(
+    shape: str, *, batch: int, seq_len: int, vocab: int, ttt_steps: int, time_on: str | None = None
+) -> dict:
     sh = SHAPES[shape]
     cfg = dataclass_replace(
         llama_1b_config(seq_len * 2),
@@ -115,20 +119,23 @@ def measure(shape: str, *, batch: int, seq_len: int, vocab: int, ttt_steps: int,
         finally:
             ttt.ttt_attention, ttt.soft_cross_entropy = saved
     out["reduction"] = out["dense_GB"] / out["lean_attention_and_ce_GB"]
-    if cuda:
+    if time_on is not None:
         for name, attn, ce in variants:
-            out[f"{name}_cuda"] = time_on_cuda(
-                draft, batch=b, seq_len=s, vocab=vocab, k=ttt_steps, attn=attn, ce=ce
+            out[f"{name}_{time_on}"] = time_variant(
+                draft, torch.device(time_on), batch=b, seq_len=s, vocab=vocab, k=ttt_steps, attn=attn, ce=ce
             )
     return out
 
 
-def time_on_cuda(draft, *, batch: int, seq_len: int, vocab: int, k: int, attn, ce, reps: int = 5) -> dict:
-    """Median s/step and peak GB of grad_and_value(ttt_loss) on CUDA with this attention and CE."""
+def time_variant(
+    draft, dev: torch.device, *, batch: int, seq_len: int, vocab: int, k: int, attn, ce, reps: int = 5
+) -> dict:
+    """Median s/step (and peak GB on CUDA) of grad_and_value(ttt_loss) with this attention and CE, under
+    bf16 autocast as `--autocast` distillation runs."""
     import statistics
     import time
 
-    dev = torch.device("cuda")
+    cuda = dev.type == "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
 
     def real(x: torch.Tensor) -> torch.Tensor:  # meta -> random weights (integer maps: identity, zeros)
@@ -150,25 +157,29 @@ def time_on_cuda(draft, *, batch: int, seq_len: int, vocab: int, k: int, attn, c
     ttt.ttt_attention, ttt.soft_cross_entropy = attn, ce
     times = []
     try:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         for _ in range(reps + 1):
-            torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
                 g, _ = grad(trainable, frozen, data, cfg=draft.cfg, ttt_steps=k)
-            torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
             del g
-        return {
-            "s_per_step": statistics.median(times[1:]),
-            "peak_GB": torch.cuda.max_memory_allocated() / 1e9,
-        }
+        row = {"s_per_step": statistics.median(times[1:])}
+        if cuda:
+            row["peak_GB"] = torch.cuda.max_memory_allocated() / 1e9
+        return row
     except torch.OutOfMemoryError as e:
         return {"error": f"out of memory: {str(e).splitlines()[0][:160]}"}
     finally:
         ttt.ttt_attention, ttt.soft_cross_entropy = saved
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
 
 
 def dataclass_replace(cfg, **kw):
@@ -181,11 +192,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="benchmarks/results/ttt_memory.json")
     p.add_argument("--cuda", action="store_true", help="also run each variant on the GPU (time, peak memory)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, timed on the CPU (checks the script)")
     args = p.parse_args(argv)
     cases = [("1b", 16, 1024, 32000, 7), ("1b", 8, 2048, 32000, 7), ("8b", 8, 2048, 32000, 7)]
+    time_on = "cuda" if args.cuda else None
+    if args.smoke:
+        cases, time_on = [("tiny", 2, 32, 128, 3)], "cpu"
     rows = []
     for shape, b, s, v, k in cases:
-        row = measure(shape, batch=b, seq_len=s, vocab=v, ttt_steps=k, cuda=args.cuda)
+        row = measure(shape, batch=b, seq_len=s, vocab=v, ttt_steps=k, time_on=time_on)
         print(json.dumps(row), flush=True)
         rows.append(row)
     result = {
