@@ -7,7 +7,7 @@
 Counts the distinct storages that autograd saves while `fspec.ttt.ttt_loss` runs forward (a
 `saved_tensors_hooks` pack hook), on the meta device: nothing is allocated, so full Llama-3.2-1B / 3.1-8B
 EAGLE-3 shapes fit on any machine and the count is exact. fp32 throughout (distillation without
-`--autocast`; bf16 halves every row). Three variants of the same loss (equal values and gradients, tested in
+`--autocast`; bf16 halves every row). Four variants of the same loss (equal values and gradients, tested in
 tests/test_ttt_attention.py and tests/test_distill.py):
 
 * dense: the unrolled steps attend through SDPA with a boolean `ttt_mask` over the concatenated keys, run by
@@ -15,7 +15,9 @@ tests/test_ttt_attention.py and tests/test_distill.py):
   torch 2.11: flash takes no mask, memory-efficient attention no GQA), and the soft cross-entropy is the
   plain -(softmax(p) * log_softmax(q)).sum(-1).mean();
 * + lean attention: steps >= 1 through `fspec.ttt_attention.ttt_attention`;
-* + lean CE: and the cross-entropy through `fspec.ttt.soft_cross_entropy` (fspec's default).
+* + lean CE: and the cross-entropy through `fspec.ttt.soft_cross_entropy` (keeps only the logits);
+* + fused lm_head CE: the lm_head matmul and the cross-entropy in chunks of rows
+  (`fspec.ttt.linear_soft_cross_entropy`), keeping no logits at all (fspec's default).
 
 With --cuda each variant also runs for real on the GPU (random bf16 batch, bf16 autocast as `--autocast`
 trains, one `torch.func.grad_and_value` of the loss per step): median seconds per step and peak allocated
@@ -44,7 +46,10 @@ from bench_generate import llama_1b_config  # noqa: E402
 import fspec  # noqa: E402
 from fspec import ttt  # noqa: E402
 from fspec.attention import dense_attention  # noqa: E402
-from fspec.models import llama  # noqa: E402
+from fspec.models import (
+    head_logits,  # noqa: E402
+    llama,  # noqa: E402
+)
 
 SHAPES = {
     "1b": dict(hidden=2048, heads=32, kv_heads=8, head_dim=64, intermediate=8192, layers=16),
@@ -53,8 +58,21 @@ SHAPES = {
 }
 
 
+def _with_logits(ce_fn):
+    """A `ttt.head_cross_entropy` that materialises the head's logits and applies `ce_fn` to them."""
+
+    def head_ce(params, out, p_logits, *, cfg):
+        logits = head_logits(params, out, cfg=cfg)
+        return ce_fn(logits, p_logits), logits.detach().argmax(-1)
+
+    return head_ce
+
+
 def plain_ce(q_logits: torch.Tensor, p_logits: torch.Tensor) -> torch.Tensor:
     return -(p_logits.float().softmax(-1) * q_logits.float().log_softmax(-1)).sum(-1).mean()
+
+
+PLAIN_CE, LEAN_CE = _with_logits(plain_ce), _with_logits(ttt.soft_cross_entropy)
 
 
 def dense_ttt_attention(q, keys, values, chunk=None):
@@ -106,19 +124,20 @@ def measure(
 
     out = {"head": shape, "batch": b, "seq_len": s, "draft_vocab": vocab, "ttt_steps": ttt_steps}
     variants = (
-        ("dense", dense_ttt_attention, plain_ce),
-        ("lean_attention", ttt.ttt_attention, plain_ce),
-        ("lean_attention_and_ce", ttt.ttt_attention, ttt.soft_cross_entropy),
+        ("dense", dense_ttt_attention, PLAIN_CE),
+        ("lean_attention", ttt.ttt_attention, PLAIN_CE),
+        ("lean_attention_and_ce", ttt.ttt_attention, LEAN_CE),
+        ("fused_ce", ttt.ttt_attention, ttt.head_cross_entropy),
     )
     for name, attn, ce in variants:
-        saved = ttt.ttt_attention, ttt.soft_cross_entropy
-        ttt.ttt_attention, ttt.soft_cross_entropy = attn, ce
+        saved = ttt.ttt_attention, ttt.head_cross_entropy
+        ttt.ttt_attention, ttt.head_cross_entropy = attn, ce
         try:
             with sdpa_kernel(SDPBackend.MATH) if name == "dense" else contextlib.nullcontext():
                 out[f"{name}_GB"] = saved_bytes(run) / 1e9
         finally:
-            ttt.ttt_attention, ttt.soft_cross_entropy = saved
-    out["reduction"] = out["dense_GB"] / out["lean_attention_and_ce_GB"]
+            ttt.ttt_attention, ttt.head_cross_entropy = saved
+    out["reduction"] = out["dense_GB"] / out["fused_ce_GB"]
     if time_on is not None:
         for name, attn, ce in variants:
             out[f"{name}_{time_on}"] = time_variant(
@@ -153,8 +172,8 @@ def time_variant(
         "target_logits": torch.randn(batch, seq_len, vocab, device=dev, generator=gen).bfloat16(),
     }
     grad = torch.func.grad_and_value(ttt.ttt_loss, has_aux=True)
-    saved = ttt.ttt_attention, ttt.soft_cross_entropy
-    ttt.ttt_attention, ttt.soft_cross_entropy = attn, ce
+    saved = ttt.ttt_attention, ttt.head_cross_entropy
+    ttt.ttt_attention, ttt.head_cross_entropy = attn, ce
     times = []
     try:
         if cuda:
@@ -177,7 +196,7 @@ def time_variant(
     except torch.OutOfMemoryError as e:
         return {"error": f"out of memory: {str(e).splitlines()[0][:160]}"}
     finally:
-        ttt.ttt_attention, ttt.soft_cross_entropy = saved
+        ttt.ttt_attention, ttt.head_cross_entropy = saved
         if cuda:
             torch.cuda.empty_cache()
 

@@ -121,14 +121,14 @@ def distill_scaling(d: dict) -> list[str]:
 def ttt_memory(d: dict) -> list[str]:
     out = [
         "| head shapes | B × S | Vd | K | dense attention + plain CE, GB | + lean attention, GB "
-        "| + lean CE (default), GB | reduction |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| + lean CE, GB | + fused lm_head CE (default), GB | reduction |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in d["rows"]:
         out.append(
             f"| {r['head']} | {r['batch']} × {r['seq_len']} | {r['draft_vocab']} | {r['ttt_steps']} "
             f"| {r['dense_GB']:.1f} | {r['lean_attention_GB']:.1f} | {r['lean_attention_and_ce_GB']:.1f} "
-            f"| {r['reduction']:.2f}× |"
+            f"| {r['fused_ce_GB']:.1f} | {r['reduction']:.2f}× |"
         )
     return out
 

@@ -24,20 +24,24 @@ same decoder layer serves training and serving:
 * row i of step j predicts token i + j + 2, whose target distribution is p = softmax(target_logits[i+j+1]);
   rows with i + j + 1 >= S have no target and are left out of the loss.
 
-loss = sum_j w^j · CE(p_j, q_j), CE(p, q) = -sum_x p(x) log q(x) (soft targets), averaged over rows.
+loss = sum_j w^j · CE(p_j, q_j), CE(p, q) = -sum_x p(x) log q(x) (soft targets), averaged over rows. The loss
+computes each step's lm_head and CE together in chunks of rows (`linear_soft_cross_entropy`), so no step's
+[B, S, Vd] logits are kept for the backward pass; `unroll` returns them for inspection and tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
 import torch
+import torch.nn.functional as F
 
 from fspec.attention import Attend, dense_attention
 from fspec.checkpoint import Draft, Target
 from fspec.config import DraftConfig
-from fspec.models import head_hidden, head_logits, llama, project_target_hidden
+from fspec.models import head_hidden, head_logits, head_pre_logits, llama, project_target_hidden
 from fspec.models.eagle3 import _draft_to_target
 from fspec.models.llama import TargetHidden
 from fspec.pytree import tree
@@ -194,10 +198,9 @@ def as_target_hidden(hidden: torch.Tensor, *, cfg: DraftConfig) -> TargetHidden:
     )
 
 
-def unroll(
-    params: dict, batch: dict, *, cfg: DraftConfig, ttt_steps: int, feed: str = "prediction"
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(K logits [B, S, Vd], K output hiddens [B, S, H]) of the unrolled head (see the module docstring)."""
+def _unroll(params: dict, batch: dict, *, cfg: DraftConfig, ttt_steps: int, feed: str, score) -> None:
+    """Run the K head steps; `score(j, out)` sees step j's output hidden [B, S, H] and returns the draft ids
+    [B, S] it predicts (what step j + 1 reads when feed == "prediction")."""
     ids = batch["input_ids"]  # [B, S]
     b, s = ids.shape
     pad = ids.new_zeros(b, ttt_steps + 1)  # token ids past the sequence end (their rows have no target)
@@ -205,18 +208,29 @@ def unroll(
     tokens = torch.cat((ids[:, 1:], pad[:, :1]), 1)  # row i reads token i + 1
     positions = torch.arange(s, device=ids.device).expand(b, s)
     kv: dict = {}
-    out_logits, out_hidden = [], []
     for j in range(ttt_steps):
         out = head_hidden(params, tokens, hidden, positions + j, ttt_attend(kv, j), cfg=cfg)  # [B, S, H]
-        logits = head_logits(params, out, cfg=cfg)  # [B, S, Vd]
-        out_logits.append(logits)
-        out_hidden.append(out)
+        pred = score(j, out)
         if feed == "prediction":
-            pred = logits.detach().argmax(-1)  # [B, S] draft ids
             tokens = _draft_to_target(pred, params["d2t"]) if cfg.kind == "eagle3" else pred
         else:  # the data's token after the one this step read: position i + (j + 1) + 1
             tokens = torch.cat((ids[:, j + 2 :], pad[:, : j + 2]), 1)
         hidden = out
+
+
+def unroll(
+    params: dict, batch: dict, *, cfg: DraftConfig, ttt_steps: int, feed: str = "prediction"
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(K logits [B, S, Vd], K output hiddens [B, S, H]) of the unrolled head (see the module docstring)."""
+    out_logits, out_hidden = [], []
+
+    def keep(j: int, out: torch.Tensor) -> torch.Tensor:
+        logits = head_logits(params, out, cfg=cfg)  # [B, S, Vd]
+        out_logits.append(logits)
+        out_hidden.append(out)
+        return logits.detach().argmax(-1)
+
+    _unroll(params, batch, cfg=cfg, ttt_steps=ttt_steps, feed=feed, score=keep)
     return out_logits, out_hidden
 
 
@@ -249,6 +263,95 @@ class _SoftCrossEntropy(torch.autograd.Function):
         return dq.to(q_logits.dtype), None
 
 
+def head_cross_entropy(
+    params: dict, out: torch.Tensor, p_logits: torch.Tensor, *, cfg: DraftConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean soft cross-entropy of the head's q for output hidden `out` [B, n, H] against
+    p = softmax(p_logits) [B, n, Vd], the head's argmax [B, n]) without keeping q's logits:
+    `linear_soft_cross_entropy` over the head's pre-logits and lm_head."""
+    h = head_pre_logits(params, out, cfg=cfg)
+    return linear_soft_cross_entropy(h, params["lm_head"], p_logits)
+
+
+# Logits per chunk of rows: B·rows·V values, 2^26 (256 MB in fp32) at a time.
+_CE_CHUNK_ELEMENTS = 1 << 26
+
+
+def _compute_dtype(h: torch.Tensor) -> torch.dtype:
+    kind = h.device.type
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return h.dtype
+
+
+class _LinearSoftCrossEntropy(torch.autograd.Function):
+    """mean CE(softmax(p_logits), softmax(h @ w^T)) and argmax(h @ w^T), in chunks of rows, keeping only h,
+    w and p_logits for the backward pass (which recomputes each chunk's logits). The matmuls run in the
+    autocast dtype when autocast is on (as F.linear would), the softmax arithmetic in fp32."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(h, w, p_logits, dtype, chunk):
+        acc = torch.promote_types(dtype, torch.float32)  # softmax arithmetic (fp64 stays fp64)
+        with _autocast_off(h.device.type):
+            wt = w.to(dtype).transpose(-1, -2)  # [H, V]
+            total = torch.zeros((), dtype=acc, device=h.device)
+            preds = []
+            for lo in range(0, h.shape[1], chunk):
+                q = (h[:, lo : lo + chunk].to(dtype) @ wt).to(acc)  # [B, c, V]
+                p = p_logits[:, lo : lo + chunk].to(acc).softmax(-1)
+                total = total + (torch.logsumexp(q, -1) - (p * q).sum(-1)).sum()
+                preds.append(q.argmax(-1))
+            rows = h.shape[0] * h.shape[1]
+            return total / max(rows, 1), torch.cat(preds, dim=1)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        h, w, p_logits, dtype, chunk = inputs
+        ctx.save_for_backward(h, w, p_logits)
+        ctx.dtype, ctx.chunk = dtype, chunk
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx, grad, _grad_pred):
+        h, w, p_logits = ctx.saved_tensors
+        dtype, chunk = ctx.dtype, ctx.chunk
+        acc = torch.promote_types(dtype, torch.float32)
+        with _autocast_off(h.device.type):
+            wd = w.to(dtype)  # [V, H]
+            g = grad / max(h.shape[0] * h.shape[1], 1)
+            dh, dw = [], torch.zeros(w.shape, dtype=acc, device=w.device)
+            for lo in range(0, h.shape[1], chunk):
+                hc = h[:, lo : lo + chunk].to(dtype)
+                q = (hc @ wd.transpose(-1, -2)).to(acc)
+                dq = ((q.softmax(-1) - p_logits[:, lo : lo + chunk].to(acc).softmax(-1)) * g).to(dtype)
+                dh.append((dq @ wd).to(h.dtype))
+                if ctx.needs_input_grad[1]:
+                    dw = dw + (dq.flatten(0, 1).transpose(0, 1) @ hc.flatten(0, 1)).to(acc)
+            d_w = dw.to(w.dtype) if ctx.needs_input_grad[1] else None
+            return torch.cat(dh, dim=1), d_w, None, None, None
+
+
+def _autocast_off(device_type: str):
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def linear_soft_cross_entropy(
+    h: torch.Tensor, w: torch.Tensor, p_logits: torch.Tensor, *, chunk: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean over rows of -sum_x softmax(p)(x) log softmax(h @ w^T)(x), argmax(h @ w^T) [B, n]) for h
+    [B, n, H], w [V, H], p_logits [B, n, V] (no gradient to p). Equals `soft_cross_entropy(F.linear(h, w),
+    p_logits)` without materialising the [B, n, V] logits for the backward pass. `chunk`: rows per chunk
+    (default: about 2^26 logits at a time)."""
+    b, n, v = p_logits.shape
+    if chunk is None:
+        chunk = max(1, min(n, _CE_CHUNK_ELEMENTS // max(b * v, 1)))
+    return _LinearSoftCrossEntropy.apply(h, w, p_logits, _compute_dtype(h), chunk)
+
+
 def soft_cross_entropy(q_logits: torch.Tensor, p_logits: torch.Tensor) -> torch.Tensor:
     """Mean over rows of -sum_x softmax(p)(x) log softmax(q)(x) for logits [..., V] (no gradient to p)."""
     return _SoftCrossEntropy.apply(q_logits, p_logits)
@@ -273,16 +376,20 @@ def ttt_loss(
         raise ValueError(f"batch['input_ids']: expected more than ttt_steps={ttt_steps} tokens, got {s}")
     params = merge_params(trainable, frozen)
     p_logits = batch["target_logits"]  # [B, S, Vd]
-    total = p_logits.new_zeros((), dtype=torch.float32)
-    losses, agree = [], []
-    for j, q_logits in enumerate(unroll(params, batch, cfg=cfg, ttt_steps=ttt_steps, feed=feed)[0]):
+    terms, losses, agree = [], [], []
+
+    def score(j: int, out: torch.Tensor) -> torch.Tensor:
         n = s - 1 - j  # rows i whose target distribution exists: position i + j + 1 <= S - 1
-        p_j = p_logits[:, j + 1 :]  # [B, n, Vd] views: nothing new is kept for the backward pass
-        q_j = q_logits[:, :n]
-        ce = soft_cross_entropy(q_j, p_j)
-        total = total + step_weight**j * ce
+        p_j = p_logits[:, j + 1 :]  # [B, n, Vd], a view
+        ce, pred = head_cross_entropy(params, out[:, :n], p_j, cfg=cfg)
+        terms.append(step_weight**j * ce)
         losses.append(ce.detach())
-        agree.append((q_j.argmax(-1) == p_j.argmax(-1)).float().mean().detach())
+        agree.append((pred == p_j.argmax(-1)).float().mean().detach())
+        # rows past n have no target at this step or later ones (a row's chain is its own): any token will do
+        return F.pad(pred, (0, s - n))
+
+    _unroll(params, batch, cfg=cfg, ttt_steps=ttt_steps, feed=feed, score=score)
+    total = torch.stack(terms).sum()
     return total, {"loss": torch.stack(losses), "agreement": torch.stack(agree)}
 
 

@@ -78,6 +78,12 @@ def head_logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.T
     return head_module(cfg.kind).logits(params, out, cfg=cfg)
 
 
+def head_pre_logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
+    """[..., H]: what head `cfg.kind`'s lm_head multiplies (its final norm of `out`, if it has one);
+    `head_logits` = F.linear(head_pre_logits(...), params["lm_head"])."""
+    return head_module(cfg.kind).pre_logits(params, out, cfg=cfg)
+
+
 def head_forward(
     params: dict,
     input_ids: torch.Tensor,
@@ -255,6 +261,7 @@ __all__ = [
     "head_hidden",
     "head_init",
     "head_logits",
+    "head_pre_logits",
     "head_module",
     "llama",
     "mtp",

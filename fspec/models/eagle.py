@@ -93,6 +93,11 @@ def _hidden(params: dict, input_ids, hidden, positions, attend, *, cfg: DraftCon
     return x
 
 
+def pre_logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
+    """[..., H]: what lm_head multiplies, the output itself (EAGLE-1 has no final norm)."""
+    return out
+
+
 def logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
     """[..., V] logits of the head's output [..., H]: the target's lm_head, no final norm (EAGLE-1)."""
-    return F.linear(out, params["lm_head"])
+    return F.linear(pre_logits(params, out, cfg=cfg), params["lm_head"])

@@ -147,6 +147,11 @@ def _hidden(params: dict, input_ids, hidden, positions, attend, *, cfg: DraftCon
     return out
 
 
+def pre_logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
+    """[..., H]: what lm_head multiplies, norm(out)."""
+    return L.rms_norm(out, params["norm"], cfg.model.rms_norm_eps)
+
+
 def logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
     """[..., Vd] logits over the DRAFT vocabulary: lm_head(norm(out))."""
-    return F.linear(L.rms_norm(out, params["norm"], cfg.model.rms_norm_eps), params["lm_head"])
+    return F.linear(pre_logits(params, out, cfg=cfg), params["lm_head"])

@@ -68,6 +68,11 @@ def _hidden(params: dict, input_ids, hidden, positions, attend, *, cfg: DraftCon
     return out
 
 
+def pre_logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
+    """[..., H]: what lm_head multiplies, the module's final norm (shared_head.norm) of out."""
+    return L.rms_norm(out, params["final_norm"], cfg.model.rms_norm_eps)
+
+
 def logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
     """[..., V] logits: the module's final norm (shared_head.norm), then the target's lm_head."""
-    return F.linear(L.rms_norm(out, params["final_norm"], cfg.model.rms_norm_eps), params["lm_head"])
+    return F.linear(pre_logits(params, out, cfg=cfg), params["lm_head"])
