@@ -24,6 +24,7 @@ elements, once per *token* T·C·Nkv·D (a 2k-token prefill at C = 2k, 8 KV head
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -38,6 +39,18 @@ BACKENDS = ("auto", "paged", "reference", "dense")
 
 #: attend(q [..., N, D], k [..., Nkv, D], v [..., Nkv, D], layer) -> [..., N, D]: what a model's layers call.
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is on for this device type (False where autocast does not exist, e.g. "meta")."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
+def autocast_off(device_type: str):
+    """A context with autocast off for this device type (a no-op where autocast does not exist)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -273,8 +286,7 @@ def _check_qkv(q, k, v, *, ndim: int, layout: str, autocast_ok: bool = False) ->
     autocast_ok: mixed float dtypes pass while autocast is on for q's device (autocast casts them for SDPA;
     under bf16 autocast the projections give bf16 q/k/v and RoPE promotes q and k back to fp32).
     """
-    kind = q.device.type
-    mixed_ok = autocast_ok and torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+    mixed_ok = autocast_ok and autocast_enabled(q.device.type)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != ndim:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__

@@ -31,14 +31,13 @@ computes each step's lm_head and CE together in chunks of rows (`linear_soft_cro
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 
 import torch
 import torch.nn.functional as F
 
-from fspec.attention import Attend, dense_attention
+from fspec.attention import Attend, autocast_enabled, autocast_off, dense_attention
 from fspec.checkpoint import Draft, Target
 from fspec.config import DraftConfig
 from fspec.models import head_hidden, head_logits, head_pre_logits, llama, project_target_hidden
@@ -279,9 +278,7 @@ _CE_CHUNK_ELEMENTS = 1 << 26
 
 def _compute_dtype(h: torch.Tensor) -> torch.dtype:
     kind = h.device.type
-    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
-    return h.dtype
+    return torch.get_autocast_dtype(kind) if autocast_enabled(kind) else h.dtype
 
 
 class _LinearSoftCrossEntropy(torch.autograd.Function):
@@ -294,7 +291,7 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(h, w, p_logits, dtype, chunk):
         acc = torch.promote_types(dtype, torch.float32)  # softmax arithmetic (fp64 stays fp64)
-        with _autocast_off(h.device.type):
+        with autocast_off(h.device.type):
             wt = w.to(dtype).transpose(-1, -2)  # [H, V]
             total = torch.zeros((), dtype=acc, device=h.device)
             preds = []
@@ -318,7 +315,7 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
         h, w, p_logits = ctx.saved_tensors
         dtype, chunk = ctx.dtype, ctx.chunk
         acc = torch.promote_types(dtype, torch.float32)
-        with _autocast_off(h.device.type):
+        with autocast_off(h.device.type):
             wd = w.to(dtype)  # [V, H]
             g = grad / max(h.shape[0] * h.shape[1], 1)
             dh, dw = [], torch.zeros(w.shape, dtype=acc, device=w.device)
@@ -331,12 +328,6 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
                     dw = dw + (dq.flatten(0, 1).transpose(0, 1) @ hc.flatten(0, 1)).to(acc)
             d_w = dw.to(w.dtype) if ctx.needs_input_grad[1] else None
             return torch.cat(dh, dim=1), d_w, None, None, None
-
-
-def _autocast_off(device_type: str):
-    if torch.amp.is_autocast_available(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
 
 
 def linear_soft_cross_entropy(

@@ -17,10 +17,11 @@ GQA: q has N = Nkv·G heads; head n reads KV head n // G (as `enable_gqa` in SDP
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
+
+from fspec.attention import autocast_off
 
 # Scores per chunk: B·N·chunk·S fp32 values; 2^26 of them (256 MB) per live chunk tensor.
 _CHUNK_ELEMENTS = 1 << 26
@@ -64,7 +65,9 @@ class _TTTAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k0, v0, kd, vd, chunk):
-        with _exact(q.device.type):
+        # autocast off: the forward pass must compute the scores exactly as the backward pass recomputes them
+        # (under bf16 autocast the matmuls would otherwise run in bf16 in the forward pass only)
+        with autocast_off(q.device.type):
             return _forward(q, k0, v0, kd, vd, chunk)
 
     @staticmethod
@@ -77,16 +80,8 @@ class _TTTAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, _d_lse):
-        with _exact(d_out.device.type):
+        with autocast_off(d_out.device.type):
             return _backward(ctx.saved_tensors, d_out, ctx.chunk)
-
-
-def _exact(device_type: str):
-    """Autocast off: the forward pass must compute the scores exactly as the backward pass recomputes them
-    (under bf16 autocast the matmuls below would otherwise run in bf16 in the forward pass only)."""
-    if torch.amp.is_autocast_available(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
 
 
 def _forward(q, k0, v0, kd, vd, chunk):
