@@ -3,6 +3,8 @@ save in the published layouts."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_checkpoint import leaves_equal, tiny_target
@@ -70,3 +72,20 @@ def test_generate_with_fused_target_and_head_emits_the_same_tokens():
     got = fspec.generate(t2, d2, prompts, max_new_tokens=12, num_speculative_steps=3)
     assert got.tokens == want.tokens
     assert got.stats["acceptance_length"] == want.stats["acceptance_length"]
+
+
+def test_bad_inputs_name_the_argument():
+    target = tiny_target("llama")
+    fused = fspec.fuse_projections(target.params)
+    with pytest.raises(ValueError, match="^params: expected a model's or head's params dict .*got Target"):
+        fspec.fuse_projections(target)
+    with pytest.raises(ValueError, match=r"^params: expected layers with separate q/k/v .*fused already\?"):
+        fspec.fuse_projections(fused)
+    other = dataclasses.replace(target.cfg, num_key_value_heads=1)
+    with pytest.raises(
+        ValueError, match=r"^cfg: expected head counts matching the fused weights \(32 qkv rows\)"
+    ):
+        fspec.unfuse_projections(fused, other)
+    with pytest.raises(ValueError, match="^params: expected a model's or head's params dict"):
+        fspec.unfuse_projections([fused], target.cfg)
+    assert leaves_equal(fspec.unfuse_projections(target.params, target.cfg), target.params)  # nothing fused

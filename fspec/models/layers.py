@@ -91,8 +91,7 @@ def project_qkv(
     A fused layer (`fuse_projections`) computes all three with one matmul over its "qkv" weight.
     """
     if "qkv" in p:
-        sizes = [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim] * 2
-        q, k, v = F.linear(x, p["qkv"], p.get("qkv_bias")).split(sizes, dim=-1)
+        q, k, v = F.linear(x, p["qkv"], p.get("qkv_bias")).split(qkv_sizes(cfg), dim=-1)
     else:
         q = F.linear(x, p["q"], p.get("q_bias"))
         k = F.linear(x, p["k"], p.get("k_bias"))
@@ -121,48 +120,83 @@ _QKV = ("q", "k", "v")
 _FUSED_AWAY = ("q", "k", "v", "q_bias", "k_bias", "v_bias", "gate", "up")
 
 
-def fuse_projections(params):
+def qkv_sizes(cfg: ModelConfig) -> list[int]:
+    """Output rows of q, k and v in a fused "qkv" weight: [N·D, Nkv·D, Nkv·D]."""
+    return [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim] * 2
+
+
+def _map_layers(tree, is_layer, fn) -> tuple[object, int]:
+    """(tree with fn applied to every dict `is_layer` accepts, how many); lists and dicts are walked."""
+    if isinstance(tree, list):
+        pairs = [_map_layers(x, is_layer, fn) for x in tree]
+        return [x for x, _ in pairs], sum(n for _, n in pairs)
+    if not isinstance(tree, dict):
+        return tree, 0
+    if is_layer(tree):
+        return fn(tree), 1
+    pairs = {k: _map_layers(v, is_layer, fn) for k, v in tree.items()}
+    return {k: x for k, (x, _) in pairs.items()}, sum(n for _, n in pairs.values())
+
+
+def _check_params(params) -> None:
+    if not isinstance(params, dict):
+        raise ValueError(
+            f"params: expected a model's or head's params dict (target.params), got {type(params).__name__}"
+        )
+
+
+def _fuse_layer(p: dict) -> dict:
+    out = {k: v for k, v in p.items() if k not in _FUSED_AWAY}
+    with torch.no_grad():
+        out["qkv"] = param(torch.cat([p[k] for k in _QKV]))
+        if "q_bias" in p:
+            out["qkv_bias"] = param(torch.cat([p[f"{k}_bias"] for k in _QKV]))
+        out["gate_up"] = param(torch.cat([p["gate"], p["up"]]))
+    return out
+
+
+def fuse_projections(params: dict) -> dict:
     """`params` (a model's or a head's pytree) with every decoder layer's q/k/v weights concatenated into
     "qkv" (biases into "qkv_bias") and gate/up into "gate_up": one matmul instead of three and two, as
     gpt-fast's `wqkv` and vLLM's merged linear layers do. The result computes the same function (up to the
     matmul's summation order); the separate weights are not kept in it (drop the input to free them).
     `unfuse_projections` inverts it; `save_target` / `save_draft` do that themselves.
     """
-    if isinstance(params, list):
-        return [fuse_projections(x) for x in params]
-    if not isinstance(params, dict):
-        return params
-    if all(k in params for k in (*_QKV, "gate", "up")):
-        out = {k: v for k, v in params.items() if k not in _FUSED_AWAY}
-        with torch.no_grad():
-            out["qkv"] = param(torch.cat([params[k] for k in _QKV]))
-            if "q_bias" in params:
-                out["qkv_bias"] = param(torch.cat([params[f"{k}_bias"] for k in _QKV]))
-            out["gate_up"] = param(torch.cat([params["gate"], params["up"]]))
-        return out
-    return {k: fuse_projections(v) for k, v in params.items()}
+    _check_params(params)
+    fused, n = _map_layers(params, lambda p: all(k in p for k in (*_QKV, "gate", "up")), _fuse_layer)
+    if n == 0:
+        raise ValueError(
+            "params: expected layers with separate q/k/v and gate/up weights, got none (fused already?)"
+        )
+    return fused
 
 
-def unfuse_projections(params, cfg: ModelConfig):
-    """The separate q/k/v and gate/up weights of a `fuse_projections` pytree (others pass through); cfg gives
-    the head counts (a head's: its `DraftConfig.model`)."""
-    if isinstance(params, list):
-        return [unfuse_projections(x, cfg) for x in params]
-    if not isinstance(params, dict):
-        return params
-    if "qkv" in params:
-        sizes = [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim] * 2
-        out = {k: v for k, v in params.items() if k not in ("qkv", "qkv_bias", "gate_up")}
+def unfuse_projections(params: dict, cfg: ModelConfig) -> dict:
+    """The separate q/k/v and gate/up weights of a `fuse_projections` pytree (unfused layers pass through);
+    cfg gives the head counts (a head's: its `DraftConfig.model`)."""
+    _check_params(params)
+    sizes = qkv_sizes(cfg)
+
+    def split(p: dict) -> dict:
+        rows = p["qkv"].shape[0]
+        if rows != sum(sizes) or p["gate_up"].shape[0] % 2:
+            raise ValueError(
+                f"cfg: expected head counts matching the fused weights ({rows} qkv rows), got "
+                f"N={cfg.num_attention_heads}, Nkv={cfg.num_key_value_heads}, D={cfg.head_dim} "
+                f"({sum(sizes)} rows)"
+            )
+        out = {k: v for k, v in p.items() if k not in ("qkv", "qkv_bias", "gate_up")}
         with torch.no_grad():
-            for name, w in zip(_QKV, params["qkv"].split(sizes)):
+            for name, w in zip(_QKV, p["qkv"].split(sizes)):
                 out[name] = param(w.clone())
-            if "qkv_bias" in params:
-                for name, b in zip(_QKV, params["qkv_bias"].split(sizes)):
+            if "qkv_bias" in p:
+                for name, b in zip(_QKV, p["qkv_bias"].split(sizes)):
                     out[f"{name}_bias"] = param(b.clone())
-            gate, up = params["gate_up"].chunk(2)
+            gate, up = p["gate_up"].chunk(2)
             out["gate"], out["up"] = param(gate.clone()), param(up.clone())
         return out
-    return {k: unfuse_projections(v, cfg) for k, v in params.items()}
+
+    return _map_layers(params, lambda p: "qkv" in p, split)[0]
 
 
 def decoder_layer(
