@@ -29,6 +29,13 @@ DEFAULT_BLOCK = 1024  # tokens per program: 126 blocks at V = 128256
 
 
 @triton.jit
+def softmax_shift(m):
+    """The shift for exp(x - shift) given the max m: m itself, or 0 where m is infinite. An all -inf block
+    then sums to 0 (exp(-inf - 0)), not NaN; a +inf block's sum is never read (such rows go greedy)."""
+    return tl.where((m == float("-inf")) | (m == float("inf")), 0.0, m)
+
+
+@triton.jit
 def block_argmax(
     key,  # float32 [GROUPS, 4] tile
     token,  # int64 [GROUPS, 4] token ids of key
@@ -86,8 +93,7 @@ def _gumbel_block_kernel(
     tl.store(block_hot_ptr + row * NB + blk, hot)
     if WITH_STATS:
         m = tl.max(tl.max(x, axis=1), axis=0)
-        # an all -inf block has sum 0 (exp(-inf - 0)), not NaN; a +inf block's sum is never read
-        e = tl.exp(x - tl.where((m == float("-inf")) | (m == float("inf")), 0.0, m))
+        e = tl.exp(x - softmax_shift(m))
         tl.store(block_max_ptr + row * NB + blk, m)
         tl.store(block_sum_ptr + row * NB + blk, tl.sum(tl.sum(e, axis=1), axis=0))
 
@@ -130,7 +136,7 @@ def _gumbel_reduce_kernel(
         bmax = tl.load(block_max_ptr + row * NB + nb, mask=in_row, other=float("-inf"))
         bsum = tl.load(block_sum_ptr + row * NB + nb, mask=in_row, other=0.0)
         m = tl.max(bmax, axis=0)
-        s = tl.sum(bsum * tl.exp(bmax - tl.where((m == float("-inf")) | (m == float("inf")), 0.0, m)), axis=0)
+        s = tl.sum(bsum * tl.exp(bmax - softmax_shift(m)), axis=0)
         tl.store(row_max_ptr + row, m)
         tl.store(row_sum_ptr + row, s)
 

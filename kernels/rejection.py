@@ -24,7 +24,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .gumbel import DEFAULT_BLOCK, block_argmax, clean_logits_ref, first_argmax_ref, softmax_ref
+from .gumbel import (
+    DEFAULT_BLOCK,
+    block_argmax,
+    clean_logits_ref,
+    first_argmax_ref,
+    softmax_ref,
+    softmax_shift,
+)
 from .philox import philox_gumbel_ref, philox_gumbel_tile, philox_offset, philox_uniform_ref
 from .salts import SALT_ACCEPT, SALT_BONUS, SALT_RESIDUAL
 
@@ -72,8 +79,7 @@ def _rejection_stats_kernel(
     t = tl.load(temperature_ptr + b)
     x = raw / tl.where(t > 0, t, 1.0)
     m = tl.max(x, axis=0)
-    # an all -inf block has sum 0; a block where logits / T reach +inf has a sum that is never read
-    e = tl.exp(x - tl.where((m == float("-inf")) | (m == float("inf")), 0.0, m))
+    e = tl.exp(x - softmax_shift(m))
     tl.store(block_max_ptr + row * NB + blk, m)
     tl.store(block_sum_ptr + row * NB + blk, tl.sum(e, axis=0))
     # the argmax of the raw logits: what greedy targets, and rows whose logits / T reach +inf, take
@@ -103,7 +109,7 @@ def _rejection_row_kernel(
     btok = tl.load(block_token_ptr + row * NB + nb, mask=in_row, other=V)
     braw = tl.load(block_raw_ptr + row * NB + nb, mask=in_row, other=float("-inf"))
     m = tl.max(bmax, axis=0)
-    s = tl.sum(bsum * tl.exp(bmax - tl.where((m == float("-inf")) | (m == float("inf")), 0.0, m)), axis=0)
+    s = tl.sum(bsum * tl.exp(bmax - softmax_shift(m)), axis=0)
     tl.store(row_max_ptr + row, m)
     tl.store(row_sum_ptr + row, s)
     # all blocks -inf: every block matches and block 0 starts at token 0
