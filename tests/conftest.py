@@ -37,6 +37,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def one_thread():
+    """Tiny matmuls on 2 shared cores: one thread avoids OpenMP spin-waits (7 s instead of ~100 s for the
+    default model's toy build; 20x for the distillation tests)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def tiny_model_cfg() -> fspec.ModelConfig:
     return fspec.ModelConfig(
         vocab_size=97,

@@ -11,14 +11,7 @@ import torch
 import fspec
 from fspec import default_model
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls on 2 shared cores: one thread avoids OpenMP spin-waits (7 s instead of ~100 s here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def test_tiny_pipeline_writes_a_target_and_head_that_load_and_generate(tmp_path: Path):

@@ -28,13 +28,7 @@ from fspec.models import head_forward, head_forward_dense, llama, project_target
 V, H = 97, 32
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls on 2 shared cores: one thread avoids OpenMP spinning (measured 20x faster here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def tiny_target(*, seed: int = 0, layers: int = 4) -> fspec.Target:
