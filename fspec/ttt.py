@@ -337,7 +337,18 @@ def linear_soft_cross_entropy(
     [B, n, H], w [V, H], p_logits [B, n, V] (no gradient to p). Equals `soft_cross_entropy(F.linear(h, w),
     p_logits)` without materialising the [B, n, V] logits for the backward pass. `chunk`: rows per chunk
     (default: about 2^26 logits at a time)."""
+    for name, x, dims in (("h", h, 3), ("w", w, 2), ("p_logits", p_logits, 3)):
+        if not isinstance(x, torch.Tensor) or x.dim() != dims or not x.is_floating_point():
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name}: expected a float {dims}-d tensor, got {got}")
     b, n, v = p_logits.shape
+    if h.shape[:2] != (b, n) or w.shape != (v, h.shape[2]):
+        raise ValueError(
+            f"w: expected h [B, n, H], w [V, H], p_logits [B, n, V] with matching sizes, got h "
+            f"{tuple(h.shape)}, w {tuple(w.shape)}, p_logits {tuple(p_logits.shape)}"
+        )
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk: expected a positive int or None, got {chunk!r}")
     if chunk is None:
         chunk = max(1, min(n, _CE_CHUNK_ELEMENTS // max(b * v, 1)))
     return _LinearSoftCrossEntropy.apply(h, w, p_logits, _compute_dtype(h), chunk)

@@ -156,6 +156,25 @@ def _backward(saved, d_out, chunk):
     )
 
 
+def _check_shapes(q, keys, values) -> None:
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or not q.is_floating_point():
+        got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+        raise ValueError(f"q: expected a float [B, S, N, D] tensor, got {got}")
+    b, s, n, d = q.shape
+    for name, xs in (("keys", keys), ("values", values)):
+        for i, x in enumerate(xs):
+            ok = isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point()
+            if not ok or x.shape != keys[0].shape or (x.shape[0], x.shape[1], x.shape[3]) != (b, s, d):
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(
+                    f"{name}[{i}]: expected a float [B={b}, S={s}, Nkv, D={d}] tensor like keys[0], got {got}"
+                )
+            if x.device != q.device:
+                raise ValueError(f"{name}[{i}]: expected q's device {q.device}, got {x.device}")
+    if n % keys[0].shape[2]:
+        raise ValueError(f"keys: expected KV heads dividing q's {n} heads (GQA), got {keys[0].shape[2]}")
+
+
 def ttt_attention(
     q: torch.Tensor,
     keys: list[torch.Tensor],
@@ -174,6 +193,9 @@ def ttt_attention(
         raise ValueError(
             f"keys/values: expected the same number (>= 2) of per-step tensors, got {len(keys)}/{len(values)}"
         )
+    _check_shapes(q, keys, values)
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk: expected a positive int or None, got {chunk!r}")
     kd = torch.stack(keys[1:], dim=2)  # [B, S, J, Nkv, D]
     vd = torch.stack(values[1:], dim=2)
     return _TTTAttention.apply(q, keys[0], values[0], kd, vd, chunk)[0]

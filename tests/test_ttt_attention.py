@@ -97,6 +97,17 @@ def test_bad_key_lists_name_the_argument():
         ttt_attention(q, keys[:1], values[:1])
     with pytest.raises(ValueError, match="^keys/values: expected the same number"):
         ttt_attention(q, keys, values[:2])
+    with pytest.raises(ValueError, match=r"^q: expected a float \[B, S, N, D\] tensor, got \(5, 2, 4\)"):
+        ttt_attention(q[0], keys, values)
+    with pytest.raises(ValueError, match=r"^keys\[1\]: expected a float \[B=1, S=5, Nkv, D=4\] tensor"):
+        ttt_attention(q, [keys[0], keys[1][:, :3]], values[:2])
+    with pytest.raises(ValueError, match=r"^values\[0\]: expected a float"):
+        ttt_attention(q, keys, [values[0].long(), *values[1:]])
+    wide = torch.randn(1, 5, 3, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="^keys: expected KV heads dividing q's 2 heads"):
+        ttt_attention(q, [wide, wide], [wide, wide])
+    with pytest.raises(ValueError, match="^chunk: expected a positive int or None, got 0"):
+        ttt_attention(q, keys, values, chunk=0)
 
 
 def test_autocast_does_not_change_the_computation():

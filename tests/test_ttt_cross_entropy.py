@@ -100,3 +100,17 @@ def test_ttt_loss_equals_the_unfused_formulation(kind, feed):
     g_want = torch.func.grad(lambda tr: unfused(tr)[0])
     for x, y in zip(fspec.tree.tree_leaves(g(trainable)), fspec.tree.tree_leaves(g_want(trainable))):
         torch.testing.assert_close(x, y, rtol=1e-8, atol=1e-10)
+
+
+def test_bad_inputs_name_the_argument():
+    h, w, p = torch.zeros(2, 3, 4), torch.zeros(7, 4), torch.zeros(2, 3, 7)
+    cases = [
+        ((h[0], w, p), {}, r"^h: expected a float 3-d tensor, got \(3, 4\)"),
+        ((h, w.long(), p), {}, "^w: expected a float 2-d tensor"),
+        ((h, w, p[:, :2]), {}, r"^w: expected h \[B, n, H\], w \[V, H\], p_logits \[B, n, V\] with matching"),
+        ((h, w[:, :3], p), {}, "^w: expected h"),
+        ((h, w, p), {"chunk": 0}, "^chunk: expected a positive int or None, got 0"),
+    ]
+    for args, kw, match in cases:
+        with pytest.raises(ValueError, match=match):
+            ttt.linear_soft_cross_entropy(*args, **kw)
