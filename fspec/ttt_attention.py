@@ -58,30 +58,41 @@ def _chunk_rows(b: int, n: int, s: int, chunk: int | None) -> int:
     return max(1, min(s, _CHUNK_ELEMENTS // max(b * n * s, 1)))
 
 
+def _stack(diag: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, values) of steps 1..J stacked to [B, S, J, Nkv, D]: transient copies, never saved."""
+    j = len(diag) // 2
+    return torch.stack(diag[:j], dim=2), torch.stack(diag[j:], dim=2)
+
+
 class _TTTAttention(torch.autograd.Function):
-    """(q [B,S,N,D], k0/v0 [B,S,Nkv,D], kd/vd [B,S,J,Nkv,D]) -> [B,S,N,D]; see the module docstring."""
+    """(q [B,S,N,D], k0/v0 [B,S,Nkv,D], chunk, k_1..k_J, v_1..v_J [B,S,Nkv,D]) -> [B,S,N,D]; see the module
+    docstring. The per-step keys and values are separate inputs, so what is saved for the backward pass is
+    those tensors themselves (alive anyway), not a stacked copy per step."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k0, v0, kd, vd, chunk):
+    def forward(q, k0, v0, chunk, *diag):
         # autocast off: the forward pass must compute the scores exactly as the backward pass recomputes them
         # (under bf16 autocast the matmuls would otherwise run in bf16 in the forward pass only)
         with autocast_off(q.device.type):
-            return _forward(q, k0, v0, kd, vd, chunk)
+            return _forward(q, k0, v0, *_stack(diag), chunk)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k0, v0, kd, vd, chunk = inputs
+        q, k0, v0, chunk, *diag = inputs
         out, lse = output
-        ctx.save_for_backward(q, k0, v0, kd, vd, out, lse)
+        ctx.save_for_backward(q, k0, v0, out, lse, *diag)
         ctx.chunk = chunk
         ctx.mark_non_differentiable(lse)
 
     @staticmethod
     def backward(ctx, d_out, _d_lse):
+        q, k0, v0, out, lse, *diag = ctx.saved_tensors
         with autocast_off(d_out.device.type):
-            return _backward(ctx.saved_tensors, d_out, ctx.chunk)
+            kd, vd = _stack(tuple(diag))
+            dq, dk0, dv0, d_kd, d_vd = _backward((q, k0, v0, kd, vd, out, lse), d_out, ctx.chunk)
+        return dq, dk0, dv0, None, *d_kd.unbind(2), *d_vd.unbind(2)
 
 
 def _forward(q, k0, v0, kd, vd, chunk):
@@ -152,7 +163,6 @@ def _backward(saved, d_out, chunk):
         dv0.permute(0, 2, 1, 3).to(v0.dtype),
         d_kd.to(kd.dtype),
         d_vd.to(vd.dtype),
-        None,
     )
 
 
@@ -196,6 +206,4 @@ def ttt_attention(
     _check_shapes(q, keys, values)
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         raise ValueError(f"chunk: expected a positive int or None, got {chunk!r}")
-    kd = torch.stack(keys[1:], dim=2)  # [B, S, J, Nkv, D]
-    vd = torch.stack(values[1:], dim=2)
-    return _TTTAttention.apply(q, keys[0], values[0], kd, vd, chunk)[0]
+    return _TTTAttention.apply(q, keys[0], values[0], chunk, *keys[1:], *values[1:])[0]
