@@ -129,6 +129,7 @@ class Setup:
     time_iters: int = 20
     time_repeats: int = 5
     fuse: bool = False
+    profile: Path | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -147,6 +148,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--smoke-compile", action="store_true", help="with --cpu-smoke: compile=True")
     parser.add_argument(
         "--fuse", action="store_true", help="fspec rows with fused q/k/v and gate/up (fspec.fuse_projections)"
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="append each fspec row's round-graph CUDA kernel table here",
     )
     return parser.parse_args(argv)
 
@@ -221,6 +228,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
         time_iters=2 if smoke else 20,
         time_repeats=2 if smoke else 5,
         fuse=args.fuse,
+        profile=args.profile,
     )
 
 
@@ -505,9 +513,11 @@ def engine_round_us(target, draft, b: int, s: Setup) -> float:
     if draft is None:
         args = (target.params, cur, n, live, table, run.temp, run.seed, run.tcache)
         if s.compile:
-            fn = rounds.compiled_decode_step(target.cfg, run.bs)
+            fn = rounds.compiled_decode_step(target.cfg, run.bs, run.max_len)
         else:
-            fn = functools.partial(rounds.decode_step, tcfg=target.cfg, block_size=run.bs)
+            fn = functools.partial(
+                rounds.decode_step, tcfg=target.cfg, block_size=run.bs, max_len=run.max_len
+            )
     else:
         k, dcfg = run.k, draft.cfg
         d_tok = torch.randint(0, target.cfg.vocab_size, (bucket, k), generator=gen).to(dev)
@@ -525,7 +535,25 @@ def engine_round_us(target, draft, b: int, s: Setup) -> float:
             torch.compiler.cudagraph_mark_step_begin()
         return fn(*args)
 
-    return time_us(call, s)
+    us = time_us(call, s)
+    if s.profile is not None:
+        profile_calls(call, s, f"round graph: {'target-only' if draft is None else 'speculative'}, B = {b}")
+    return us
+
+
+def profile_calls(call: Callable[[], object], s: Setup, title: str) -> None:
+    """Append the CUDA kernel table (top 40 by total time) of 10 calls of `call` to s.profile."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] if s.device.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        for _ in range(10):
+            call()
+        sync(s.device)
+    sort = "cuda_time_total" if s.device.type == "cuda" else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=90)
+    with open(s.profile, "a") as f:
+        f.write(f"\n{title} (10 calls)\n{table}\n")
 
 
 @functools.cache

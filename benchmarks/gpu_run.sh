@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One GPU-host step: `bash benchmarks/gpu_run.sh STAGE [ARGS]` with $OUT set. Each stage writes its JSON and
-# the last lines of its log to $OUT (full logs stay in $WORK, default /tmp/fspec-gpu): few, small files.
+# One GPU-host step: `bash benchmarks/gpu_run.sh STAGE [ARGS]` with $OUT set. Each stage writes its JSON to
+# $OUT and appends the last lines of its log to $OUT/tails.log (full logs stay in $WORK, default
+# /tmp/fspec-gpu): few, small files, so several stages fit in one call's returned files.
 # Stages:
 #   tests        the GPU tests (pytest -m gpu)
 #   sampling     benchmarks/bench_sampling.py
@@ -41,6 +42,6 @@ case "$stage" in
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
 rc=$?
-grep -v "Host Frame\|DEBUG" "$log" | tail -c 12000 > "$OUT/$stage.tail.log"
+{ echo "===== $stage $* (rc=$rc)"; grep -v "Host Frame\|DEBUG" "$log" | tail -c 12000; } >> "$OUT/tails.log"
 echo "$stage rc=$rc" | tee -a "$OUT/stages.txt"
 exit $rc

@@ -33,8 +33,15 @@ def test_distill_scaling_smoke_two_gloo_processes_match_one(tmp_path):
 
 
 def test_generate_smoke_forced_row_accepts_everything(tmp_path):
-    d = _run("bench_generate.py", "--cpu-smoke", "--skip-hf", "--batch", "1", out=tmp_path / "gen.json")
+    prof = tmp_path / "profile.txt"
+    d = _run(
+        "bench_generate.py", "--cpu-smoke", "--skip-hf", "--batch", "1", "--profile", str(prof),
+        out=tmp_path / "gen.json",
+    )  # fmt: skip
     rows = {r["case"]["system"]: r for r in d["rows"]}
     forced = next(r for name, r in rows.items() if "forced" in name)
     assert forced["acceptance_length"] == d["config"]["K"] + 1  # tau = K + 1 exactly, by construction
-    assert all(r["tokens_per_s"] > 0 for r in rows.values() if not r.get("error"))
+    # every part of every row ran: no row, round graph or round model recorded an error
+    assert [(n, k) for n, r in rows.items() for k in r if k.endswith("error") and r[k]] == []
+    assert all(r["tokens_per_s"] > 0 and r["round_graph_us"] > 0 for r in rows.values())
+    assert prof.read_text().count("round graph:") == len(rows)
