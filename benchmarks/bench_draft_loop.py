@@ -50,7 +50,12 @@ def parse_args(argv=None):
     p.add_argument(
         "--budget-s", type=float, default=540.0, help="stop starting new rows after this many seconds"
     )
-    p.add_argument("--fuse", action="store_true", help="fused q/k/v and gate/up (fspec.fuse_projections)")
+    p.add_argument(
+        "--fuse",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fused q/k/v and gate/up (fspec.fuse_projections), as fspec.load_draft gives",
+    )
     p.add_argument("--profile", help="write the compiled loop's CUDA kernel table (top 40) to this file")
     p.add_argument("--out", default="benchmarks/results/draft_loop.json")
     return p.parse_args(argv)
@@ -204,6 +209,7 @@ def main(argv=None) -> int:
         + " ".join(sys.argv[1:] if argv is None else argv),
         "copy_bandwidth_TBps": round(bw, 3),
         "ctx": args.ctx,
+        "fused_projections": args.fuse,
         "rows": [],
     }
     start = time.time()

@@ -128,7 +128,7 @@ class Setup:
     label: str
     time_iters: int = 20
     time_repeats: int = 5
-    fuse: bool = False
+    fuse: bool = True
     profile: Path | None = None
 
 
@@ -147,7 +147,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny float32 model on the CPU")
     parser.add_argument("--smoke-compile", action="store_true", help="with --cpu-smoke: compile=True")
     parser.add_argument(
-        "--fuse", action="store_true", help="fspec rows with fused q/k/v and gate/up (fspec.fuse_projections)"
+        "--fuse",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fspec rows with fused q/k/v and gate/up (fspec.fuse_projections), as fspec.load_target gives",
     )
     parser.add_argument(
         "--profile",
@@ -838,6 +841,7 @@ def header(s: Setup, bandwidth: float, models: Models, floor_step_s: float) -> d
             "draft_vocab_size": s.draft_vocab,
             "batches": list(s.batches),
             "fspec_compile": s.compile,
+            "fused_projections": s.fuse,
             "weight_bytes": weight_bytes(models.target.params),
             "draft_weight_bytes": weight_bytes(models.draft.params)
             - weight_bytes(models.target.params["embed"]),

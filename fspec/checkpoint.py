@@ -224,8 +224,14 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 # --- target -------------------------------------------------------------------------------------------------
 
 
-def load_target(path, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> Target:
+def load_target(
+    path, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu", fuse: bool = True
+) -> Target:
     """A `Target` from a local HF directory; dtype None keeps the checkpoint's.
+
+    fuse (default): each layer's q/k/v and gate/up weights are concatenated (`fuse_projections`), so a
+    decode step runs 4 matmuls per layer instead of 7 (measured on an H200, BENCHMARKS.md); `save_target`
+    writes the HF layout either way. fuse=False keeps HF's separate weights.
 
     Raises FileNotFoundError for a missing directory, config or weights; ValueError for an unsupported
     architecture or a missing, unexpected or mis-shaped key (named, with the expected and actual shapes).
@@ -245,6 +251,8 @@ def load_target(path, *, dtype: torch.dtype | None = None, device: torch.device 
             f"model_type={cfg.model_type!r} (does config.json match the weights?)"
         )
     params = _fill(template, keys, tensors, where=path, dtype=dtype, device=device)
+    if fuse:
+        L.fuse_projections_(params)
     tokenizer = None
     if (path / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
@@ -421,11 +429,13 @@ def load_draft(
     max_model_len: int | None = None,
     greedy_drafts: bool | None = None,
     dtype: torch.dtype | None = None,
+    fuse: bool = True,
 ) -> Draft:
     """A `Draft` for `target` from a directory written by `save_draft` or a published EAGLE/EAGLE-3 head.
 
     Loop settings default to what the checkpoint recorded, else (3, 16, the target's max positions, False);
-    float weights are cast to `dtype` (default: the target's). Errors as in `load_target`.
+    float weights are cast to `dtype` (default: the target's); `fuse` as in `load_target`. Errors as in
+    `load_target`.
     """
     path = _directory(path)
     config = _read_config(path)
@@ -483,6 +493,8 @@ def load_draft(
         dtype=dtype or target.params["embed"].dtype,
         device=_device(target),
     )
+    if fuse:
+        L.fuse_projections_(params)
     return Draft(cfg=cfg, params=params, shared=shared)
 
 

@@ -33,7 +33,8 @@ def test_fused_target_computes_the_same_logits_and_round_trips(model_type, tmp_p
     fused = fspec.fuse_projections(target.params)
     assert leaves_equal(fspec.unfuse_projections(fused, target.cfg), target.params)
     fspec.save_target(fspec.Target(cfg=target.cfg, params=fused), tmp_path)
-    assert leaves_equal(fspec.load_target(tmp_path).params, target.params)
+    assert leaves_equal(fspec.load_target(tmp_path, fuse=False).params, target.params)
+    assert leaves_equal(fspec.load_target(tmp_path).params, fused)  # load_target fuses by default
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp"])
@@ -53,8 +54,8 @@ def test_fused_heads_draft_the_same_and_save_in_the_published_layout(kind, tmp_p
     for got, want in zip(run(fused.params), run(draft.params)):  # logits, new hidden
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     fspec.save_draft(fused, tmp_path)
-    loaded = fspec.load_draft(tmp_path, target=target)
-    assert leaves_equal(loaded.params, draft.params)
+    assert leaves_equal(fspec.load_draft(tmp_path, target=target, fuse=False).params, draft.params)
+    assert leaves_equal(fspec.load_draft(tmp_path, target=target).params, fused.params)  # fused by default
 
 
 def test_generate_with_fused_target_and_head_emits_the_same_tokens():
@@ -89,3 +90,18 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="^params: expected a model's or head's params dict"):
         fspec.unfuse_projections([fused], target.cfg)
     assert leaves_equal(fspec.unfuse_projections(target.params, target.cfg), target.params)  # nothing fused
+
+
+def test_in_place_fusion_equals_fuse_projections_and_releases_the_separate_weights():
+    """What load_target / load_draft run: every layer fused in place, equal to the functional version."""
+    from fspec.models.layers import fuse_projections_
+
+    target = tiny_target("qwen2")  # with q/k/v biases
+    want = fspec.fuse_projections(target.params)
+    params = {**target.params, "layers": [dict(p) for p in target.params["layers"]]}  # owned copy
+    assert fuse_projections_(params) == target.cfg.num_hidden_layers
+    assert leaves_equal(params, want)
+    assert all(not {"q", "k", "v", "q_bias", "gate", "up"} & set(p) for p in params["layers"])
+    assert fuse_projections_(params) == 0  # already fused: nothing to do
+    with pytest.raises(ValueError, match="^params: expected a model's or head's params dict"):
+        fuse_projections_(target)

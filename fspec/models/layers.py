@@ -171,6 +171,29 @@ def fuse_projections(params: dict) -> dict:
     return fused
 
 
+def fuse_projections_(params: dict) -> int:
+    """`fuse_projections` in place, one layer at a time (each layer's separate weights are released before
+    the next is fused, so peak memory grows by one layer, not by the model). For trees the caller owns, such
+    as one just loaded; returns the number of layers fused (0 if already fused)."""
+    _check_params(params)
+    count = 0
+
+    def walk(tree) -> None:
+        nonlocal count
+        items = tree if isinstance(tree, list) else tree.values() if isinstance(tree, dict) else ()
+        if isinstance(tree, dict) and all(k in tree for k in (*_QKV, "gate", "up")):
+            fused = _fuse_layer(tree)
+            tree.clear()
+            tree.update(fused)
+            count += 1
+            return
+        for x in list(items):
+            walk(x)
+
+    walk(params)
+    return count
+
+
 def unfuse_projections(params: dict, cfg: ModelConfig) -> dict:
     """The separate q/k/v and gate/up weights of a `fuse_projections` pytree (unfused layers pass through);
     cfg gives the head counts (a head's: its `DraftConfig.model`)."""
