@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from fspec.kernels import ops  # noqa: F401  (registers the torch.ops.fspec ops)
+from fspec.kernels.gumbel import inv_temperature_ref
 from fspec.kernels.philox import MAX_VOCAB, POSITION_MASK
 from fspec.kernels.salts import MAX_SALT, SALT_ACCEPT, SALT_BONUS, SALT_DRAFT, SALT_RESIDUAL
 
@@ -72,7 +73,7 @@ def check_logits(name: str, logits: Tensor, temperature: Tensor) -> None:
     big = torch.where(torch.isfinite(x), x.abs(), 0.0).amax(-1)  # [N] or [B, K+1]
     t = temperature.view(-1, *([1] * (big.dim() - 1)))  # broadcast over the K+1 slots
     sampled = (t > 0).expand_as(big)
-    overflow = sampled & ~torch.isfinite(big / torch.where(t > 0, t, 1.0))
+    overflow = sampled & ~torch.isfinite(big * inv_temperature_ref(t))  # the kernels' scaling
     if bool(overflow.any()):
         raise argument_error(
             "temperature",

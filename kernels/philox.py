@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import libdevice
 
 # Philox4x32 constants (Random123 / triton.language.random).
 PHILOX_KEY_A = 0x9E3779B9  # Weyl increment of key word 0 per round
@@ -44,6 +45,12 @@ POSITION_MASK = (1 << 31) - 1
 MAX_VOCAB = 1 << 24  # token_id // 4 must fit in the 22 low bits
 _MASK32 = 0xFFFFFFFF
 
+_LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+_KEY_A: tl.constexpr = tl.constexpr(PHILOX_KEY_A)
+_KEY_B: tl.constexpr = tl.constexpr(PHILOX_KEY_B)
+_ROUND_A: tl.constexpr = tl.constexpr(PHILOX_ROUND_A)
+_ROUND_B: tl.constexpr = tl.constexpr(PHILOX_ROUND_B)
+_ROUNDS: tl.constexpr = tl.constexpr(PHILOX_ROUNDS)
 _SALT_UNIT: tl.constexpr = tl.constexpr(1 << SALT_SHIFT)
 _POSITION_UNIT: tl.constexpr = tl.constexpr(1 << POSITION_SHIFT)
 _POSITION_MASK: tl.constexpr = tl.constexpr(POSITION_MASK)
@@ -66,6 +73,38 @@ def philox_offset(
 
 
 @triton.jit
+def _wide_mul(a: tl.constexpr, x):
+    """(hi, lo) 32-bit words of a * x for a uint32 constant and a uint32 block: one 32 x 32 -> 64-bit multiply
+    (IMAD.WIDE on NVIDIA GPUs) instead of separate mul.hi and mul.lo."""
+    p = x.to(tl.uint64) * a
+    return (p >> 32).to(tl.uint32), p.to(tl.uint32)
+
+
+@triton.jit
+def philox4x32(
+    c0,  # uint32 block: counter word 0
+    c1,  # uint32 scalar or block: counter word 1 (counter words 2 and 3 are 0)
+    seed,  # int64 scalar: the key, (low word, high word)
+):
+    """Philox4x32-10 of counter (c0, c1, 0, 0) and key `seed`: what `tl.randint4x(seed, c1 * 2^32 + c0)`
+    returns, bit for bit (tests/kernels/test_philox.py), with the per-element work cut to the rounds: c1 and
+    the key stay scalars, and each round's products are two 64-bit multiplies."""
+    key = seed.to(tl.uint64)  # two's complement of an int64 seed
+    k0 = key.to(tl.uint32)
+    k1 = (key >> 32).to(tl.uint32)
+    zero = tl.zeros_like(c0)
+    c1 = c1 + zero
+    c2, c3 = zero, zero
+    for _ in tl.static_range(_ROUNDS):
+        hi_b, lo_b = _wide_mul(_ROUND_B, c2)
+        hi_a, lo_a = _wide_mul(_ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = k0 + _KEY_A
+        k1 = k1 + _KEY_B
+    return c0, c1, c2, c3
+
+
+@triton.jit
 def philox_uniform_tile(
     seed,  # int64 scalar: the request's seed (the Philox key)
     position,  # int64 scalar: position of the row being sampled
@@ -74,8 +113,11 @@ def philox_uniform_tile(
     GROUPS: tl.constexpr,  # tile covers tokens [start, start + 4 * GROUPS)
 ):
     """Uniforms of tokens `start + 4 * g + w` as a [GROUPS, 4] float32 tile (one Philox call per row g)."""
-    group = start // 4 + tl.arange(0, GROUPS).to(tl.int64)  # [GROUPS]
-    r0, r1, r2, r3 = tl.randint4x(seed, philox_offset(position, group, salt))
+    # The offset's low word holds the token group in bits [0, 22) and never carries out of them (token ids
+    # < MAX_VOCAB), so counter word 0 is the tile's base word + g and word 1 is one scalar for the tile.
+    base = philox_offset(position, start // 4, salt)  # int64 scalar
+    c0 = (base & 0xFFFFFFFF).to(tl.uint32) + tl.arange(0, GROUPS).to(tl.uint32)  # [GROUPS]
+    r0, r1, r2, r3 = philox4x32(c0, (base >> 32).to(tl.uint32), seed)
     w = tl.arange(0, 4)[None, :]  # [1, 4]: output word = token id mod 4
     r = tl.where(
         w == 0, r0[:, None], tl.where(w == 1, r1[:, None], tl.where(w == 2, r2[:, None], r3[:, None]))
@@ -90,10 +132,32 @@ def philox_gumbel_tile(
     salt,  # int (constexpr) or int64 scalar: stream salt
     start,  # int64 scalar, a multiple of 4: first token id of the tile
     GROUPS: tl.constexpr,  # tile covers tokens [start, start + 4 * GROUPS)
+    FAST_LOG: tl.constexpr = False,  # the outer log on the GPU's approximate log2 unit (see below)
 ):
-    """Gumbel noise -log(-log(u)) of tokens `start + 4 * g + w` as a [GROUPS, 4] float32 tile."""
+    """Gumbel noise -log(-log(u)) of tokens `start + 4 * g + w` as a [GROUPS, 4] float32 tile.
+
+    The inner log must be accurate in relative terms: for u near 1, e = -log(u) is tiny and the noise
+    -log(e) large (those are the tokens that win), so it stays the accurate `tl.log`. The outer log only
+    needs absolute accuracy (it is added to the logits): with FAST_LOG (GPU launches; the interpreter has no
+    libdevice) it is lg2.approx (absolute error <= 2^-22 on [0.5, 2], 2 ulp elsewhere) times -ln 2, which
+    replaces ~24 instructions of `tl.log` per token with two. Tokens can then differ from the reference only
+    where two keys are within ~1e-7 of each other.
+    """
     u = philox_uniform_tile(seed, position, salt, start, GROUPS)
-    return -tl.log(-tl.log(u))
+    return -log_abs(-tl.log(u), FAST_LOG)
+
+
+@triton.jit
+def log_abs(
+    x,  # float32 block, x >= 0
+    FAST: tl.constexpr,  # on the GPU's approximate log2 unit
+):
+    """log(x) for values whose ABSOLUTE error is what matters (they are added to logits and compared):
+    with FAST, lg2.approx * ln 2 (absolute error <= 2^-22 * ln 2 on [0.5, 2], 2 ulp of the result elsewhere;
+    two instructions instead of ~24 for `tl.log`); otherwise `tl.log` (the interpreter has no libdevice)."""
+    if FAST:
+        return libdevice.fast_log2f(x) * _LN2
+    return tl.log(x)
 
 
 # ----------------------------------------------------------------------------------------------------------

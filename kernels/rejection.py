@@ -26,13 +26,16 @@ from torch import Tensor
 
 from .gumbel import (
     DEFAULT_BLOCK,
-    block_argmax,
+    block_argmax_offset,
     clean_logits_ref,
     first_argmax_ref,
+    inv_temperature,
+    inv_temperature_ref,
     softmax_ref,
     softmax_shift,
+    tile_offsets,
 )
-from .philox import philox_gumbel_ref, philox_gumbel_tile, philox_offset, philox_uniform_ref
+from .philox import log_abs, philox_gumbel_ref, philox_gumbel_tile, philox_offset, philox_uniform_ref
 from .salts import SALT_ACCEPT, SALT_BONUS, SALT_RESIDUAL
 
 _SALT_ACCEPT: tl.constexpr = tl.constexpr(SALT_ACCEPT)
@@ -43,13 +46,13 @@ _SALT_BONUS: tl.constexpr = tl.constexpr(SALT_BONUS)
 @triton.jit
 def _one_hot_if_degenerate(
     x,  # float32 block: logits / T of one row
-    token,  # int64 block: token ids of x
+    is_token0,  # bool block: x's token id is 0
     m,  # float32 scalar or block: row max of logits / T
     s,  # float32 scalar or block: row sum of exp(logits / T - m)
 ):
     """A row without any finite logit (max -inf) becomes logits 0 at token 0 and -inf elsewhere."""
     degenerate = m == float("-inf")
-    x = tl.where(degenerate, tl.where(token == 0, 0.0, float("-inf")), x)
+    x = tl.where(degenerate, tl.where(is_token0, 0.0, float("-inf")), x)
     return x, tl.where(degenerate, 0.0, m), tl.where(degenerate, 1.0, s)
 
 
@@ -77,7 +80,7 @@ def _rejection_stats_kernel(
     raw = raw.to(tl.float32)
     raw = tl.where(raw != raw, float("-inf"), raw)
     t = tl.load(temperature_ptr + b)
-    x = raw / tl.where(t > 0, t, 1.0)
+    x = raw * inv_temperature(t)
     m = tl.max(x, axis=0)
     e = tl.exp(x - softmax_shift(m))
     tl.store(block_max_ptr + row * NB + blk, m)
@@ -139,6 +142,7 @@ def _rejection_residual_kernel(
     K,  # draft tokens per request
     HAS_Q: tl.constexpr,  # draft_probs given (sampled drafts)
     BLOCK: tl.constexpr,  # tokens per program, a power of two >= 4
+    FAST_LOG: tl.constexpr,  # approximate logs where only their absolute error matters (GPU launches)
 ):
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1).to(tl.int64)
@@ -146,8 +150,8 @@ def _rejection_residual_kernel(
     k = row % (K + 1)
     GROUPS: tl.constexpr = BLOCK // 4
     start = blk * BLOCK
-    token = start + 4 * tl.arange(0, GROUPS).to(tl.int64)[:, None] + tl.arange(0, 4)[None, :]  # [GROUPS, 4]
-    valid = token < V
+    offs = tile_offsets(GROUPS)  # [GROUPS, 4] int32: token = start + offs
+    valid = offs < tl.minimum(V - start, BLOCK).to(tl.int32)
     is_draft = k < K
     t = tl.load(temperature_ptr + b)
     # Greedy targets (T = 0) need none of this: the accept kernel uses their argmax, so skip the pass (no
@@ -155,21 +159,23 @@ def _rejection_residual_kernel(
     # verify greedily too.
     if (t > 0) & (tl.load(row_max_ptr + row) < float("inf")):
         salt = tl.where(is_draft, _SALT_RESIDUAL, _SALT_BONUS).to(tl.int64)
-        noise = philox_gumbel_tile(tl.load(seed_ptr + b), tl.load(positions_ptr + b) + k, salt, start, GROUPS)
-        x = tl.load(logits_ptr + b * stride_b + k * stride_k + token, mask=valid, other=float("-inf"))
+        seed, position = tl.load(seed_ptr + b), tl.load(positions_ptr + b) + k
+        noise = philox_gumbel_tile(seed, position, salt, start, GROUPS, FAST_LOG)
+        x = tl.load(logits_ptr + b * stride_b + k * stride_k + start + offs, mask=valid, other=float("-inf"))
         x = x.to(tl.float32)
-        x = tl.where(x != x, float("-inf"), x) / t
-        x, m, s = _one_hot_if_degenerate(x, token, tl.load(row_max_ptr + row), tl.load(row_sum_ptr + row))
-        p = tl.exp(x - m) / s  # [GROUPS, 4]
+        x = tl.where(x != x, float("-inf"), x) * inv_temperature(t)
+        row_max, row_sum = tl.load(row_max_ptr + row), tl.load(row_sum_ptr + row)
+        x, m, s = _one_hot_if_degenerate(x, (offs == 0) & (start == 0), row_max, row_sum)
+        p = tl.exp(x - m) * (1.0 / s)  # [GROUPS, 4]
         if HAS_Q:
-            q = tl.load(draft_probs_ptr + (b * K + k) * V + token, mask=valid & is_draft, other=0.0)
+            q = tl.load(draft_probs_ptr + (b * K + k) * V + start + offs, mask=valid & is_draft, other=0.0)
         else:
             x_k = tl.load(draft_tokens_ptr + b * K + k, mask=is_draft, other=0)
-            q = tl.where(token == tl.minimum(tl.maximum(x_k, 0), V - 1), 1.0, 0.0)
+            q = tl.where(offs == (tl.minimum(tl.maximum(x_k, 0), V - 1) - start).to(tl.int32), 1.0, 0.0)
         r = tl.maximum(p - q, 0.0)  # residual max(p - q, 0); with one-hot q: p without x_k
-        res_key = tl.where(r > 0, tl.log(tl.where(r > 0, r, 1.0)), float("-inf")) + noise
-        res_best, res_token = block_argmax(res_key, token, valid, V)
-        p_best, p_token = block_argmax(x + noise, token, valid, V)
+        res_key = tl.where(r > 0, log_abs(tl.where(r > 0, r, 1.0), FAST_LOG), float("-inf")) + noise
+        res_best, res_token = block_argmax_offset(res_key, offs, valid, start, BLOCK)
+        p_best, p_token = block_argmax_offset(x + noise, offs, valid, start, BLOCK)
         out = row * NB + blk
         tl.store(res_key_ptr + out, res_best)
         tl.store(res_token_ptr + out, res_token)
@@ -241,9 +247,9 @@ def _rejection_accept_kernel(
     xc = tl.minimum(tl.maximum(x, 0), V - 1)
     lx = tl.load(logits_ptr + b * stride_b + kk * stride_k + xc, mask=is_draft, other=float("-inf"))
     lx = lx.to(tl.float32)
-    lx = tl.where(lx != lx, float("-inf"), lx) / tl.where(t > 0, t, 1.0)
+    lx = tl.where(lx != lx, float("-inf"), lx) * inv_temperature(t)
     s = tl.load(row_sum_ptr + rows, mask=in_row, other=1.0)
-    lx, m, s = _one_hot_if_degenerate(lx, xc, m, s)
+    lx, m, s = _one_hot_if_degenerate(lx, xc == 0, m, s)
     p_x = tl.exp(lx - m) / s
     if HAS_Q:
         q_x = tl.load(draft_probs_ptr + (b * K + kk) * V + xc, mask=is_draft, other=1.0)
@@ -305,6 +311,7 @@ def rejection_sample(
     _rejection_residual_kernel[(r, nb)](
         target_logits, sb, sk, draft_tokens, draft_probs, temperature, seed, positions, row_max, row_sum,
         res_key, res_token, res_mass, p_key, p_token, v, nb, k, HAS_Q=has_q, BLOCK=block,
+        FAST_LOG=target_logits.is_cuda,
     )  # fmt: skip
     _rejection_accept_kernel[(b,)](
         target_logits, sb, sk, draft_tokens, draft_probs, temperature, seed, positions, row_max, row_sum,
@@ -332,7 +339,7 @@ def rejection_sample_ref(
     k = k1 - 1
     ids = torch.arange(v, device=target_logits.device)
     raw = clean_logits_ref(target_logits)  # [B, K+1, V]
-    x = raw / torch.where(temperature > 0, temperature, 1.0)[:, None, None]
+    x = raw * inv_temperature_ref(temperature)[:, None, None]
     # slots whose logits / T reach +inf verify greedily (the T -> 0 limit of p is a point mass)
     sampled = (temperature > 0)[:, None] & (x.amax(-1) < float("inf"))  # [B, K+1]
     # a row without any finite logit becomes a one-hot at token 0

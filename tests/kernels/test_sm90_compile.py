@@ -1,0 +1,74 @@
+"""The sampling kernels' GPU-only paths compile for an H100/H200 (sm_90) on this CPU machine.
+
+The interpreter never takes the FAST_LOG branches (libdevice has no interpreter twin), so without this a
+broken GPU path would first show on the GPU host. Triton's wheel ships ptxas and nvdisasm: the kernels are
+compiled ahead of time for sm_90 and their SASS is checked for the approximate log2 unit (MUFU.LG2) the fast
+path exists for, and for its absence otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+
+NVDISASM = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / "nvdisasm"
+
+# Run in a fresh interpreter: this test session imports the kernels under TRITON_INTERPRET=1, whose kernel
+# objects the compiler cannot take.
+PROBE = """
+import inspect, json, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fspec.kernels.gumbel import _gumbel_block_kernel
+from fspec.kernels.rejection import _rejection_residual_kernel
+
+INT64 = {"seed_ptr", "positions_ptr", "block_token_ptr", "draft_tokens_ptr", "res_token_ptr", "p_token_ptr"}
+fast = sys.argv[1] == "1"
+
+def sm90_sass(kernel, constexprs):
+    names = list(inspect.signature(kernel.fn).parameters)
+    def kind(n):
+        if n in constexprs:
+            return "constexpr"
+        if n.endswith("_ptr"):
+            return "*i64" if n in INT64 else "*fp32"
+        return "i32"
+    sig = {n: kind(n) for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in constexprs}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([sys.argv[2], "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+out = {
+    "gumbel": sm90_sass(
+        _gumbel_block_kernel, {"SALT": 3, "WITH_STATS": True, "BLOCK": 2048, "FAST_LOG": fast}
+    ),
+    "residual": sm90_sass(_rejection_residual_kernel, {"HAS_Q": True, "BLOCK": 2048, "FAST_LOG": fast}),
+}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not NVDISASM.exists(), reason="this Triton wheel ships no nvdisasm")
+@pytest.mark.parametrize("fast", [False, True])
+def test_sampling_kernels_compile_for_sm90_with_and_without_the_fast_log(fast):
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", PROBE, "1" if fast else "0", str(NVDISASM)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    for name, sass in json.loads(run.stdout).items():
+        assert ("MUFU.LG2" in sass) == fast, name
+        assert "IMAD.WIDE.U32" in sass, name  # Philox rounds: 32 x 32 -> 64-bit multiplies (philox.py)
