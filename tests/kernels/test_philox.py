@@ -8,6 +8,8 @@ import triton.language as tl
 from fspec.kernels.philox import (
     MAX_VOCAB,
     POSITION_MASK,
+    UNIFORM_SCALE,
+    log_unit,
     philox4x32_ref,
     philox_gumbel_ref,
     philox_gumbel_tile,
@@ -185,3 +187,36 @@ def test_noise_streams_differ_by_seed_position_token_and_salt():
     assert u.unique().numel() > 0.999 * u.numel()
     # uniform moments over 16384 values: mean 1/2 +- 4.5 sigma (sigma = 0.0023), variance 1/12 +- 5%
     assert abs(float(u.mean()) - 0.5) < 0.0102 and abs(float(u.var()) - 1 / 12) < 0.0042
+
+
+@triton.jit
+def _log_unit_probe_kernel(u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    tl.store(out_ptr + i, log_unit(tl.load(u_ptr + i, mask=ok, other=0.5)), mask=ok)
+
+
+def test_log_unit_is_within_one_ulp_of_the_true_log_on_every_kind_of_uniform():
+    """`log_unit` (the inner log of the Gumbel noise) against float64: within 1 ulp of float32 on random
+    uniforms, on the 2^31 - 1 grid's smallest values, on the values closest to 1 (where -log(u) is tiny and
+    its relative error becomes the noise's absolute error), around sqrt(1/2) (the range reduction's seam),
+    and -inf at 0."""
+    gen = torch.Generator().manual_seed(0)
+    below_one = 1.0 - torch.arange(1, 4097, dtype=torch.float64) * 2.0**-24
+    seam = torch.tensor(0.5**0.5, dtype=torch.float64) * (1 + torch.arange(-2048, 2048) * 2.0**-23)
+    u = torch.cat(
+        [
+            torch.rand(200_000, generator=gen, dtype=torch.float64),
+            torch.arange(1, 4097, dtype=torch.float64) * UNIFORM_SCALE,
+            below_one,
+            seam,
+            torch.tensor([0.5, 0.25, 2.0**-31, 0.0], dtype=torch.float64),
+        ]
+    ).float()
+    out = torch.empty_like(u)
+    _log_unit_probe_kernel[(triton.cdiv(len(u), 4096),)](u, out, len(u), BLOCK=4096)
+    assert out[-1] == float("-inf") and torch.isfinite(out[:-1]).all()
+    truth = torch.log(u[:-1].double())
+    ulp = (truth.float().abs().nextafter(torch.tensor(float("inf"))) - truth.float().abs()).double()
+    err_ulp = ((out[:-1].double() - truth).abs() / ulp).max().item()
+    assert err_ulp <= 1.0, err_ulp
