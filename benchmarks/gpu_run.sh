@@ -21,7 +21,8 @@ WORK=${WORK:-/tmp/fspec-gpu}
 mkdir -p "$WORK"
 cd "$(dirname "$0")/.."
 log="$WORK/$stage.log"
-kernel_tests=(tests/kernels/test_paged_attention.py tests/test_gpu.py -k "not graph and not generate and not draft_loop")
+kernel_tests=(tests/kernels/test_paged_attention.py tests/kernels/test_rope_kv_write.py tests/test_gpu.py
+  -k "not graph and not generate and not draft_loop")
 case "$stage" in
   tests) timeout 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider -rA > "$log" 2>&1 ;;
   sampling) timeout 240 python3 benchmarks/bench_sampling.py --out "$OUT/sampling.json" "$@" > "$log" 2>&1 ;;

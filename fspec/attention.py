@@ -13,6 +13,12 @@
 * ``"dense"``: attention among this call's T tokens only (same request, key position <= query position), no
   cache read or write; differentiable. `dense_attention` is the batched `[B, S]` form for training.
 
+Model layers reach attention through `bind` (or `causal`, or distillation's `ttt_attend`): an `Attend` that
+takes q and k *before* RoPE, with the cos/sin of their positions, so a backend can fuse the rotation into work
+it does anyway. The "paged" one rotates q and k inside its cache-write kernel (`fspec::rope_kv_write`: one
+launch per layer instead of the write plus the pointwise kernels Inductor emitted around it); the others call
+`apply_rope` first, the ops the layers ran before. `attention` itself takes rotated q and k.
+
 GQA everywhere: query head n reads KV head n // (N / Nkv), as HF's `repeat_kv`. Padding queries (position -1)
 return zeros. Compile-friendly: fixed shapes, integer gathers, no `.item()`, no boolean-mask indexing, no
 Python branch on tensor values.
@@ -37,8 +43,25 @@ from fspec.state import AttnMetadata, _expect, check_positive_int, validate_attn
 
 BACKENDS = ("auto", "paged", "reference", "dense")
 
-#: attend(q [..., N, D], k [..., Nkv, D], v [..., Nkv, D], layer) -> [..., N, D]: what a model's layers call.
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+#: attend(q [..., N, D], k [..., Nkv, D], v [..., Nkv, D], layer, cos [..., D], sin [..., D]) -> [..., N, D]:
+#: what a model's layers call. q and k are NOT rotated yet: the attend applies RoPE with cos/sin
+#: (rotate-half), itself or fused into a kernel.
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [..., heads, D] by cos/sin [..., D] (rotate-half convention), in x's and cos's dtypes."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rope_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, k) rotated by cos/sin: what an `Attend` that does not fuse RoPE runs first."""
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 def autocast_enabled(device_type: str) -> bool:
@@ -166,16 +189,24 @@ def _paged_kernels(
     *,
     layer: int,
     max_query_len: int | None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The "paged" backend: the registered ops `fspec::kv_write` and `fspec::paged_attention`
-    (kernels/paged_attention.py; Triton on CUDA, their PyTorch references elsewhere). The kernels read
-    block_table, seq_lens and positions on the device; keys past seq_lens are never read."""
-    torch.ops.fspec.kv_write(
-        k.to(cache.k.dtype), v.to(cache.v.dtype), cache.k, cache.v, meta.slot_mapping, layer=layer
-    )
+    """The "paged" backend: the registered ops `fspec::kv_write` (or `fspec::rope_kv_write`, given
+    rope = (cos, sin) [T, D] and un-rotated q, k) and `fspec::paged_attention` (kernels/; Triton on CUDA,
+    their PyTorch references elsewhere). The kernels read block_table, seq_lens and positions on the device;
+    keys past seq_lens are never read."""
+    if rope is None:
+        torch.ops.fspec.kv_write(
+            k.to(cache.k.dtype), v.to(cache.v.dtype), cache.k, cache.v, meta.slot_mapping, layer=layer
+        )
+        q_cache = q.to(cache.k.dtype)
+    else:  # RoPE of q and k in the write's launch; q comes back rotated, in the cache's dtype
+        q_cache = torch.ops.fspec.rope_kv_write(
+            q, k, v, *rope, cache.k, cache.v, meta.slot_mapping, layer=layer
+        )  # [T, N, D]
     num_query = q.shape[0] if max_query_len is None else max_query_len
     return torch.ops.fspec.paged_attention(
-        q.to(cache.k.dtype),
+        q_cache,
         cache.k,
         cache.v,
         meta.block_table,
@@ -247,7 +278,8 @@ def bind(
     max_query_len: int | None = None,
     max_context: int | None = None,
 ) -> Attend:
-    """`attend(q, k, v, layer) -> out` over `meta` and `cache`, for a model's layers.
+    """`attend(q, k, v, layer, cos, sin) -> out` over `meta` and `cache`, for a model's layers (q, k not yet
+    rotated). The "paged" backend rotates them in its cache-write kernel; the others with `rope_qk` first.
 
     The cache is donated (written in place), so the caller returns the `cache` it passed in.
     """
@@ -255,8 +287,16 @@ def bind(
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if backend in ("auto", "paged", "reference") and not isinstance(cache, KVCache):
         raise ValueError(f"cache: expected a KVCache for the {backend!r} backend, got {type(cache).__name__}")
+    fused = resolve_backend(backend, cache) == "paged"
 
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    def attend(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        if fused:
+            return _paged_kernels(
+                q, k, v, meta, cache, layer=layer, max_query_len=max_query_len, rope=(cos, sin)
+            )
+        q, k = rope_qk(q, k, cos, sin)
         return _attention(
             q,
             k,
@@ -272,8 +312,12 @@ def bind(
     return attend
 
 
-def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-    """`attend` for the dense [B, S] path: causal attention within each sequence (`layer` unused)."""
+def causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """`attend` for the dense [B, S] path: RoPE, then causal attention within each sequence (`layer`
+    unused)."""
+    q, k = rope_qk(q, k, cos, sin)
     return dense_attention(q, k, v)
 
 

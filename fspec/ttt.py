@@ -37,7 +37,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fspec.attention import Attend, autocast_enabled, autocast_off, dense_attention
+from fspec.attention import Attend, autocast_enabled, autocast_off, dense_attention, rope_qk
 from fspec.checkpoint import Draft, Target
 from fspec.config import DraftConfig
 from fspec.models import head_hidden, head_logits, head_pre_logits, llama, project_target_hidden
@@ -146,12 +146,15 @@ def ttt_mask(seq_len: int, step: int, *, device: torch.device | str | None = Non
 
 
 def ttt_attend(kv: dict, step: int) -> Attend:
-    """`attend` for unroll step `step`: appends this step's k/v [B, S, Nkv, D] to kv[layer] and attends over
-    the keys of steps 0..step under `ttt_mask`. Step 0 is plain causal attention (SDPA); later steps use
-    `fspec.ttt_attention.ttt_attention`, which equals the dense masked attention without materialising its
-    [B, N, S, (step+1)·S] scores."""
+    """`attend` for unroll step `step`: rotates q and k (RoPE), appends this step's k/v [B, S, Nkv, D] to
+    kv[layer] and attends over the keys of steps 0..step under `ttt_mask`. Step 0 is plain causal attention
+    (SDPA); later steps use `fspec.ttt_attention.ttt_attention`, which equals the dense masked attention
+    without materialising its [B, N, S, (step+1)·S] scores."""
 
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    def attend(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        q, k = rope_qk(q, k, cos, sin)
         keys, values = kv.setdefault(layer, ([], []))
         keys.append(k)
         values.append(v)

@@ -1,6 +1,8 @@
 """torch.library registrations of the paged-attention kernels (namespace "fspec").
 
     fspec::kv_write        (k, v, k_cache!, v_cache!, slot_mapping, *, layer=0) -> ()
+    fspec::rope_kv_write   (q, k, v, cos, sin, k_cache!, v_cache!, slot_mapping, *, layer=0)
+                           -> q_out [T, N, D] (RoPE'd q in the cache's dtype)
     fspec::paged_attention (q, k_cache, v_cache, block_table, seq_lens, positions, query_start_loc,
                             *, scale, num_query, layer=0) -> out [T, N, D]
 
@@ -12,8 +14,8 @@ implementations let `torch.compile(fullgraph=True)` trace through the ops.
 Callers pass the whole cache buffers ([num_blocks, block_size, Nkv, D], or the stacked [L, ...] with
 `layer`), never views: a view of a buffer that a compiled graph cloned can be rewritten to the original
 (pytorch#198031).
-`kv_write` mutates exactly k_cache and v_cache (the cache is donated); `paged_attention` mutates nothing and
-returns a fresh tensor.
+`kv_write` and `rope_kv_write` mutate exactly k_cache and v_cache (the cache is donated; `rope_kv_write`
+returns a fresh q_out, never an alias); `paged_attention` mutates nothing and returns a fresh tensor.
 """
 
 import os
@@ -24,6 +26,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from . import kv_write as _kv
 from . import paged_attention as _pa
+from . import rope_kv_write as _rkv
 
 
 def kernels_interpreted() -> bool:
@@ -51,6 +54,41 @@ def _(
     k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, *, layer: int = 0
 ) -> None:
     return None
+
+
+@torch.library.custom_op("fspec::rope_kv_write", mutates_args=("k_cache", "v_cache"))
+def rope_kv_write(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    *,
+    layer: int = 0,
+) -> Tensor:
+    """RoPE q [T, N, D] and k [T, Nkv, D] by cos/sin [T, D]; write k and v into `layer` of the caches at
+    slot_mapping [T] (-1 skipped); return the rotated q in the cache's dtype (kernels/rope_kv_write.py)."""
+    impl = _rkv.rope_kv_write if _use_triton(k_cache) else _rkv.rope_kv_write_ref
+    return impl(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, layer=layer)
+
+
+@rope_kv_write.register_fake
+def _(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    *,
+    layer: int = 0,
+) -> Tensor:
+    return q.new_empty(q.shape, dtype=k_cache.dtype)
 
 
 @torch.library.custom_op("fspec::paged_attention", mutates_args=())

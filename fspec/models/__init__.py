@@ -68,8 +68,8 @@ def head_hidden(
     cfg: DraftConfig,
 ) -> torch.Tensor:
     """[..., H]: the output hidden of one step of head `cfg.kind` over input_ids [...] and hidden [..., H] at
-    `positions` [...], with attention supplied as `attend(q, k, v, layer)` (distillation passes its own
-    training-time-test mask). Differentiable; no cache."""
+    `positions` [...], with attention supplied as `attend(q, k, v, layer, cos, sin)` (RoPE is the attend's;
+    distillation passes its own training-time-test mask). Differentiable; no cache."""
     return head_module(cfg.kind)._hidden(params, input_ids, hidden, positions, attend, cfg=cfg)
 
 

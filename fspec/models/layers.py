@@ -1,7 +1,9 @@
 """Building blocks shared by the target and the draft heads: RMSNorm, RoPE, attention projections, SwiGLU.
 
 Every function works on any leading shape (`[T, ...]` for the paged path, `[B, S, ...]` for the dense path):
-attention itself is passed in as `attend(q, k, v, layer) -> out`, so one decoder layer serves both.
+attention itself is passed in as `attend(q, k, v, layer, cos, sin) -> out`, so one decoder layer serves both.
+RoPE belongs to attention (`fspec.attention.Attend`): the layer hands over q and k un-rotated with the cos/sin
+of their positions, so the paged backend can rotate them inside its cache-write kernel.
 
 Numerics follow transformers' Llama (v5.24): RMSNorm in fp32 then cast back before the weight multiply;
 RoPE's cos/sin computed in fp32 from `positions * inv_freq` and cast to the activation dtype; rotate-half
@@ -62,14 +64,6 @@ def rope_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [..., heads, D] by cos/sin [..., D] (rotate-half convention)."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 def bias_layout(cfg: ModelConfig) -> tuple[bool, bool]:
     """(q/k/v carry a bias, o carries a bias), as transformers builds each model type.
 
@@ -84,11 +78,13 @@ def bias_layout(cfg: ModelConfig) -> tuple[bool, bool]:
 
 
 def project_qkv(
-    p: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, cfg: ModelConfig
+    p: dict, x: torch.Tensor, *, cfg: ModelConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [..., N, D], k/v [..., Nkv, D] from x [..., Hin]: bias, per-head q/k norm (Qwen3), then RoPE.
+    """q [..., N, D], k/v [..., Nkv, D] from x [..., Hin]: bias and per-head q/k norm (Qwen3); no RoPE (the
+    `attend` applies it).
 
-    A fused layer (`fuse_projections`) computes all three with one matmul over its "qkv" weight.
+    A fused layer (`fuse_projections`) computes all three with one matmul over its "qkv" weight; q, k and v
+    are then views of that one output, which the paged backend's kernel reads in place.
     """
     if "qkv" in p:
         q, k, v = F.linear(x, p["qkv"], p.get("qkv_bias")).split(qkv_sizes(cfg), dim=-1)
@@ -102,7 +98,7 @@ def project_qkv(
     if cfg.qk_norm:  # Qwen3: RMSNorm over each head's D, before RoPE
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    return q, k, v
 
 
 def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
@@ -238,8 +234,8 @@ def decoder_layer(
     attn_in [..., Hin] feeds q/k/v (Hin = H for a target layer, 2H for an EAGLE-3 layer); residual [..., H] is
     what the attention output is added to. Returns [..., H].
     """
-    q, k, v = project_qkv(p, attn_in, cos, sin, cfg=cfg)
-    out = rearrange(attend(q, k, v, layer), "... n d -> ... (n d)")
+    q, k, v = project_qkv(p, attn_in, cfg=cfg)
+    out = rearrange(attend(q, k, v, layer, cos, sin), "... n d -> ... (n d)")  # RoPE happens in attend
     h = residual + F.linear(out, p["o"], p.get("o_bias"))
     return h + mlp(p, rms_norm(h, p["post_norm"], cfg.rms_norm_eps))
 
