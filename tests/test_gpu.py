@@ -90,23 +90,58 @@ def test_whole_draft_loop_is_one_cuda_graph_equal_to_eager():
     torch._inductor.config.triton.cudagraph_or_error = False
 
 
+def _on_cuda(target, draft):
+    """The same models with every weight on the GPU; the head keeps sharing the target's embedding/lm_head."""
+    cuda = lambda p: torch.nn.Parameter(p.detach().cuda(), requires_grad=False)  # noqa: E731
+    t_params = fspec.tree.tree_map(cuda, target.params)
+    d_params = {}
+    for name, value in draft.params.items():
+        if name in ("embed", "lm_head") and name in draft.shared:
+            d_params[name] = t_params[name]
+        else:
+            d_params[name] = fspec.tree.tree_map(cuda, value)
+    return fspec.Target(cfg=target.cfg, params=t_params), fspec.Draft(
+        cfg=draft.cfg, params=d_params, shared=draft.shared
+    )
+
+
 def test_compiled_generate_on_gpu_equals_eager_greedy():
     """fspec.generate(compile=True) on CUDA produces the eager CPU run's greedy tokens."""
     target, draft = aligned_pair(k=4)
     want = fspec.generate(target, draft, [[1, 2, 3], [5, 6]], max_new_tokens=16, num_speculative_steps=4)
-    cuda = lambda p: torch.nn.Parameter(p.detach().cuda(), requires_grad=False)  # noqa: E731
-    t_params = fspec.tree.tree_map(cuda, target.params)
-    t2 = fspec.Target(cfg=target.cfg, params=t_params)
-    d_params = {}
-    for name, value in draft.params.items():  # keep sharing the target's embedding and lm_head
-        if name == "embed":
-            d_params[name] = t_params["embed"]
-        elif name == "lm_head":
-            d_params[name] = t_params["lm_head"]
-        else:
-            d_params[name] = fspec.tree.tree_map(cuda, value)
-    d2 = fspec.Draft(cfg=draft.cfg, params=d_params, shared=draft.shared)
+    t2, d2 = _on_cuda(target, draft)
     got = fspec.generate(
         t2, d2, [[1, 2, 3], [5, 6]], max_new_tokens=16, num_speculative_steps=4, compile=True
     )
     assert got.tokens == want.tokens
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_same_seeds_give_the_same_tokens_on_gpu_across_runs_and_batch_compositions(speculative):
+    """On the H200, as on the CPU (tests/test_reliability.py): a request's tokens depend on its prompt,
+    temperature and seed only: the same in a repeated run, in a reversed batch, alone, and among strangers
+    (another batch bucket), sampled and greedy requests mixed."""
+    import random
+
+    from test_reliability import DET_PROMPTS, DET_SEEDS, DET_TEMPS, _engine_models
+
+    target, draft, _ = _engine_models()
+    target, draft = _on_cuda(target, draft)
+    head = draft if speculative else None
+
+    def run(prompts, temps, seeds):
+        return fspec.generate(target, head, prompts, max_new_tokens=12, temperature=temps, seed=seeds).tokens
+
+    base = run(DET_PROMPTS, DET_TEMPS, DET_SEEDS)
+    assert run(DET_PROMPTS, DET_TEMPS, DET_SEEDS) == base
+    assert run(DET_PROMPTS[::-1], DET_TEMPS[::-1], DET_SEEDS[::-1]) == base[::-1]
+    for i in range(len(DET_PROMPTS)):
+        assert run([DET_PROMPTS[i]], [DET_TEMPS[i]], [DET_SEEDS[i]]) == [base[i]]
+    rng = random.Random(0)
+    strangers = [[rng.randrange(97) for _ in range(rng.randint(1, 30))] for _ in range(11)]
+    mixed = run(
+        strangers[:6] + DET_PROMPTS + strangers[6:],
+        [1.0] * 6 + DET_TEMPS + [0.5] * 5,
+        list(range(100, 106)) + DET_SEEDS + list(range(200, 205)),
+    )
+    assert mixed[6:11] == base
