@@ -69,6 +69,23 @@ def run_drafts(dparams: dict, state: DraftState, dcache: KVCache, *, cfg: DraftC
     return state.draft_tokens, state.draft_probs
 
 
+def later_drafts(
+    dparams: dict, state: DraftState, dcache: KVCache, *, cfg: DraftConfig, backend: str = "auto"
+):
+    """Draft steps 2..K from the state after the first step (one row per request): `run_drafts` minus its
+    first step. After prefill the first step is shaped by the prompts; these are not, so they compile once
+    per batch bucket (`compiled_later_drafts`) whatever the prompt lengths."""
+    for _ in range(cfg.num_speculative_steps - 1):
+        state, dcache = _step(dparams, state, dcache, cfg=cfg, backend=backend, max_context=None)
+    return state.draft_tokens, state.draft_probs
+
+
+@functools.cache
+def compiled_later_drafts(dcfg: DraftConfig):
+    """`later_drafts` as one CUDA graph per batch bucket."""
+    return jit(functools.partial(later_drafts, cfg=dcfg))
+
+
 def spec_round(
     tparams: dict,
     dparams: dict,

@@ -16,8 +16,16 @@ import torch
 
 from fspec.cache import BlockAllocator, KVCache, mark_static
 from fspec.config import bucket_for
+from fspec.draft import _step
 from fspec.prefill import prefill_batch
-from fspec.rounds import compiled_decode_step, compiled_spec_round, decode_step, run_drafts, spec_round
+from fspec.rounds import (
+    compiled_decode_step,
+    compiled_later_drafts,
+    compiled_spec_round,
+    decode_step,
+    run_drafts,
+    spec_round,
+)
 
 # Blocks allocated ahead of need, so the block table (a host-to-device copy) changes every few rounds, not
 # every round a request crosses a block boundary.
@@ -172,7 +180,14 @@ class Run:
             block_size=self.bs,
         )
         drafts = None
-        if state is not None:
+        if state is not None and self.compile and self.k > 1:
+            # The first step is shaped by the prompts (eager); steps 2..K are not: one graph per bucket.
+            state, _ = _step(
+                self.draft.params, state, self.dcache, cfg=self.draft.cfg, backend="auto", max_context=None
+            )
+            d_tok, d_prob = compiled_later_drafts(self.draft.cfg)(self.draft.params, state, self.dcache)
+            drafts = (d_tok.clone(), d_prob.clone())  # graph outputs: the next replay would overwrite them
+        elif state is not None:
             drafts = run_drafts(self.draft.params, state, self.dcache, cfg=self.draft.cfg)
         first_list = first.tolist()
         for b in range(self.n_real):
