@@ -4,6 +4,8 @@ For K ∈ {1, 3, 5, 7}, greedy and temperature 1: the measured τ (mean tokens p
 per-position acceptance rates, and two predictions — the i.i.d. formula (1 − α^{K+1}) / (1 − α) with α
 the K = 1 acceptance rate, and 1 + Σ_k Π_{i≤k} α_i with the conditional rates measured at K = 7 — beside
 an untrained head of the same shape. Runs on any device (CPU is fine: the model is 4M parameters).
+Prompts: a window from the middle of each of --prompts held-out files spread evenly over the sorted
+held-out list (`fspec.data.spread_starts`), so no single file dominates.
 
     python benchmarks/bench_acceptance.py [--prompts 8] [--new-tokens 128] [--out PATH]
 """
@@ -23,16 +25,18 @@ import fspec
 from fspec import data
 
 
-def prompts_from_held_out(tokenizer, n: int, length: int) -> list[list[int]]:
-    _, held = data.split_files(data.stdlib_files())
-    out = []
-    for text in data.read_texts(held):
-        ids = tokenizer.encode(text).ids
-        if len(ids) >= length:
-            out.append(ids[:length])
-        if len(out) == n:
-            break
-    return out
+def prompts_from_held_out(tokenizer, n: int, length: int) -> tuple[list[list[int]], list[str]]:
+    """n prompts of `length` tokens from held-out files spread evenly over the sorted held-out list, from
+    the middle of each file (`data.spread_starts`), and the paths of those files."""
+    root = data.stdlib_root()
+    _, held = data.split_files(data.stdlib_files(), root)
+    held = [f for f in held if next(data.read_texts([f]), None) is not None]  # as encode_files reads them
+    ids = data.encode_files(tokenizer, held)
+    eos = tokenizer.token_to_id(data.SPECIAL_TOKENS[0])
+    starts = data.spread_starts(ids, count=n, length=length, eos=eos)
+    ends = (ids == eos).nonzero().flatten()
+    names = [held[int((ends < s).sum())].relative_to(root).as_posix() for s in starts]
+    return [ids[s : s + length].tolist() for s in starts], names
 
 
 def main(argv=None) -> int:
@@ -56,7 +60,8 @@ def main(argv=None) -> int:
         target_layer_ids=trained.cfg.target_layer_ids,
         intermediate_size=trained.cfg.model.intermediate_size,
     )
-    prompts = prompts_from_held_out(target.tokenizer, args.prompts, args.prompt_len)
+    prompts, files = prompts_from_held_out(target.tokenizer, args.prompts, args.prompt_len)
+    print(f"prompts from: {', '.join(files)}", flush=True)
     rows = []
     for head_name, head in (("trained", trained), ("untrained", untrained)):
         for temp in (0.0, 1.0):
@@ -108,8 +113,13 @@ def main(argv=None) -> int:
         "command": "python benchmarks/bench_acceptance.py "
         + " ".join(sys.argv[1:] if argv is None else argv),
         "copy_bandwidth_TBps": None,
-        "model": "embedded default (fspec/assets/default): 4-layer Llama, EAGLE-3 head, draft vocab 2048",
+        "model": "embedded default (fspec/assets/default): 4-layer Llama, EAGLE-3 head, draft vocab "
+        f"{trained.cfg.draft_vocab_size}",
         "prompts": len(prompts),
+        "prompt_files": files,
+        "prompt_selection": f"a {args.prompt_len}-token window from the middle of each of {len(prompts)} "
+        "held-out files spread evenly over the sorted held-out list (fspec.data.spread_starts); generated "
+        "_sysconfigdata* files are not in the corpus",
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "rows": rows,
