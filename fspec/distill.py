@@ -509,6 +509,10 @@ def _train(args) -> int:
     if rank == 0 and history:
         print(json.dumps({"out": args.out, "steps": history[-1]["step"], "last": history[-1]}))
     if dist.is_initialized():
+        # Every rank waits for the others (rank 0 writes the checkpoint after the last all-reduce): a rank
+        # tearing gloo down while another is still at work aborted the process now and then under load
+        # ("terminate called without an active exception").
+        dist.barrier()
         dist.destroy_process_group()
     return 0
 

@@ -170,3 +170,35 @@ def test_metadata_builders_keep_dtypes_and_shapes():
     nxt = fspec.advance(meta, block_size=4, max_model_len=16)
     for a, b in zip(fspec.tree.tree_leaves(meta), fspec.tree.tree_leaves(nxt)):
         assert a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+
+
+def test_metadata_fields_are_materialised_once_through_an_opaque_op():
+    """The derived fields of decode/first-step/advance metadata go through `fspec::realize` once each, so a
+    compiled step computes them once however many layers read them (Inductor recomputed them in front of each
+    layer's attention op otherwise), and the op keeps values, vmap and the eager path intact."""
+    from fspec.metadata import _decode_metadata
+
+    calls = []
+
+    def count_realize(gm, example_inputs):
+        calls.append(sum(n.target is torch.ops.fspec.realize.default for n in gm.graph.nodes))
+        return gm.forward
+
+    def step(pos, table):
+        meta = _decode_metadata(pos, table, block_size=4)
+        # sixteen "layers" read the fields
+        return sum((meta.seq_lens + meta.positions + meta.slot_mapping).sum() for _ in range(16))
+
+    pos = torch.tensor([5, -1, 9])
+    table = torch.arange(12, dtype=torch.int32).view(3, 4)
+    torch._dynamo.reset()
+    got = torch.compile(step, backend=count_realize, fullgraph=True)(pos, table)
+    assert calls == [4]  # positions, query_start_loc, seq_lens, slot mapping: once each
+    assert got == step(pos, table)
+    metas = [fspec.decode_metadata(p, table, block_size=4) for p in (pos, pos + 1)]
+    stacked = fspec.tree.tree_map(lambda *xs: torch.stack(xs), *metas)
+    advanced = torch.func.vmap(lambda m: fspec.advance(m, block_size=4, max_model_len=16))(stacked)
+    for i, meta in enumerate(metas):
+        want = fspec.advance(meta, block_size=4, max_model_len=16)
+        assert torch.equal(advanced.positions[i], want.positions)
+        assert torch.equal(advanced.slot_mapping[i], want.slot_mapping)
