@@ -121,27 +121,8 @@ def test_same_seeds_give_the_same_tokens_on_gpu_across_runs_and_batch_compositio
     """On the H200, as on the CPU (tests/test_reliability.py): a request's tokens depend on its prompt,
     temperature and seed only: the same in a repeated run, in a reversed batch, alone, and among strangers
     (another batch bucket), sampled and greedy requests mixed."""
-    import random
-
-    from test_reliability import DET_PROMPTS, DET_SEEDS, DET_TEMPS, _engine_models
+    from test_reliability import _engine_models, assert_tokens_depend_on_the_request_only
 
     target, draft, _ = _engine_models()
     target, draft = _on_cuda(target, draft)
-    head = draft if speculative else None
-
-    def run(prompts, temps, seeds):
-        return fspec.generate(target, head, prompts, max_new_tokens=12, temperature=temps, seed=seeds).tokens
-
-    base = run(DET_PROMPTS, DET_TEMPS, DET_SEEDS)
-    assert run(DET_PROMPTS, DET_TEMPS, DET_SEEDS) == base
-    assert run(DET_PROMPTS[::-1], DET_TEMPS[::-1], DET_SEEDS[::-1]) == base[::-1]
-    for i in range(len(DET_PROMPTS)):
-        assert run([DET_PROMPTS[i]], [DET_TEMPS[i]], [DET_SEEDS[i]]) == [base[i]]
-    rng = random.Random(0)
-    strangers = [[rng.randrange(97) for _ in range(rng.randint(1, 30))] for _ in range(11)]
-    mixed = run(
-        strangers[:6] + DET_PROMPTS + strangers[6:],
-        [1.0] * 6 + DET_TEMPS + [0.5] * 5,
-        list(range(100, 106)) + DET_SEEDS + list(range(200, 205)),
-    )
-    assert mixed[6:11] == base
+    assert_tokens_depend_on_the_request_only(target, draft if speculative else None)

@@ -777,12 +777,10 @@ DET_TEMPS = [0.9, 0.0, 1.3, 0.6, 0.0]
 DET_SEEDS = [11, 12, 13, 2**40 + 5, -7]
 
 
-@pytest.mark.parametrize("speculative", [True, False])
-def test_same_seeds_give_the_same_tokens_across_runs_and_batch_compositions(speculative):
-    """A request's tokens are a function of (prompt, temperature, seed) only: the same in a repeated run,
-    alone (bucket 1), in a reversed batch, and among eleven strangers (bucket 16), sampled and greedy."""
-    target, draft, _ = _engine_models()
-    head = draft if speculative else None
+def assert_tokens_depend_on_the_request_only(target, head) -> list[list[int]]:
+    """Generate DET_PROMPTS (sampled and greedy mixed) and check every request gets the same tokens in a
+    repeated run, in a reversed batch, alone (bucket 1) and among eleven strangers (bucket 16); returns them.
+    Shared by the CPU test below and its H200 twin in tests/test_gpu.py."""
 
     def run(prompts, temps, seeds):
         return fspec.generate(target, head, prompts, max_new_tokens=12, temperature=temps, seed=seeds).tokens
@@ -798,8 +796,21 @@ def test_same_seeds_give_the_same_tokens_across_runs_and_batch_compositions(spec
     mixed_t = [1.0] * 6 + DET_TEMPS + [0.5] * 5
     mixed_s = list(range(100, 106)) + DET_SEEDS + list(range(200, 205))
     assert run(mixed_p, mixed_t, mixed_s)[6:11] == base
+    return base
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_same_seeds_give_the_same_tokens_across_runs_and_batch_compositions(speculative):
+    """A request's tokens are a function of (prompt, temperature, seed) only: the same in a repeated run,
+    alone (bucket 1), in a reversed batch, and among eleven strangers (bucket 16), sampled and greedy."""
+    target, draft, _ = _engine_models()
+    head = draft if speculative else None
+    base = assert_tokens_depend_on_the_request_only(target, head)
     # a different seed changes the sampled requests (the seeds matter), never the greedy ones
-    other = run(DET_PROMPTS, DET_TEMPS, [s + 1 for s in DET_SEEDS])
+    seeds = [s + 1 for s in DET_SEEDS]
+    other = fspec.generate(
+        target, head, DET_PROMPTS, max_new_tokens=12, temperature=DET_TEMPS, seed=seeds
+    ).tokens
     assert other[1] == base[1] and other[4] == base[4]
     assert other[0] != base[0] or other[2] != base[2] or other[3] != base[3]
 
