@@ -33,6 +33,19 @@ _LOOKAHEAD = 4
 _CACHES: dict[tuple, KVCache] = {}
 
 
+def cache_blocks(need: int) -> int:
+    """The KV-cache size (blocks) for a call that needs `need`: rounded up to 16 blocks, then to one of four
+    sizes per power of two (2^k times 1, 1.25, 1.5 or 1.75), at most 25% more than needed.
+
+    Compiled graphs take the caches as static inputs of fixed shape, so every distinct size compiles the
+    round graphs anew (~20 s on an H200 at 1B shapes). Sizing by the exact need made each new
+    max_new_tokens or prompt length a recompile; buckets make nearby calls share graphs."""
+    if need <= 16:
+        return 16
+    top = 1 << (need - 1).bit_length()  # the power of two >= need
+    return next(q for q in (top // 2 + top // 8 * i for i in range(1, 5)) if q >= need)
+
+
 def _cache(cfg, num_blocks: int, block_size: int, dtype, device, compiled: bool) -> KVCache:
     """A KV cache of this shape, reused across calls when compiled: CUDA graphs record the addresses of their
     static inputs, and fresh buffers on every `generate` call would make every call record its graphs anew.
@@ -90,12 +103,13 @@ class Run:
         self.table_dirty = True
         self.free_at: dict[int, list[int]] = {}  # round index -> blocks to free once that round is processed
         self.processing = -1
-        self.alloc = BlockAllocator(need)
-        self.tcache = _cache(target.cfg, need, self.bs, target.params["embed"].dtype, self.device, compile)
+        self.alloc = BlockAllocator(need)  # hands out what the requests can use; the cache may hold more
+        blocks = cache_blocks(need) if compile else need
+        self.tcache = _cache(target.cfg, blocks, self.bs, target.params["embed"].dtype, self.device, compile)
         self.dcache = None
         if draft is not None:
             dtype = draft.params["embed"].dtype
-            self.dcache = _cache(draft.cfg.model, need, self.bs, dtype, self.device, compile)
+            self.dcache = _cache(draft.cfg.model, blocks, self.bs, dtype, self.device, compile)
             if all(t == 0 for t in temps) and not draft.cfg.greedy_drafts:
                 # A greedy batch verifies by argmax: q is one-hot, so skip building [B, K, V] probabilities.
                 cfg = dataclasses.replace(draft.cfg, greedy_drafts=True)

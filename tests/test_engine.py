@@ -9,6 +9,7 @@ import pytest
 from scipy.stats import chi2_contingency
 
 import fspec
+from fspec.engine import Stats
 from fspec.runner import Run
 
 from draft_setup import tiny_draft, tiny_target
@@ -220,3 +221,23 @@ def test_pipelined_and_synchronous_round_loops_agree_and_free_every_block(pipeli
     total = run.alloc.num_free
     assert run.go() == want.tokens
     assert run.alloc.num_free == total
+
+
+def test_compiled_caches_come_in_few_sizes_so_nearby_calls_share_graphs():
+    """cache_blocks: never below the need, at most 25% above it (16-block floor), monotone, four sizes per
+    power of two; two compiled runs whose needs differ a little get caches of one shape (one graph set)."""
+    from fspec.runner import cache_blocks
+
+    sizes = [cache_blocks(n) for n in range(1, 5000)]
+    assert all(s >= n and (n <= 16 or s <= 1.25 * n) for n, s in enumerate(sizes, 1))
+    assert sizes == sorted(sizes) and len(set(sizes)) <= 4 * 9 + 1
+    target, draft = aligned_pair(k=3)
+
+    def run(max_new: int) -> Run:
+        return Run(target, draft, PROMPTS, [0.0] * 5, [0] * 5, max_new_tokens=max_new, compile=True,
+                   stats=Stats(3), progress=False)  # fmt: skip
+
+    runs = [run(m) for m in range(4, 12)]
+    needs = {r.alloc.num_blocks for r in runs}  # 49, 51, ..., 57: five different needs ...
+    shapes = {tuple(r.tcache.k.shape) for r in runs}
+    assert len(needs) == 5 and len(shapes) == len({cache_blocks(n) for n in needs}) == 2  # ... two caches
