@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 from scipy.stats import chi2_contingency
 
 import fspec
@@ -241,3 +242,22 @@ def test_compiled_caches_come_in_few_sizes_so_nearby_calls_share_graphs():
     needs = {r.alloc.num_blocks for r in runs}  # 49, 51, ..., 57: five different needs ...
     shapes = {tuple(r.tcache.k.shape) for r in runs}
     assert len(needs) == 5 and len(shapes) == len({cache_blocks(n) for n in needs}) == 2  # ... two caches
+
+
+def test_compiled_generate_reuses_its_graphs_across_calls_of_one_bucket():
+    """Two compiled calls, same batch bucket, different prompts and max_new_tokens (needs of 49 and 51 blocks:
+    one cache bucket): the second compiles nothing (the round graph, and draft steps 2..K of the first
+    proposal), and both equal eager greedy decoding."""
+    from torch._dynamo.utils import counters
+
+    target, draft = aligned_pair(k=3)
+    other = [p[::-1] for p in PROMPTS]
+    torch._dynamo.reset()
+    counters.clear()
+    first = fspec.generate(target, draft, PROMPTS, max_new_tokens=4, num_speculative_steps=3, compile=True)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 2  # the round and the later draft steps
+    second = fspec.generate(target, draft, other, max_new_tokens=6, num_speculative_steps=3, compile=True)
+    assert counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
+    assert first.tokens == fspec.generate(target, None, PROMPTS, max_new_tokens=4).tokens
+    assert second.tokens == fspec.generate(target, None, other, max_new_tokens=6).tokens
