@@ -236,6 +236,7 @@ def load_target(
     Raises FileNotFoundError for a missing directory, config or weights; ValueError for an unsupported
     architecture or a missing, unexpected or mis-shaped key (named, with the expected and actual shapes).
     """
+    _check_fuse(fuse)
     path = _directory(path)
     cfg = ModelConfig.from_hf(_read_config(path))
     tensors = _read_tensors(path)
@@ -437,6 +438,7 @@ def load_draft(
     float weights are cast to `dtype` (default: the target's); `fuse` as in `load_target`. Errors as in
     `load_target`.
     """
+    _check_fuse(fuse)
     path = _directory(path)
     config = _read_config(path)
     tensors = _read_tensors(path, allow_bin=True)
@@ -496,6 +498,11 @@ def load_draft(
     if fuse:
         L.fuse_projections_(params)
     return Draft(cfg=cfg, params=params, shared=shared)
+
+
+def _check_fuse(fuse) -> None:
+    if not isinstance(fuse, bool):
+        raise ValueError(f"fuse: expected True or False, got {fuse!r}")
 
 
 def _device(target: Target) -> torch.device:

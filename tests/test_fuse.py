@@ -105,3 +105,7 @@ def test_in_place_fusion_equals_fuse_projections_and_releases_the_separate_weigh
     assert fuse_projections_(params) == 0  # already fused: nothing to do
     with pytest.raises(ValueError, match="^params: expected a model's or head's params dict"):
         fuse_projections_(target)
+    with pytest.raises(ValueError, match="^fuse: expected True or False, got 'yes'"):
+        fspec.load_target("/nonexistent", fuse="yes")  # checked before the path
+    with pytest.raises(ValueError, match="^fuse: expected True or False, got 1"):
+        fspec.load_draft("/nonexistent", target=target, fuse=1)
