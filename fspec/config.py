@@ -359,6 +359,18 @@ class DraftConfig:
         return -(-self.max_model_len // self.block_size)
 
 
+def size_bucket(n: int) -> int:
+    """A compiled shape for a size n (KV-cache blocks, prompt tokens): 16 up to 16, then one of four sizes per
+    power of two (2^k times 1, 1.25, 1.5 or 1.75), never below n and at most 25% above it.
+
+    Compiled graphs fix these shapes, so every distinct size compiles anew (~20 s on an H200 at 1B shapes);
+    buckets make nearby sizes (max_new_tokens, prompt lengths) share graphs."""
+    if n <= 16:
+        return 16
+    top = 1 << (n - 1).bit_length()  # the power of two >= n
+    return next(q for q in (top // 2 + top // 8 * i for i in range(1, 5)) if q >= n)
+
+
 def bucket_for(batch_size: int) -> int:
     """The smallest batch bucket holding `batch_size` requests (padding rows fill the rest)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:

@@ -19,11 +19,7 @@ import torch
 from fspec.cache import KVCache
 from fspec.checkpoint import Draft, Target
 from fspec.config import DraftConfig
-from fspec.draft import last_live_rows
-from fspec.kernels.salts import SALT_BONUS
-from fspec.metadata import first_step_metadata
-from fspec.models import llama, project_target_hidden
-from fspec.rounds import first_draft_state
+from fspec.rounds import prefill_forward
 from fspec.state import DraftState, validate_draft_state
 
 
@@ -72,24 +68,21 @@ def prefill_batch(
     lens[b] columns; rows with live[b] False are padding). Returns (first tokens [B], last-position logits
     [B, V] float32, the head's first state or None)."""
     device = ids.device
-    b, q = ids.shape
-    starts = torch.tensor([0 if alive else -1 for alive in live], device=device)
-    counts = torch.tensor(list(lens), device=device)
-    meta = first_step_metadata(starts, counts, table, num_query=q, block_size=block_size)
-    aux = draft.cfg.target_layer_ids if draft is not None and draft.cfg.kind == "eagle3" else ()
-    logits, hidden, _ = llama.forward(
-        target.params, ids.view(-1), meta, tcache, cfg=target.cfg, aux_layer_ids=aux, max_query_len=q
+    dcfg = draft.cfg if draft is not None else None
+    return prefill_forward(
+        target.params,
+        draft.params if draft is not None else None,
+        ids,
+        torch.tensor(list(lens), dtype=torch.int64, device=device),
+        torch.tensor(list(live), dtype=torch.bool, device=device),
+        table,
+        temperature,
+        seed,
+        tcache,
+        tcfg=target.cfg,
+        dcfg=dcfg,
+        block_size=block_size,
     )
-    last = logits.index_select(0, last_live_rows(meta)).float()  # [B, V]
-    first = torch.ops.fspec.gumbel_sample(last, temperature, seed, counts.long(), SALT_BONUS)
-    if draft is None:
-        return first, last, None
-    # The head's rows are positions 0..n-1, pairing hidden i with token i + 1 (last: the new token).
-    shifted = torch.cat([ids[:, 1:], torch.zeros(b, 1, dtype=torch.int64, device=device)], 1)
-    shifted[torch.arange(b, device=device), (counts - 1).clamp(min=0)] = first
-    h = project_target_hidden(draft.params, hidden, cfg=draft.cfg)
-    state = first_draft_state(shifted.view(-1), h, meta, temperature, seed, cfg=draft.cfg)
-    return first, last, state
 
 
 def prefill(

@@ -19,7 +19,7 @@ import torch
 from fspec.cache import KVCache
 from fspec.compile import jit
 from fspec.config import DraftConfig, ModelConfig
-from fspec.draft import _step
+from fspec.draft import _step, last_live_rows
 from fspec.kernels.salts import SALT_BONUS
 from fspec.metadata import _decode_metadata, _first_step_metadata
 from fspec.models import llama, project_target_hidden
@@ -84,6 +84,81 @@ def later_drafts(
 def compiled_later_drafts(dcfg: DraftConfig):
     """`later_drafts` as one CUDA graph per batch bucket."""
     return jit(functools.partial(later_drafts, cfg=dcfg))
+
+
+def prefill_forward(
+    tparams: dict,
+    dparams: dict | None,
+    ids: torch.Tensor,
+    counts: torch.Tensor,
+    live: torch.Tensor,
+    table: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    tcache: KVCache,
+    *,
+    tcfg: ModelConfig,
+    dcfg: DraftConfig | None,
+    block_size: int,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, DraftState | None]:
+    """The target's prefill of B padded prompts, unvalidated: ids [B, Q] (request b's prompt in its first
+    counts[b] columns), live [B] bool (False: a padding request). Returns (the first new tokens [B], the
+    last prompt position's logits [B, V] float32, the head's first state, or None when dcfg is None).
+    The target cache is donated."""
+    b, q = ids.shape
+    starts = torch.where(live, torch.zeros_like(counts), torch.full_like(counts, -1))
+    meta = _first_step_metadata(starts, counts, table, num_query=q, block_size=block_size)
+    aux = dcfg.target_layer_ids if dcfg is not None and dcfg.kind == "eagle3" else ()
+    logits, hidden, _ = llama.forward(
+        tparams, ids.reshape(-1), meta, tcache, cfg=tcfg, backend=backend, aux_layer_ids=aux, max_query_len=q
+    )
+    last = logits.index_select(0, last_live_rows(meta)).float()  # [B, V]
+    first = torch.ops.fspec.gumbel_sample(last, temperature, seed, counts, SALT_BONUS)
+    if dcfg is None:
+        return first, last, None
+    # The head's rows are positions 0..n-1, pairing hidden i with token i + 1 (last: the new token).
+    rows = torch.arange(q, device=ids.device)
+    shifted = torch.cat([ids[:, 1:], ids.new_zeros(b, 1)], 1)
+    shifted = torch.where(rows == (counts - 1).clamp(min=0)[:, None], first[:, None], shifted)
+    h = project_target_hidden(dparams, hidden, cfg=dcfg)
+    return first, last, first_draft_state(shifted.reshape(-1), h, meta, temperature, seed, cfg=dcfg)
+
+
+def prefill_round(
+    tparams: dict,
+    dparams: dict | None,
+    ids: torch.Tensor,
+    counts: torch.Tensor,
+    live: torch.Tensor,
+    table: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    tcache: KVCache,
+    dcache: KVCache | None,
+    *,
+    tcfg: ModelConfig,
+    dcfg: DraftConfig | None,
+    block_size: int,
+    backend: str = "auto",
+):
+    """`prefill_forward` and, with a head, its first K drafts: (first tokens [B], draft_tokens [B, K],
+    draft_probs [B, K, Vd]); without one, (first tokens [B],). What `generate` runs before its first round,
+    one CUDA graph per batch and prompt-length bucket when compiled (`compiled_prefill_round`)."""
+    first, _, state = prefill_forward(
+        tparams, dparams, ids, counts, live, table, temperature, seed, tcache,
+        tcfg=tcfg, dcfg=dcfg, block_size=block_size, backend=backend,
+    )  # fmt: skip
+    if state is None:
+        return (first,)
+    return (first, *run_drafts(dparams, state, dcache, cfg=dcfg, backend=backend))
+
+
+@functools.cache
+def compiled_prefill_round(tcfg: ModelConfig, dcfg: DraftConfig | None, block_size: int):
+    """`prefill_round` as one CUDA graph per batch bucket and prompt-length bucket
+    (`fspec.config.size_bucket`)."""
+    return jit(functools.partial(prefill_round, tcfg=tcfg, dcfg=dcfg, block_size=block_size))
 
 
 def spec_round(

@@ -15,12 +15,13 @@ import os
 import torch
 
 from fspec.cache import BlockAllocator, KVCache, mark_static
-from fspec.config import bucket_for
+from fspec.config import bucket_for, size_bucket
 from fspec.draft import _step
 from fspec.prefill import prefill_batch
 from fspec.rounds import (
     compiled_decode_step,
     compiled_later_drafts,
+    compiled_prefill_round,
     compiled_spec_round,
     decode_step,
     run_drafts,
@@ -31,19 +32,6 @@ from fspec.rounds import (
 # every round a request crosses a block boundary.
 _LOOKAHEAD = 4
 _CACHES: dict[tuple, KVCache] = {}
-
-
-def cache_blocks(need: int) -> int:
-    """The KV-cache size (blocks) for a call that needs `need`: rounded up to 16 blocks, then to one of four
-    sizes per power of two (2^k times 1, 1.25, 1.5 or 1.75), at most 25% more than needed.
-
-    Compiled graphs take the caches as static inputs of fixed shape, so every distinct size compiles the
-    round graphs anew (~20 s on an H200 at 1B shapes). Sizing by the exact need made each new
-    max_new_tokens or prompt length a recompile; buckets make nearby calls share graphs."""
-    if need <= 16:
-        return 16
-    top = 1 << (need - 1).bit_length()  # the power of two >= need
-    return next(q for q in (top // 2 + top // 8 * i for i in range(1, 5)) if q >= need)
 
 
 def _cache(cfg, num_blocks: int, block_size: int, dtype, device, compiled: bool) -> KVCache:
@@ -59,6 +47,16 @@ def _cache(cfg, num_blocks: int, block_size: int, dtype, device, compiled: bool)
         cache = KVCache.create(cfg, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device)
         _CACHES[key] = mark_static(cache)
     return _CACHES[key]
+
+
+def compile_prefill(device: torch.device) -> bool:
+    """Whether a compiled `generate` runs its prefill as a graph too (`compiled_prefill_round`).
+
+    On CUDA by default: the eager prefill and first proposal cost ~39 ms per call at 1B shapes on the H200,
+    launch overhead that one graph replay removes. Not on CPU, where there is no launch overhead to save and
+    each prompt-length bucket would cost a compile. FSPEC_COMPILE_PREFILL=1 / 0 forces it on / off."""
+    flag = os.environ.get("FSPEC_COMPILE_PREFILL")
+    return flag == "1" if flag in ("0", "1") else device.type == "cuda"
 
 
 class Run:
@@ -104,7 +102,7 @@ class Run:
         self.free_at: dict[int, list[int]] = {}  # round index -> blocks to free once that round is processed
         self.processing = -1
         self.alloc = BlockAllocator(need)  # hands out what the requests can use; the cache may hold more
-        blocks = cache_blocks(need) if compile else need
+        blocks = size_bucket(need) if compile else need  # nearby sizes share graphs
         self.tcache = _cache(target.cfg, blocks, self.bs, target.params["embed"].dtype, self.device, compile)
         self.dcache = None
         if draft is not None:
@@ -177,32 +175,52 @@ class Run:
         q = max(lens)
         for b in range(self.n_real):
             self._ensure(b, lens[b] + 2 * self.k + 1)
-        ids = torch.zeros(self.b, q, dtype=torch.int64)
+        whole = self.compile and compile_prefill(self.device)
+        ids = torch.zeros(self.b, size_bucket(q) if whole else q, dtype=torch.int64)
         for b, p in enumerate(self.prompts):
             ids[b, : len(p)] = torch.tensor(p)
-        self.stats.target_forwards += 1  # eager: the prefill's shape is the prompts'
-        first, _, state = prefill_batch(
-            self.target,
-            self.draft,
-            ids.to(self.device),
-            lens,
-            [not d for d in self.done],
-            self._table(),
-            self.temp,
-            self.seed,
-            self.tcache,
-            block_size=self.bs,
-        )
+        self.stats.target_forwards += 1
+        live = [not d for d in self.done]
         drafts = None
-        if state is not None and self.compile and self.k > 1:
-            # The first step is shaped by the prompts (eager); steps 2..K are not: one graph per bucket.
-            state, _ = _step(
-                self.draft.params, state, self.dcache, cfg=self.draft.cfg, backend="auto", max_context=None
+        if whole:  # one graph per batch and prompt-length bucket: prefill, first token, K drafts
+            torch.compiler.cudagraph_mark_step_begin()
+            dcfg = self.draft.cfg if self.draft is not None else None
+            out = compiled_prefill_round(self.target.cfg, dcfg, self.bs)(
+                self.target.params,
+                self.draft.params if self.draft is not None else None,
+                ids.to(self.device),
+                torch.tensor(lens, dtype=torch.int64, device=self.device),
+                torch.tensor(live, device=self.device),
+                self._table(),
+                self.temp,
+                self.seed,
+                self.tcache,
+                self.dcache,
             )
-            d_tok, d_prob = compiled_later_drafts(self.draft.cfg)(self.draft.params, state, self.dcache)
-            drafts = (d_tok.clone(), d_prob.clone())  # graph outputs: the next replay would overwrite them
-        elif state is not None:
-            drafts = run_drafts(self.draft.params, state, self.dcache, cfg=self.draft.cfg)
+            first = out[0]
+            if self.draft is not None:
+                drafts = (out[1].clone(), out[2].clone())  # graph outputs: the next replay overwrites them
+        else:
+            first, _, state = prefill_batch(
+                self.target,
+                self.draft,
+                ids.to(self.device),
+                lens,
+                live,
+                self._table(),
+                self.temp,
+                self.seed,
+                self.tcache,
+                block_size=self.bs,
+            )
+            if state is not None and self.compile and self.k > 1:
+                # The first step is shaped by the prompts (eager); steps 2..K are not: one graph per bucket.
+                dp, dcfg = self.draft.params, self.draft.cfg
+                state, _ = _step(dp, state, self.dcache, cfg=dcfg, backend="auto", max_context=None)
+                d_tok, d_prob = compiled_later_drafts(dcfg)(dp, state, self.dcache)
+                drafts = (d_tok.clone(), d_prob.clone())  # graph outputs: the next replay overwrites them
+            elif state is not None:
+                drafts = run_drafts(self.draft.params, state, self.dcache, cfg=self.draft.cfg)
         first_list = first.tolist()
         for b in range(self.n_real):
             self._emit(b, [first_list[b]], first=True)  # at position n, the prompt length

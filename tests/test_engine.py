@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import torch
 from scipy.stats import chi2_contingency
 
 import fspec
+from fspec.config import size_bucket
 from fspec.engine import Stats
 from fspec.runner import Run
 
@@ -197,6 +199,69 @@ def test_compiled_generate_is_exact_when_greedy_and_lossless_when_sampled():
         assert p > 1e-3, f"position {pos}: compiled speculative marginals differ (p = {p:.2e})"
 
 
+def test_compiled_prefill_round_equals_eager_at_the_exact_prompt_width():
+    """`prefill_round` (prefill, first token, K sampled drafts) compiled, with the prompts padded to their
+    length bucket (22 -> 24 columns) and a padding request, equals the eager round at the prompts' own width:
+    the same first tokens and drafts, the same draft probabilities, the same caches for the real requests."""
+    from fspec.cache import KVCache, mark_static
+    from fspec.rounds import compiled_prefill_round, prefill_round
+
+    target, draft = aligned_pair(k=3)
+    prompts = PROMPTS[:4] + [PROMPTS[4]]
+    b, bs = 8, draft.cfg.block_size
+    lens = [len(p) for p in prompts] + [0] * (b - len(prompts))
+    live = torch.tensor([n > 0 for n in lens])
+    table = torch.full((b, 8), -1, dtype=torch.int32)
+    for r in range(len(prompts)):
+        table[r, :4] = torch.arange(4 * r, 4 * r + 4)
+    temp = torch.tensor([0.0, 1.0, 0.7, 1.3, 1.0, 0.0, 0.0, 0.0])
+    seed = torch.arange(b) + 11
+
+    def run(width, fn):
+        ids = torch.zeros(b, width, dtype=torch.int64)
+        for r, p in enumerate(prompts):
+            ids[r, : len(p)] = torch.tensor(p)
+        tc = KVCache.create(target.cfg, num_blocks=32, block_size=bs, dtype=torch.float32)
+        dc = KVCache.create(draft.cfg.model, num_blocks=32, block_size=bs, dtype=torch.float32)
+        tc, dc = mark_static(tc), mark_static(dc)
+        out = fn(target.params, draft.params, ids, torch.tensor(lens), live, table, temp, seed, tc, dc)
+        return [t.clone() for t in out], tc
+
+    eager, tc_e = run(max(lens), functools.partial(
+        prefill_round, tcfg=target.cfg, dcfg=draft.cfg, block_size=bs))  # fmt: skip
+    compiled, tc_c = run(24, compiled_prefill_round(target.cfg, draft.cfg, bs))
+    assert torch.equal(compiled[0][:5], eager[0][:5]) and torch.equal(compiled[1][:5], eager[1][:5])
+    torch.testing.assert_close(compiled[2][:5], eager[2][:5], atol=1e-5, rtol=1e-4)
+    used = table[:5, :4].flatten().long()
+    torch.testing.assert_close(tc_c.k[:, used], tc_e.k[:, used], atol=1e-5, rtol=1e-4)
+
+
+def test_compiled_generate_with_the_prefill_graph(monkeypatch):
+    """FSPEC_COMPILE_PREFILL=1 (the default on CUDA): prefill and first proposal as one graph. Greedy output
+    equals target-only greedy, and prompts of another length in the same length bucket (22 and 23 tokens:
+    24) compile nothing new; sampled output equals the eager engine's."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("FSPEC_COMPILE_PREFILL", "1")
+    target, draft = aligned_pair(k=3)
+    torch._dynamo.reset()
+    counters.clear()
+    run = functools.partial(fspec.generate, target, draft, num_speculative_steps=3, compile=True)
+    first = run(PROMPTS, max_new_tokens=6)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 2, dict(counters["stats"])  # the prefill round and the speculative round
+    other = [p[::-1] for p in PROMPTS[:4]] + [list(range(60, 83))]
+    second = run(other, max_new_tokens=5)
+    assert counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
+    assert first.tokens == fspec.generate(target, None, PROMPTS, max_new_tokens=6).tokens
+    assert second.tokens == fspec.generate(target, None, other, max_new_tokens=5).tokens
+    sampled = run(other, max_new_tokens=6, temperature=[1.0, 0.5, 1.0, 1.5, 1.0], seed=[3, 4, 5, 6, 7])
+    monkeypatch.setenv("FSPEC_COMPILE_PREFILL", "0")
+    eager = fspec.generate(target, draft, other, max_new_tokens=6, temperature=[1.0, 0.5, 1.0, 1.5, 1.0],
+                           seed=[3, 4, 5, 6, 7], num_speculative_steps=3)  # fmt: skip
+    assert sampled.tokens == eager.tokens
+
+
 @pytest.mark.parametrize("pipeline", [True, False])
 def test_pipelined_and_synchronous_round_loops_agree_and_free_every_block(pipeline):
     """The engine's two loops (round r + 1 launched before round r is read, or not) emit the same tokens,
@@ -225,11 +290,9 @@ def test_pipelined_and_synchronous_round_loops_agree_and_free_every_block(pipeli
 
 
 def test_compiled_caches_come_in_few_sizes_so_nearby_calls_share_graphs():
-    """cache_blocks: never below the need, at most 25% above it (16-block floor), monotone, four sizes per
-    power of two; two compiled runs whose needs differ a little get caches of one shape (one graph set)."""
-    from fspec.runner import cache_blocks
-
-    sizes = [cache_blocks(n) for n in range(1, 5000)]
+    """size_bucket (KV-cache blocks, prompt lengths): never below n, at most 25% above it (16 floor),
+    monotone, four sizes per power of two; nearby needs share one cache shape."""
+    sizes = [size_bucket(n) for n in range(1, 5000)]
     assert all(s >= n and (n <= 16 or s <= 1.25 * n) for n, s in enumerate(sizes, 1))
     assert sizes == sorted(sizes) and len(set(sizes)) <= 4 * 9 + 1
     target, draft = aligned_pair(k=3)
@@ -241,7 +304,7 @@ def test_compiled_caches_come_in_few_sizes_so_nearby_calls_share_graphs():
     runs = [run(m) for m in range(4, 12)]
     needs = {r.alloc.num_blocks for r in runs}  # 49, 51, ..., 57: five different needs ...
     shapes = {tuple(r.tcache.k.shape) for r in runs}
-    assert len(needs) == 5 and len(shapes) == len({cache_blocks(n) for n in needs}) == 2  # ... two caches
+    assert len(needs) == 5 and len(shapes) == len({size_bucket(n) for n in needs}) == 2  # ... two caches
 
 
 def test_compiled_generate_reuses_its_graphs_across_calls_of_one_bucket():
