@@ -304,10 +304,10 @@ def _layer_ids(kind: str, ids, num_layers: int) -> tuple[int, ...]:
         return eagle3_layer_ids(num_layers)
     ids = tuple(ids)
     if len(ids) != 3 or any(
-        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers for i in ids
+        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= num_layers for i in ids
     ):
         raise ValueError(
-            f"target_layer_ids: expected three target layer ids in [0, {num_layers}), got {ids!r}"
+            f"target_layer_ids: expected three target layer ids in [0, {num_layers}], got {ids!r}"
         )
     return ids
 
@@ -458,9 +458,9 @@ def load_draft(
         ids = rec.get("target_layer_ids") or config.get("eagle_aux_hidden_state_layer_ids")
         ids = ids or (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         layer_ids = tuple(ids) if ids else eagle3_layer_ids(tc.num_hidden_layers)
-        if any(not 0 <= i < tc.num_hidden_layers for i in layer_ids):
+        if any(not 0 <= i <= tc.num_hidden_layers for i in layer_ids):
             raise ValueError(
-                f"{path}: target_layer_ids: expected ids in [0, {tc.num_hidden_layers}), got {layer_ids}"
+                f"{path}: target_layer_ids: expected ids in [0, {tc.num_hidden_layers}], got {layer_ids}"
             )
 
     def pick(value, name, default):

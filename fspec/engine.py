@@ -126,10 +126,11 @@ def _validate(target, draft, prompts, max_new_tokens, temperature, seed, k, comp
                 f"draft: expected parameters on the target's device {device}, got {sorted(map(str, devices))}"
             )
         if draft.cfg.kind == "eagle3" and any(
-            i >= target.cfg.num_hidden_layers for i in draft.cfg.target_layer_ids
+            i > target.cfg.num_hidden_layers for i in draft.cfg.target_layer_ids
         ):
             raise ValueError(
-                f"draft: expected target_layer_ids in [0, {target.cfg.num_hidden_layers}) (target layers), "
+                f"draft: expected target_layer_ids in [0, {target.cfg.num_hidden_layers}] (target layers; "
+                f"{target.cfg.num_hidden_layers}: the final normed hidden), "
                 f"got {draft.cfg.target_layer_ids}"
             )
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:

@@ -235,26 +235,27 @@ def test_load_draft_names_bad_checkpoints(tmp_path):
 
 
 def test_eagle3_head_with_chosen_layers_and_width_round_trips_and_runs(tmp_path):
-    """init_draft(target_layer_ids=, intermediate_size=) gives a head that reads those target layers and has
-    that MLP width; both survive save/load (config.json), the head drafts, bad values name the argument."""
+    """init_draft(target_layer_ids=, intermediate_size=) gives a head that reads those target layers (id
+    L = 3: the target's final normed hidden) and has that MLP width; both survive save/load (config.json),
+    the head drafts, bad values name the argument."""
     target = tiny_target()
     draft = ck.init_draft(
-        target, kind="eagle3", seed=3, draft_vocab_size=20, target_layer_ids=(0, 1, 2), intermediate_size=40
+        target, kind="eagle3", seed=3, draft_vocab_size=20, target_layer_ids=(0, 1, 3), intermediate_size=40
     )
-    assert draft.cfg.target_layer_ids == (0, 1, 2) and draft.cfg.model.intermediate_size == 40
+    assert draft.cfg.target_layer_ids == (0, 1, 3) and draft.cfg.model.intermediate_size == 40
     assert draft.params["layer"]["gate"].shape == (40, 16) and draft.params["layer"]["down"].shape == (16, 40)
     assert ck.init_draft(target, kind="eagle3").cfg.target_layer_ids == llama.eagle3_layer_ids(3)
     ck.save_draft(draft, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2] and config["intermediate_size"] == 40
+    assert config["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3] and config["intermediate_size"] == 40
     loaded = ck.load_draft(tmp_path, target=target, fuse=False)
     assert loaded.cfg == draft.cfg and leaves_equal(loaded.params, draft.params)
     out = fspec.generate(target, loaded, [[1, 2, 3]], max_new_tokens=6, num_speculative_steps=2)
     plain = fspec.generate(target, None, [[1, 2, 3]], max_new_tokens=6)
     assert out.tokens == plain.tokens  # greedy speculation is exact whatever the head reads
     bad = [
-        ({"target_layer_ids": (0, 1)}, "^target_layer_ids: expected three target layer ids in \\[0, 3\\)"),
-        ({"target_layer_ids": (0, 1, 3)}, "^target_layer_ids: expected three"),
+        ({"target_layer_ids": (0, 1)}, "^target_layer_ids: expected three target layer ids in \\[0, 3\\]"),
+        ({"target_layer_ids": (0, 1, 4)}, "^target_layer_ids: expected three"),
         ({"intermediate_size": 0}, "^intermediate_size: expected a positive int, got 0"),
     ]
     for kwargs, match in bad:

@@ -124,20 +124,22 @@ def test_rope_inv_freq_equals_transformers(rope):
 
 
 def test_aux_hidden_is_the_input_of_the_requested_layers(tmp_path):
-    """aux = the hidden entering layers (i, j, k), in order (HF hidden_states[i]); last = normed output."""
+    """aux = the hidden entering layers (i, j, k), in order (HF hidden_states[i]; id L is HF's
+    hidden_states[L], the normed output); last = normed output."""
     cfg = tiny_cfg()
     ck.save_target(ck.Target(cfg, jittered(cfg)), tmp_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     ids = torch.randint(0, cfg.vocab_size, (1, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         hs = model(ids, output_hidden_states=True).hidden_states  # L + 1 entries, the last after the norm
-    _, hidden = llama.forward_dense(ck.load_target(tmp_path).params, ids, cfg=cfg, aux_layer_ids=(2, 0, 2))
-    torch.testing.assert_close(hidden.aux, torch.cat([hs[2], hs[0], hs[2]], dim=-1), atol=1e-5, rtol=1e-5)
+    _, hidden = llama.forward_dense(ck.load_target(tmp_path).params, ids, cfg=cfg, aux_layer_ids=(2, 0, 3))
+    assert len(hs) == 4  # L = 3
+    torch.testing.assert_close(hidden.aux, torch.cat([hs[2], hs[0], hs[3]], dim=-1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(hidden.last, hs[-1], atol=1e-5, rtol=1e-5)
     _, plain = llama.forward_dense(ck.load_target(tmp_path).params, ids, cfg=cfg)
     assert plain.aux.shape == (1, 7, 0)
     with pytest.raises(ValueError, match="aux_layer_ids"):
-        llama.forward_dense(ck.load_target(tmp_path).params, ids, cfg=cfg, aux_layer_ids=(3,))
+        llama.forward_dense(ck.load_target(tmp_path).params, ids, cfg=cfg, aux_layer_ids=(4,))
 
 
 def test_eagle3_layer_ids_follow_the_reference_and_clamp_for_tiny_models():

@@ -35,7 +35,8 @@ class TargetHidden(NamedTuple):
         last: [..., H], the final hidden after the final norm (HF LlamaModel's `last_hidden_state`; EAGLE-1
             and MTP read it).
         aux: [..., k·H], the hidden states at the *input* of layers `aux_layer_ids`, concatenated in that
-            order (EAGLE-3 reads k = 3); [..., 0] when no layer was asked for.
+            order (EAGLE-3 reads k = 3); [..., 0] when no layer was asked for. Id L (the number of layers)
+            is HF's `hidden_states[L]`, the final hidden after the final norm (= `last`).
     """
 
     last: torch.Tensor
@@ -99,6 +100,7 @@ def _body(
         attn_in = L.rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
         x = L.decoder_layer(p, attn_in, x, cos, sin, attend, cfg=cfg, layer=i)
     last = L.rms_norm(x, params["norm"], cfg.rms_norm_eps)
+    captured[cfg.num_hidden_layers] = last  # HF's hidden_states[L]: the final hidden, after the final norm
     aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else x[..., :0]
     return F.linear(last, lm_head(params)), TargetHidden(last=last, aux=aux)
 
@@ -144,10 +146,10 @@ def forward_dense(
 
 def _check_aux_ids(aux_layer_ids: tuple[int, ...], cfg: ModelConfig) -> None:
     if not isinstance(aux_layer_ids, tuple) or any(
-        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < cfg.num_hidden_layers
+        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= cfg.num_hidden_layers
         for i in aux_layer_ids
     ):
         raise ValueError(
-            f"aux_layer_ids: expected a tuple of layer ids in [0, {cfg.num_hidden_layers}), "
+            f"aux_layer_ids: expected a tuple of layer ids in [0, {cfg.num_hidden_layers}], "
             f"got {aux_layer_ids!r}"
         )
