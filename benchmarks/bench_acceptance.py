@@ -7,7 +7,10 @@ an untrained head of the same shape. Runs on any device (CPU is fine: the model 
 Prompts: a window from the middle of each of --prompts held-out files spread evenly over the sorted
 held-out list (`fspec.data.spread_starts`), so no single file dominates.
 
-    python benchmarks/bench_acceptance.py [--prompts 8] [--new-tokens 128] [--out PATH]
+    python benchmarks/bench_acceptance.py [--prompts 0] [--new-tokens 128] [--device cpu] [--out PATH]
+
+--prompts 0 (the default) takes one prompt from every held-out file of at least --prompt-len tokens; N > 0
+takes N files spread evenly over the sorted list.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 import torch
 
 import fspec
-from fspec import data
+from fspec import data, default_model
 
 
 def prompts_from_held_out(tokenizer, n: int, length: int) -> tuple[list[list[int]], list[str]]:
@@ -33,6 +36,9 @@ def prompts_from_held_out(tokenizer, n: int, length: int) -> tuple[list[list[int
     held = [f for f in held if next(data.read_texts([f]), None) is not None]  # as encode_files reads them
     ids = data.encode_files(tokenizer, held)
     eos = tokenizer.token_to_id(data.SPECIAL_TOKENS[0])
+    if n == 0:  # one per file long enough (the files `spread_starts` keeps)
+        bounds = [-1, *(ids == eos).nonzero().flatten().tolist()]
+        n = sum(b - a - 1 >= length for a, b in zip(bounds, bounds[1:]))
     starts = data.spread_starts(ids, count=n, length=length, eos=eos)
     ends = (ids == eos).nonzero().flatten()
     names = [held[int((ends < s).sum())].relative_to(root).as_posix() for s in starts]
@@ -41,13 +47,16 @@ def prompts_from_held_out(tokenizer, n: int, length: int) -> tuple[list[list[int
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=0, help="held-out prompts (0: one per held-out file)")
+    p.add_argument("--device", default="cpu")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--out", default="benchmarks/results/acceptance.json")
     args = p.parse_args(argv)
     torch.manual_seed(0)
-    target, trained = fspec.load_default()
+    dev = torch.device(args.device)
+    target = fspec.load_target(default_model.ASSETS / "target", device=dev)
+    trained = fspec.load_draft(default_model.ASSETS / "eagle3", target=target)
     untrained = fspec.init_draft(
         target,
         kind="eagle3",
@@ -56,11 +65,14 @@ def main(argv=None) -> int:
         draft_vocab_size=trained.cfg.draft_vocab_size,
         block_size=trained.cfg.block_size,
         max_model_len=trained.cfg.max_model_len,
-        draft_ids=fspec.draft_to_target(torch.arange(trained.cfg.draft_vocab_size), trained.params["d2t"]),
+        draft_ids=fspec.draft_to_target(
+            torch.arange(trained.cfg.draft_vocab_size, device=dev), trained.params["d2t"]
+        ),
         target_layer_ids=trained.cfg.target_layer_ids,
         intermediate_size=trained.cfg.model.intermediate_size,
     )
     prompts, files = prompts_from_held_out(target.tokenizer, args.prompts, args.prompt_len)
+    data_files = len(data.split_files(data.stdlib_files())[1])
     print(f"prompts from: {', '.join(files)}", flush=True)
     rows = []
     for head_name, head in (("trained", trained), ("untrained", untrained)):
@@ -106,9 +118,11 @@ def main(argv=None) -> int:
                 r["theory_per_position"] = tau
     out = {
         "machine": platform.processor() or platform.machine(),
-        "device": "cpu",
+        "device": str(dev) if dev.type == "cpu" else torch.cuda.get_device_name(dev),
+        "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": "-",
+        "held_out_files": data_files,
         "date": datetime.date.today().isoformat(),
         "command": "python benchmarks/bench_acceptance.py "
         + " ".join(sys.argv[1:] if argv is None else argv),
@@ -118,7 +132,8 @@ def main(argv=None) -> int:
         "prompts": len(prompts),
         "prompt_files": files,
         "prompt_selection": f"a {args.prompt_len}-token window from the middle of each of {len(prompts)} "
-        "held-out files spread evenly over the sorted held-out list (fspec.data.spread_starts); generated "
+        f"held-out files (of {data_files}, this Python's) spread evenly over the sorted held-out list "
+        "(fspec.data.spread_starts); generated "
         "_sysconfigdata* files are not in the corpus",
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,

@@ -14,6 +14,9 @@
 #   racecheck    compute-sanitizer racecheck over the same tests
 #   ncu-sampling Nsight Compute speed-of-light of the Gumbel block kernel at B = 256, V = 128256
 #   ttt          benchmarks/bench_ttt_memory.py --cuda (TTT loss: dense vs lean, time and peak memory)
+#   heads        build the default model once per "TAG:ARGS" argument, all at once on the one GPU (ARGS:
+#                fspec.default_model options, "+" for spaces); $OUT/TAG.json is each train_log.json and
+#                $OUT/best-TAG.tar.xz the built files of the one with the longest acceptance length
 set -u
 stage=$1; shift
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -40,6 +43,23 @@ case "$stage" in
       python3 benchmarks/bench_sampling.py --batch 256 --vocab 128256 --rep 20 --out "$WORK/ncu.json" \
       > "$log" 2>&1 ;;
   ttt) timeout 400 python3 benchmarks/bench_ttt_memory.py --cuda --out "$OUT/ttt_memory.json" "$@" > "$log" 2>&1 ;;
+  heads)
+    pids=()
+    for spec in "$@"; do
+      tag=${spec%%:*}; extra=${spec#*:}
+      timeout 560 python3 -m fspec.default_model --out "$WORK/$tag" --device cuda ${extra//+/ } \
+        > "$WORK/$tag.log" 2>&1 &
+      pids+=($!)
+    done
+    rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done
+    for spec in "$@"; do
+      tag=${spec%%:*}; cp "$WORK/$tag/train_log.json" "$OUT/$tag.json"; tail -c 2000 "$WORK/$tag.log"
+    done > "$log" 2>&1
+    best=$(python3 -c 'import json, sys
+tags = [a.split(":")[0] for a in sys.argv[1:]]
+tau = {t: json.load(open(f"'"$OUT"'/{t}.json"))["acceptance"]["acceptance_length"] for t in tags}
+print(max(tau, key=tau.get))' "$@")
+    tar -C "$WORK/$best" -cJf "$OUT/best-$best.tar.xz" --exclude=train_log.json . ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
 rc=$?

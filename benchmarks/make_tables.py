@@ -100,6 +100,9 @@ def acceptance(d: dict) -> list[str]:
     return out
 
 
+acceptance_h200 = acceptance  # the same sweep, run on the GPU host (its Python's held-out files)
+
+
 def distill_scaling(d: dict) -> list[str]:
     t, e, n = d["throughput"], d["equality"], d["gpus"]
     return [
@@ -140,6 +143,7 @@ def main(names: list[str]) -> int:
         "draft_loop",
         "generate",
         "acceptance",
+        "acceptance_h200",
         "distill_scaling",
         "ttt_memory",
     ]:
@@ -148,8 +152,9 @@ def main(names: list[str]) -> int:
             continue
         d = json.loads(path.read_text())
         bw = f", copy bandwidth {d['copy_bandwidth_TBps']} TB/s" if d.get("copy_bandwidth_TBps") else ""
+        machine = d["machine"] if d.get("device", "cpu") == "cpu" else f"{d['device']} ({d['machine']})"
         print(
-            f"### {name}\n\n`{d['command'].strip()}` — {d['machine']}, torch {d['torch']}, "
+            f"### {name}\n\n`{d['command'].strip()}` — {machine}, torch {d['torch']}, "
             f"triton {d['triton']}, {d['date']}{bw}\n"
         )
         print("\n".join(globals()[name](d)) + "\n")

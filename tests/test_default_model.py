@@ -51,3 +51,23 @@ def test_load_default_names_the_missing_directory(tmp_path: Path):
     """Without built assets, load_default raises FileNotFoundError saying how to build them."""
     with pytest.raises(FileNotFoundError, match="python -m fspec.default_model"):
         default_model.load_default(tmp_path / "absent")
+
+
+def test_command_line_recipe_is_the_shipped_one_and_time_budgets_replace_step_counts():
+    """No options: FULL (2000 target steps: the early stop the shipped target was built with). A time budget
+    asked for replaces that part's fixed step count; an explicit step count still wins; bad ids name the
+    option."""
+    from fspec.default_model import FULL, _parser, recipe_from_args
+
+    def recipe(*argv):
+        p = _parser()
+        return recipe_from_args(p.parse_args(list(argv)), p)
+
+    assert recipe() == FULL and FULL.target_steps == 2000 and FULL.target_layer_ids == (1, 2, 3)
+    r = recipe("--minutes", "7")
+    assert (r.target_steps, r.draft_steps, r.target_minutes, r.draft_minutes) == (0, 0, 4.0, 3.0)
+    r = recipe("--target-minutes", "2", "--target-steps", "50")
+    assert (r.target_steps, r.target_minutes, r.draft_minutes) == (50, 2.0, FULL.draft_minutes)
+    assert recipe("--target-layer-ids", "1,2,4").target_layer_ids == (1, 2, 4)
+    with pytest.raises(SystemExit):
+        recipe("--target-layer-ids", "1,x,4")
