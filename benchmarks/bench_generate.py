@@ -490,6 +490,34 @@ def _engine_run(target, draft, b: int, s: Setup) -> runner.Run:
     )
 
 
+def phase_seconds(target, draft, b: int, s: Setup) -> dict[str, float]:
+    """One warm greedy call split into phases (the device synchronised at each boundary): `setup` (the
+    runner: caches, bucket, device tensors), `prefill` (prefill, first token and first proposal, up to the
+    first token on the host), `rounds` (the round loop, including the pipelined loop's one extra round)."""
+    sync(s.device)
+    start = time.perf_counter()
+    run = _engine_run(target, draft, b, s)
+    sync(s.device)
+    marks = {"setup": time.perf_counter()}
+    prefill = run._prefill
+
+    def timed_prefill():
+        out = prefill()
+        sync(s.device)
+        marks["prefill"] = time.perf_counter()
+        return out
+
+    run._prefill = timed_prefill
+    run.go()
+    sync(s.device)
+    end = time.perf_counter()
+    return {
+        "setup": round(marks["setup"] - start, 5),
+        "prefill": round(marks["prefill"] - marks["setup"], 5),
+        "rounds": round(end - marks["prefill"], 5),
+    }
+
+
 def _table(run: runner.Run, b: int, device) -> torch.Tensor:
     """[bucket, max_blocks] int32: request i owns an equal share of the cache's blocks; padding rows -1."""
     per = min(run.tcache.num_blocks // b, run.max_blocks)
@@ -663,6 +691,7 @@ def fspec_row(kind: str, target, draft, b: int, s: Setup, ctx: dict) -> Callable
         run_generate(target, draft, prompts, s, max_new=1)
         prefill_s = run_generate(target, draft, prompts, s, max_new=1)[0]
         row["prefill_call_s"] = round(prefill_s, 4)
+        row["phases_s"] = phase_seconds(target, draft, b, s)  # a warm call of the timed size, split
         row["round_measured_excl_prefill_us"] = (med - prefill_s) / st["rounds"] * 1e6
         if kind == "target":
             ctx["ref_tokens"][b] = res.tokens

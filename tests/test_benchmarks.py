@@ -44,4 +44,5 @@ def test_generate_smoke_forced_row_accepts_everything(tmp_path):
     # every part of every row ran: no row, round graph or round model recorded an error
     assert [(n, k) for n, r in rows.items() for k in r if k.endswith("error") and r[k]] == []
     assert all(r["tokens_per_s"] > 0 and r["round_graph_us"] > 0 for r in rows.values())
+    assert all(min(r["phases_s"].values()) > 0 for r in rows.values())  # setup, prefill, rounds
     assert prof.read_text().count("round graph:") == len(rows)
