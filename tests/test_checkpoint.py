@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -261,5 +262,14 @@ def test_eagle3_head_with_chosen_layers_and_width_round_trips_and_runs(tmp_path)
     for kwargs, match in bad:
         with pytest.raises(ValueError, match=match):
             ck.init_draft(target, kind="eagle3", **kwargs)
+    # A checkpoint, or a config, naming a layer past L (= 3) is refused at load and at generate.
+    config["eagle_aux_hidden_state_layer_ids"] = config["fspec_draft"]["target_layer_ids"] = [0, 1, 4]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="target_layer_ids: expected ids in \\[0, 3\\], got \\(0, 1, 4\\)"):
+        ck.load_draft(tmp_path, target=target)
+    past = dataclasses.replace(draft, cfg=dataclasses.replace(draft.cfg, target_layer_ids=(0, 1, 4)))
+    match = "^draft: expected target_layer_ids in \\[0, 3\\].*got \\(0, 1, 4\\)"
+    with pytest.raises(ValueError, match=match):
+        fspec.generate(target, past, [[1, 2, 3]], max_new_tokens=2)
     with pytest.raises(ValueError, match="^target_layer_ids: expected None for kind='mtp'"):
         ck.init_draft(target, kind="mtp", target_layer_ids=(0, 1, 2))
