@@ -7,13 +7,11 @@ outside a request's context turns the output into NaN.
 """
 
 import math
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
+from fresh_process import in_fresh_process
 
 from fspec.kernels import attention_ops
 from fspec.kernels.kv_write import kv_write, kv_write_ref
@@ -346,23 +344,7 @@ def test_ops_compile_fullgraph_equal_eager_and_write_the_cache():
 
 
 def _in_fresh_process(body: str) -> None:
-    """Run this module's function `body` in a new Python without TRITON_INTERPRET.
-
-    tests/kernels/conftest.py sets TRITON_INTERPRET=1 for the whole directory before triton is imported, and
-    then even triton's own library (tl.max, ...) is interpreted: no kernel can be compiled in this process,
-    and interpreted kernels copy CUDA tensors through the host (no CUDA-graph capture).
-    """
-    if not attention_ops.kernels_interpreted():
-        globals()[body]()
-        return
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = (
-        "import importlib.util as u\n"
-        f"s = u.spec_from_file_location('pa_test', {__file__!r})\n"
-        f"m = u.module_from_spec(s)\ns.loader.exec_module(m)\nm.{body}()"
-    )
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, f"{body} failed in a fresh process:\n{run.stdout}\n{run.stderr[-6000:]}"
+    in_fresh_process(__file__, globals(), body)
 
 
 def _ptx_for_h200(kernel, types: dict, consts: dict, **options) -> str:

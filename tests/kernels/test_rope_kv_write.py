@@ -6,13 +6,11 @@ read past a head or a wrong row stride shows up as NaN. Caches are random (poiso
 step writing layer 1; slots are non-sequential, cross block boundaries, and include padding (-1).
 """
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
+from fresh_process import in_fresh_process
 
 import fspec
 from fspec.cache import KVCache
@@ -322,19 +320,7 @@ def test_compiled_paged_forward_hands_the_projection_output_to_the_op(monkeypatc
 
 
 def _in_fresh_process(body: str) -> None:
-    """Run this module's function `body` in a Python without TRITON_INTERPRET (see test_paged_attention.py:
-    the interpreter is process-wide once triton is imported)."""
-    if not attention_ops.kernels_interpreted():
-        globals()[body]()
-        return
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = (
-        "import importlib.util as u\n"
-        f"s = u.spec_from_file_location('rkv_test', {__file__!r})\n"
-        f"m = u.module_from_spec(s)\ns.loader.exec_module(m)\nm.{body}()"
-    )
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, f"{body} failed in a fresh process:\n{run.stdout}\n{run.stderr[-6000:]}"
+    in_fresh_process(__file__, globals(), body)
 
 
 def _compile_for_h200() -> None:
