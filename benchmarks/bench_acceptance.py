@@ -8,6 +8,10 @@ Prompts: a window from the middle of each of --prompts held-out files spread eve
 held-out list (`fspec.data.spread_starts`), so no single file dominates.
 
     python benchmarks/bench_acceptance.py [--prompts 0] [--new-tokens 128] [--device cpu] [--out PATH]
+        [--model DIR] [--ks 1,3,5,7] [--trained-only]
+
+--model scores another build of `python -m fspec.default_model` (default: the shipped one); --ks and
+--trained-only cut the grid for quick comparisons of builds (the theory columns need K = 1 and K = 7).
 
 --prompts 0 (the default) takes one prompt from every held-out file of at least --prompt-len tokens; N > 0
 takes N files spread evenly over the sorted list.
@@ -45,6 +49,10 @@ def prompts_from_held_out(tokenizer, n: int, length: int) -> tuple[list[list[int
     return [ids[s : s + length].tolist() for s in starts], names
 
 
+def _shown(model: str) -> str:
+    return "fspec/assets/default" if Path(model).resolve() == default_model.ASSETS.resolve() else model
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=0, help="held-out prompts (0: one per held-out file)")
@@ -52,11 +60,17 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--out", default="benchmarks/results/acceptance.json")
+    p.add_argument("--model", default=str(default_model.ASSETS), help="a built default-model directory")
+    p.add_argument("--ks", default="1,3,5,7", help="comma-separated K values")
+    p.add_argument("--trained-only", action="store_true", help="skip the untrained head")
     args = p.parse_args(argv)
+    ks = tuple(int(k) for k in args.ks.split(","))
+    if not ks or min(ks) < 1:
+        p.error(f"--ks: expected comma-separated K >= 1, got {args.ks!r}")
     torch.manual_seed(0)
     dev = torch.device(args.device)
-    target = fspec.load_target(default_model.ASSETS / "target", device=dev)
-    trained = fspec.load_draft(default_model.ASSETS / "eagle3", target=target)
+    target = fspec.load_target(Path(args.model) / "target", device=dev)
+    trained = fspec.load_draft(Path(args.model) / "eagle3", target=target)
     untrained = fspec.init_draft(
         target,
         kind="eagle3",
@@ -75,10 +89,11 @@ def main(argv=None) -> int:
     data_files = len(data.split_files(data.stdlib_files())[1])
     print(f"prompts from: {', '.join(files)}", flush=True)
     rows = []
-    for head_name, head in (("trained", trained), ("untrained", untrained)):
+    heads = (("trained", trained),) if args.trained_only else (("trained", trained), ("untrained", untrained))
+    for head_name, head in heads:
         for temp in (0.0, 1.0):
             alpha1, cond7 = None, None
-            for k in (1, 3, 5, 7):
+            for k in ks:
                 res = fspec.generate(
                     target,
                     head,
@@ -110,12 +125,14 @@ def main(argv=None) -> int:
                     continue
                 k = c["K"]
                 a = alpha1
-                r["theory_iid"] = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1.0
-                prod, tau = 1.0, 1.0
-                for i in range(k):
-                    prod *= cond7[i]
-                    tau += prod
-                r["theory_per_position"] = tau
+                if a is not None:
+                    r["theory_iid"] = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1.0
+                if cond7 is not None:
+                    prod, tau = 1.0, 1.0
+                    for i in range(k):
+                        prod *= cond7[i]
+                        tau += prod
+                    r["theory_per_position"] = tau
     out = {
         "machine": platform.processor() or platform.machine(),
         "device": str(dev) if dev.type == "cpu" else torch.cuda.get_device_name(dev),
@@ -127,7 +144,7 @@ def main(argv=None) -> int:
         "command": "python benchmarks/bench_acceptance.py "
         + " ".join(sys.argv[1:] if argv is None else argv),
         "copy_bandwidth_TBps": None,
-        "model": "embedded default (fspec/assets/default): 4-layer Llama, EAGLE-3 head, draft vocab "
+        "model": f"embedded default ({_shown(args.model)}): 4-layer Llama, EAGLE-3 head, draft vocab "
         f"{trained.cfg.draft_vocab_size}",
         "prompts": len(prompts),
         "prompt_files": files,
@@ -146,7 +163,7 @@ def main(argv=None) -> int:
         c = r["case"]
         print(
             f"{c['head']:>9} {c['temperature']:>4} {c['K']:>2} {r['acceptance_length']:>6.2f} "
-            f"{r['theory_iid']:>6.2f} {r['theory_per_position']:>6.2f}"
+            f"{r.get('theory_iid', float('nan')):>6.2f} {r.get('theory_per_position', float('nan')):>6.2f}"
         )
     return 0
 

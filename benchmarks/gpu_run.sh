@@ -15,8 +15,9 @@
 #   ncu-sampling Nsight Compute speed-of-light of the Gumbel block kernel at B = 256, V = 128256
 #   ttt          benchmarks/bench_ttt_memory.py --cuda (TTT loss: dense vs lean, time and peak memory)
 #   heads        build the default model once per "TAG:ARGS" argument, all at once on the one GPU (ARGS:
-#                fspec.default_model options, "+" for spaces); $OUT/TAG.json is each train_log.json and
-#                $OUT/best-TAG.tar.xz the built files of the one with the longest acceptance length
+#                fspec.default_model options, "+" for spaces), then score each with bench_acceptance.py
+#                (K = 5, every held-out file); $OUT/TAG.json is each train_log.json with that score under
+#                "all_held_out_files", $OUT/best-TAG.tar.xz the built files of the best by greedy tau
 set -u
 stage=$1; shift
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -47,18 +48,22 @@ case "$stage" in
     pids=()
     for spec in "$@"; do
       tag=${spec%%:*}; extra=${spec#*:}
-      timeout 560 python3 -m fspec.default_model --out "$WORK/$tag" --device cuda ${extra//+/ } \
-        > "$WORK/$tag.log" 2>&1 &
+      { timeout 500 python3 -m fspec.default_model --out "$WORK/$tag" --device cuda ${extra//+/ } &&
+        timeout 60 python3 benchmarks/bench_acceptance.py --model "$WORK/$tag" --device cuda --ks 5 \
+          --trained-only --out "$WORK/$tag-acc.json"; } > "$WORK/$tag.log" 2>&1 &
       pids+=($!)
     done
     rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done
-    for spec in "$@"; do
-      tag=${spec%%:*}; cp "$WORK/$tag/train_log.json" "$OUT/$tag.json"; tail -c 2000 "$WORK/$tag.log"
-    done > "$log" 2>&1
+    for spec in "$@"; do tag=${spec%%:*}; tail -c 2000 "$WORK/$tag.log"; done > "$log" 2>&1
     best=$(python3 -c 'import json, sys
-tags = [a.split(":")[0] for a in sys.argv[1:]]
-tau = {t: json.load(open(f"'"$OUT"'/{t}.json"))["acceptance"]["acceptance_length"] for t in tags}
-print(max(tau, key=tau.get))' "$@")
+work, out, tags = sys.argv[1], sys.argv[2], [a.split(":")[0] for a in sys.argv[3:]]
+tau = {}
+for t in tags:
+    log = json.load(open(f"{work}/{t}/train_log.json"))
+    log["all_held_out_files"] = json.load(open(f"{work}/{t}-acc.json"))
+    json.dump(log, open(f"{out}/{t}.json", "w"), indent=1)
+    tau[t] = log["all_held_out_files"]["rows"][0]["acceptance_length"]  # K = 5, greedy
+print(max(tau, key=tau.get))' "$WORK" "$OUT" "$@")
     tar -C "$WORK/$best" -cJf "$OUT/best-$best.tar.xz" --exclude=train_log.json . ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -100,6 +100,24 @@ def acceptance(d: dict) -> list[str]:
     return out
 
 
+def call_overhead(d: dict) -> list[str]:
+    out = [
+        "| case | Python GC | median ms | min ms | max ms | tokens/s (median) | ms in GC, all calls | phases of one call (ms) |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in d["rows"]:
+        ph = d["phases_s"][r["case"]]
+        phases = (
+            f"setup {ph['setup'] * 1e3:.1f}, prefill {ph['prefill'] * 1e3:.1f}, rounds {ph['rounds'] * 1e3:.1f} "
+            f"({ph['rounds_launched']} rounds)"
+        )
+        out.append(
+            f"| {r['case']} | {r['gc']} | {r['median_s'] * 1e3:.1f} | {r['min_s'] * 1e3:.1f} | {r['max_s'] * 1e3:.1f} "
+            f"| {r['tokens_per_s_median']:.0f} | {r['gc_seconds_total'] * 1e3:.1f} | {phases} |"
+        )
+    return out
+
+
 acceptance_h200 = acceptance  # the same sweep, run on the GPU host (its Python's held-out files)
 
 
@@ -142,6 +160,7 @@ def main(names: list[str]) -> int:
         "sampling",
         "draft_loop",
         "generate",
+        "call_overhead",
         "acceptance",
         "acceptance_h200",
         "distill_scaling",

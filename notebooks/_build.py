@@ -696,7 +696,7 @@ NB02: list[tuple[str, str]] = [
     is accepted. The table under the plot lists P(draft 1 accepted) for every K, and the cell prints the
     i.i.d. prediction minus the measured greedy τ. Compare both with the same quantities over every held-out
     file (`benchmarks/bench_acceptance.py`, BENCHMARKS.md): there the first draft's rate falls from 0.77 at
-    K = 1 to 0.69 at K = 7 and the i.i.d. formula overestimates τ at every K ≥ 3 (3.43 against 2.77 at
+    K = 1 to 0.69 at K = 7 and the i.i.d. formula overestimates τ at every K ≥ 3 (3.43 against 3.10 at
     K = 5); a handful of prompts is too few to show either reliably.
     """),
     code("""

@@ -46,3 +46,36 @@ def test_generate_smoke_forced_row_accepts_everything(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["round_graph_us"] > 0 for r in rows.values())
     assert all(min(r["phases_s"].values()) > 0 for r in rows.values())  # setup, prefill, rounds
     assert prof.read_text().count("round graph:") == len(rows)
+    # one forward per new token target-only (the prefill's included); full acceptance wastes no round either
+    k, n = d["config"]["K"], d["config"]["new_tokens"]
+    launched = {name: r["phases_s"]["rounds_launched"] for name, r in rows.items()}
+    assert launched[next(name for name in rows if "target-only" in name)] == n - 1
+    assert launched[next(name for name in rows if "forced" in name)] == -(-(n - 1) // (k + 1))
+
+
+def test_call_overhead_smoke_times_every_case_and_gc_setting(tmp_path):
+    d = _run("bench_call_overhead.py", "--cpu-smoke", "--calls", "2", out=tmp_path / "co.json")
+    assert [(r["case"], r["gc"]) for r in d["rows"]] == [
+        (c, g) for c in ("forced", "target") for g in ("default", "frozen", "disabled")
+    ]
+    assert all(len(r["calls"]) == 2 and r["min_s"] <= r["median_s"] <= r["max_s"] for r in d["rows"])
+    assert all(r["tokens_per_s_median"] > 0 for r in d["rows"])
+    assert d["phases_s"]["forced"]["rounds_launched"] < d["phases_s"]["target"]["rounds_launched"]
+
+
+def test_acceptance_scores_a_built_model_on_a_cut_grid(tmp_path):
+    """--model / --ks / --trained-only (how gpu_run.sh's heads stage scores builds): only those rows, and
+    no theory columns without the K = 1 and K = 7 runs they need."""
+    from fspec import default_model
+
+    d = _run(
+        "bench_acceptance.py", "--model", str(default_model.ASSETS), "--prompts", "2", "--ks", "5",
+        "--trained-only", "--new-tokens", "8", out=tmp_path / "acc.json",
+    )  # fmt: skip
+    assert [(r["case"]["head"], r["case"]["temperature"], r["case"]["K"]) for r in d["rows"]] == [
+        ("trained", 0.0, 5),
+        ("trained", 1.0, 5),
+    ]
+    assert d["prompts"] == 2 and all(1.0 <= r["acceptance_length"] <= 6.0 for r in d["rows"])
+    assert not any("theory_iid" in r or "theory_per_position" in r for r in d["rows"])
+    assert "fspec/assets/default" in d["model"]

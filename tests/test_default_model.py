@@ -24,6 +24,10 @@ def test_tiny_pipeline_writes_a_target_and_head_that_load_and_generate(tmp_path:
     assert log["target"]["steps"] == r.target_steps and records[-1]["step"] == r.target_steps
     assert log["target"]["held_out_loss"] < 0.9 * torch.log(torch.tensor(float(r.vocab_size))).item()
     assert records[-1]["loss"] < records[0]["loss"] and records[-1]["tokens_per_s"] > 0
+    # Its own continuations of training prompts joined the head's data (prompt + new tokens + EOS per row).
+    g = log["generated"]
+    assert g["sequences"] == r.generated_sequences and 0 < g["new_tokens"] <= 8 * r.generated_new_tokens
+    assert g["stream_tokens"] >= g["new_tokens"] + 8 * r.generated_prompt_len
     # The head trained K = 7 steps with the 256 most frequent tokens as its vocabulary.
     draft_log = log["draft"]["records"]
     assert len(draft_log[-1]["agreement"]) == r.ttt_steps and draft_log[-1]["step"] == r.draft_steps
@@ -64,6 +68,8 @@ def test_command_line_recipe_is_the_shipped_one_and_time_budgets_replace_step_co
         return recipe_from_args(p.parse_args(list(argv)), p)
 
     assert recipe() == FULL and FULL.target_steps == 2000 and FULL.target_layer_ids == (1, 2, 3)
+    assert FULL.draft_steps == 3000 and FULL.generated_sequences == 16384
+    assert recipe("--generated-sequences", "0").generated_sequences == 0
     r = recipe("--minutes", "7")
     assert (r.target_steps, r.draft_steps, r.target_minutes, r.draft_minutes) == (0, 0, 4.0, 3.0)
     r = recipe("--target-minutes", "2", "--target-steps", "50")
@@ -71,3 +77,34 @@ def test_command_line_recipe_is_the_shipped_one_and_time_budgets_replace_step_co
     assert recipe("--target-layer-ids", "1,2,4").target_layer_ids == (1, 2, 4)
     with pytest.raises(SystemExit):
         recipe("--target-layer-ids", "1,x,4")
+
+
+def test_generated_rows_are_training_windows_continued_by_the_target_itself():
+    """Self-distillation data: each prompt is a window of the training stream; row i's continuation is exactly
+    what target-only generation gives that prompt (greedy for even i, T = 1 with seed * 1_000_003 + i for odd
+    i); the stream is prompt + continuation + EOS per row; a target without EOS is refused."""
+    import dataclasses
+
+    from draft_setup import tiny_target
+
+    base = tiny_target()
+    target = dataclasses.replace(base, cfg=dataclasses.replace(base.cfg, eos_token_ids=(5,)))
+    tokens = torch.randint(0, 97, (400,), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    r = dataclasses.replace(
+        default_model.TINY, generated_sequences=5, generated_prompt_len=6, generated_new_tokens=9
+    )
+    prompts, conts, _ = default_model.generated_rows(r, target, tokens, seed=2)
+    windows = tokens.unfold(0, 6, 1).tolist()
+    assert len(prompts) == len(conts) == 5 and all(p in windows for p in prompts)
+    for i, (p, c) in enumerate(zip(prompts, conts)):
+        kw = {"temperature": float(i % 2), "seed": 2 * 1_000_003 + i}
+        assert c == fspec.generate(target, None, [p], max_new_tokens=9, **kw).tokens[0]
+    assert any(
+        c != fspec.generate(target, None, [p], max_new_tokens=9).tokens[0] for p, c in zip(prompts, conts)
+    )
+    stream, log = default_model.generated_stream(r, target, tokens, seed=2)
+    rows = [p + c + [5] for p, c in zip(prompts, conts)]
+    assert stream.tolist() == [t for row in rows for t in row] and stream.dtype == torch.int32
+    assert log["sequences"] == 5 and log["new_tokens"] == sum(map(len, conts))
+    with pytest.raises(ValueError, match="target: expected a config with an EOS id"):
+        default_model.generated_stream(r, base, tokens, seed=2)

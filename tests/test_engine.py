@@ -324,3 +324,22 @@ def test_compiled_generate_reuses_its_graphs_across_calls_of_one_bucket():
     assert counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
     assert first.tokens == fspec.generate(target, None, PROMPTS, max_new_tokens=4).tokens
     assert second.tokens == fspec.generate(target, None, other, max_new_tokens=6).tokens
+
+
+def test_the_round_loop_queues_no_round_past_a_predictable_end():
+    """The pipelined loop launches round r + 1 before reading round r, unless round r ends every request at
+    full acceptance: target-only decoding runs one forward per new token (the prefill's included), and a
+    head forced to full acceptance runs (n - 1) / (K + 1) rounds for n new tokens, none of them wasted."""
+    target = tiny_target()
+    res = fspec.generate(target, None, [[1, 2, 3]], max_new_tokens=9)
+    assert len(res.tokens[0]) == 9 and res.stats["target_forwards"] == 9
+    # Zero output heads: every logit ties, argmax is token 0 for target and head alike (no EOS configured).
+    params = {**target.params, "lm_head": torch.zeros_like(target.params["lm_head"])}
+    forced = fspec.Target(cfg=target.cfg, params=params)
+    draft = tiny_draft(forced, kind="mtp", k=3)
+    draft = dataclasses.replace(
+        draft, params={**draft.params, "lm_head": torch.zeros_like(draft.params["lm_head"])}
+    )
+    res = fspec.generate(forced, draft, [[1, 2, 3], [4, 5]], max_new_tokens=13, num_speculative_steps=3)
+    assert res.tokens == [[0] * 13, [0] * 13] and res.stats["acceptance_length"] == 4.0
+    assert res.stats["target_forwards"] == 1 + 3
