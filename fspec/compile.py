@@ -40,14 +40,34 @@ def jit(fn: Callable, mode: str | None = "reduce-overhead") -> Callable:
     `FSPEC_COORDINATE_DESCENT=1` adds Inductor's coordinate-descent tuning on CUDA (gpt-fast's setting): each
     Triton kernel's launch parameters are tuned, and a one-row matmul (batch 1 decode) is lowered to a Triton
     reduction that can fuse with its neighbours instead of a cuBLAS GEMV. Off by default: on the H200 it
-    took the 8B-head draft loop's compile from 20 s to over 100 s (BENCHMARKS.md).
+    took the 8B-head draft loop's compile from 20 s to over 100 s (BENCHMARKS.md). `FSPEC_MAX_AUTOTUNE=1`
+    (`inductor_options`) lets Inductor pick each matmul by benchmarking.
     """
     _configure_dynamo()
-    tune = os.environ.get("FSPEC_COORDINATE_DESCENT") == "1" and torch.cuda.is_available()
-    if mode == "reduce-overhead" and tune:
-        options = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
+    options = inductor_options(mode)
+    if options:
         return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
     return torch.compile(fn, mode=mode, fullgraph=True, dynamic=False)
+
+
+def inductor_options(mode: str | None, *, cuda: bool | None = None) -> dict | None:
+    """Inductor options that replace `mode` in `jit`, or None for the plain mode. Only for reduce-overhead on
+    CUDA, opt-in by environment (both off by default; BENCHMARKS.md has what they cost):
+
+    * FSPEC_COORDINATE_DESCENT=1: coordinate-descent tuning of every Triton kernel's launch parameters.
+    * FSPEC_MAX_AUTOTUNE=1: Inductor benchmarks its Triton matmul templates against cuBLAS for every matmul
+      shape and keeps the fastest (one-row decode matmuls are where cuBLAS's choice reads the weights at
+      ~1.8 TB/s of the H200's ~4.2); compiles take minutes.
+    """
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if mode != "reduce-overhead" or not cuda:
+        return None
+    options = {}
+    if os.environ.get("FSPEC_COORDINATE_DESCENT") == "1":
+        options["coordinate_descent_tuning"] = True
+    if os.environ.get("FSPEC_MAX_AUTOTUNE") == "1":
+        options.update(max_autotune=True, max_autotune_gemm_backends="ATEN,TRITON")
+    return {"triton.cudagraphs": True, **options} if options else None
 
 
 def _configure_dynamo() -> None:

@@ -59,3 +59,22 @@ def test_compiled_step_replay_equals_eager_with_two_graphs():
     _compare(compile_step(cfg=DRAFT.cfg))
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_inductor_options_are_opt_in_and_only_for_cuda_graphs(monkeypatch):
+    """Tuning options replace the plain mode only for reduce-overhead on CUDA and only when asked for; both
+    keep CUDA graphs on."""
+    from fspec.compile import inductor_options
+
+    monkeypatch.delenv("FSPEC_COORDINATE_DESCENT", raising=False)
+    monkeypatch.delenv("FSPEC_MAX_AUTOTUNE", raising=False)
+    assert inductor_options("reduce-overhead", cuda=True) is None
+    monkeypatch.setenv("FSPEC_MAX_AUTOTUNE", "1")
+    opts = inductor_options("reduce-overhead", cuda=True)
+    assert opts["triton.cudagraphs"] and opts["max_autotune"] and "coordinate_descent_tuning" not in opts
+    assert (
+        inductor_options("reduce-overhead", cuda=False) is None and inductor_options(None, cuda=True) is None
+    )
+    monkeypatch.setenv("FSPEC_COORDINATE_DESCENT", "1")
+    opts = inductor_options("reduce-overhead", cuda=True)
+    assert opts["coordinate_descent_tuning"] and opts["max_autotune"] and opts["triton.cudagraphs"]
