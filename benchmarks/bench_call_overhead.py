@@ -8,7 +8,8 @@ For each Python garbage-collector setting — `default` (as the process comes), 
 gc.freeze() once after warm-up: the compiled graphs' objects move out of the collected generations) and
 `disabled` (gc.disable() for the timed calls) — it times --calls warm calls and records, per call, the wall
 time and the time spent inside collections (gc.callbacks), with the collections' generations. Beside them:
-one call split into setup / prefill / rounds (bench_generate.phase_seconds).
+one call split into setup / prefill / rounds (bench_generate.phase_seconds). FSPEC_* switches in the
+environment (FSPEC_COORDINATE_DESCENT, FSPEC_MAX_AUTOTUNE, ...) apply and are recorded under "env".
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ def main(argv=None) -> int:
         "date": datetime.date.today().isoformat(),
         "command": "python benchmarks/bench_call_overhead.py "
         + " ".join(sys.argv[1:] if argv is None else argv),
+        "env": BG.fspec_env(),
         "setup": f"{s.label}; K = {s.k} (forced full acceptance), B = 1, {s.new_tokens} new tokens, "
         f"prompt {s.prompt_len}, compile={s.compile}",
         "fspec": fspec.__version__ if hasattr(fspec, "__version__") else None,

@@ -55,6 +55,7 @@ import datetime
 import functools
 import json
 import logging
+import os
 import platform
 import statistics
 import sys
@@ -242,6 +243,11 @@ _START = time.monotonic()
 
 def log(msg: str) -> None:
     print(f"[{time.monotonic() - _START:7.1f}s] {msg}", flush=True)
+
+
+def fspec_env() -> dict[str, str]:
+    """The FSPEC_* switches of this process (tuning, pipelining, prefill graph): part of what was measured."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("FSPEC_")}
 
 
 def sync(device: torch.device) -> None:
@@ -865,6 +871,7 @@ def header(s: Setup, bandwidth: float, models: Models, floor_step_s: float) -> d
         "python": platform.python_version(),
         "date": datetime.date.today().isoformat(),
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "env": fspec_env(),
         "copy_bandwidth_TBps": round(bandwidth, 4),
         "target": s.label,
         "config": {
