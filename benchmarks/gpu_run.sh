@@ -8,6 +8,8 @@
 #   draft        benchmarks/bench_draft_loop.py
 #   attention    benchmarks/bench_attention.py
 #   generate     benchmarks/bench_generate.py
+#   overhead     benchmarks/bench_call_overhead.py (warm generate calls, B = 1: forced full acceptance and
+#                target-only; FSPEC_* switches in the environment apply; a later --out names another file)
 #   scaling      benchmarks/bench_distill_scaling.py (two GPUs)
 #   memcheck     compute-sanitizer memcheck over the kernel GPU tests (caching allocator off; graph tests
 #                excluded: capture cannot allocate with the allocator off)
@@ -33,6 +35,8 @@ case "$stage" in
   draft) timeout 540 python3 benchmarks/bench_draft_loop.py --out "$OUT/draft_loop.json" "$@" > "$log" 2>&1 ;;
   attention) timeout 560 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" "$@" > "$log" 2>&1 ;;
   generate) timeout 560 python3 benchmarks/bench_generate.py --out "$OUT/generate.json" "$@" > "$log" 2>&1 ;;
+  overhead) timeout 400 python3 benchmarks/bench_call_overhead.py --out "$OUT/call_overhead.json" "$@" \
+      > "$log" 2>&1 ;;
   scaling) timeout 300 python3 benchmarks/bench_distill_scaling.py --out "$OUT/distill_scaling.json" "$@" \
       > "$log" 2>&1 ;;
   memcheck) PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 300 compute-sanitizer --tool memcheck \
