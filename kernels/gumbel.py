@@ -50,16 +50,17 @@ def inv_temperature(t):
 
 @triton.jit
 def block_argmax_offset(
-    key,  # float32 [GROUPS, 4] tile
+    key,  # float32 [GROUPS, 4] tile: -inf past the vocabulary's end, never NaN
     offs,  # int32 [GROUPS, 4] offsets of key's tokens from the tile's first token (`tile_offsets`)
-    valid,  # bool [GROUPS, 4]: the token is in the vocabulary
-    start,  # int64 scalar: the tile's first token id
+    start,  # int64 scalar: the tile's first token id (< V: offset 0 is always in the vocabulary)
     BLOCK: tl.constexpr,  # tokens per tile (sentinel offset)
 ):
-    """(max of key, smallest valid token id attaining it as int64); an all -inf tile gives its first valid
-    token. The search runs over int32 offsets: half the instructions of int64 token ids."""
+    """(max of key, smallest token id attaining it as int64); an all -inf tile gives its first token. The
+    search runs over int32 offsets (half the instructions of int64 token ids) and needs no vocabulary mask:
+    past the vocabulary keys are -inf, so they can only tie an all -inf tile's maximum, where offset 0 (a
+    real token) wins anyway."""
     best = tl.max(tl.max(key, axis=1), axis=0)
-    best_off = tl.min(tl.min(tl.where(valid & (key == best), offs, BLOCK), axis=1), axis=0)
+    best_off = tl.min(tl.min(tl.where(key == best, offs, BLOCK), axis=1), axis=0)
     return best, start + best_off
 
 
@@ -113,7 +114,7 @@ def _gumbel_block_kernel(
             # greedily, by its raw logits (the T -> 0 limit); this block competes with its raw maximum
             key = raw
             hot = tl.max(tl.max(raw, axis=1), axis=0)
-    best, best_token = block_argmax_offset(key, offs, valid, start, BLOCK)
+    best, best_token = block_argmax_offset(key, offs, start, BLOCK)
     tl.store(block_key_ptr + row * NB + blk, best)
     tl.store(block_token_ptr + row * NB + blk, best_token)
     tl.store(block_hot_ptr + row * NB + blk, hot)

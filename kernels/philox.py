@@ -38,6 +38,7 @@ PHILOX_ROUND_B = 0xCD9E8D57  # multiplier of counter word 2
 PHILOX_ROUNDS = 10
 # `uint_to_uniform_float`: largest scale with (2^31 - 1) * scale < 1 after float32 rounding.
 UNIFORM_SCALE = 4.6566127342e-10
+UNIFORM_SCALE_F32: tl.constexpr = tl.constexpr(UNIFORM_SCALE)
 
 SALT_SHIFT = 53  # offset bits [53, 63): salt
 POSITION_SHIFT = 22  # offset bits [22, 53): position mod 2^31
@@ -122,7 +123,18 @@ def philox_uniform_tile(
     r = tl.where(
         w == 0, r0[:, None], tl.where(w == 1, r1[:, None], tl.where(w == 2, r2[:, None], r3[:, None]))
     )
-    return tl.uint_to_uniform_float(r)  # [GROUPS, 4]
+    return uniform_from_words(r)  # [GROUPS, 4]
+
+
+@triton.jit
+def uniform_from_words(
+    r,  # uint32 block: Philox output words
+):
+    """`tl.uint_to_uniform_float(r)` bit for bit, one instruction a word cheaper: a negative word x (as
+    int32) folds to -x - 1 = ~x, which is x ^ (x >> 31) (arithmetic shift) — a shift and an xor instead of
+    a compare, a not and a select."""
+    x = r.to(tl.int32, bitcast=True)
+    return (x ^ (x >> 31)).to(tl.float32) * UNIFORM_SCALE_F32
 
 
 @triton.jit
@@ -132,19 +144,22 @@ def philox_gumbel_tile(
     salt,  # int (constexpr) or int64 scalar: stream salt
     start,  # int64 scalar, a multiple of 4: first token id of the tile
     GROUPS: tl.constexpr,  # tile covers tokens [start, start + 4 * GROUPS)
-    FAST_LOG: tl.constexpr = False,  # the outer log on the GPU's approximate log2 unit (see below)
+    FAST_LOG: tl.constexpr = False,  # both logs on the GPU's approximate log2 unit where safe (see below)
 ):
     """Gumbel noise -log(-log(u)) of tokens `start + 4 * g + w` as a [GROUPS, 4] float32 tile.
 
     The inner log must be accurate in relative terms: for u near 1, e = -log(u) is tiny and the noise
-    -log(e) large (those are the tokens that win), so it is `log_unit` (within 1 ulp). The outer log only
-    needs absolute accuracy (it is added to the logits): with FAST_LOG (GPU launches; the interpreter has no
-    libdevice) it is lg2.approx (absolute error <= 2^-22 on [0.5, 2], 2 ulp elsewhere) times -ln 2, which
-    replaces ~24 instructions of `tl.log` per token with two. Tokens can then differ from the reference only
-    where two keys are within ~1e-7 of each other.
+    -log(e) large (those are the tokens that win): `log_unit` (within 1 ulp), or with FAST_LOG
+    `neg_log_unit_fast` (1.3e-7 relative near 1, 5.8e-7 elsewhere; ~12 instructions instead of ~20). The
+    outer log only needs absolute accuracy (it is added to the logits): with FAST_LOG it is lg2.approx
+    (absolute error <= 2^-22 on [0.5, 2], 2 ulp elsewhere) times -ln 2, which replaces ~24 instructions of
+    `tl.log` per token with two. FAST_LOG is for GPU launches (the interpreter has no libdevice); tokens can
+    then differ from the float64 reference only where two keys are within ~8e-7 of each other.
     """
     u = philox_uniform_tile(seed, position, salt, start, GROUPS)
-    return -log_abs(-log_unit(u), FAST_LOG)
+    if FAST_LOG:
+        return -log_abs(neg_log_unit_fast(u), True)
+    return -log_abs(-log_unit(u), False)
 
 
 @triton.jit
@@ -173,6 +188,47 @@ def log_unit(
     p = p * f - 0.4999999701976776
     r = k * 0.693145751953125 + (f + (f * f) * p + k * 1.428606820309417e-06)
     return tl.where(u > 0, r, float("-inf"))
+
+
+# ln(1 + f) = f * P(f) on f in [-1/4, 0] (u in [3/4, 1]): P of degree 6, least squares on Chebyshev nodes,
+# within 1.3e-7 relative of the true log in float32 arithmetic (tests/kernels/test_philox.py)
+_NEAR_ONE: tl.constexpr = tl.constexpr(0.75)
+_P1: tl.constexpr = tl.constexpr(-0.49999937415122986)
+_P2: tl.constexpr = tl.constexpr(0.3333813548088074)
+_P3: tl.constexpr = tl.constexpr(-0.24880552291870117)
+_P4: tl.constexpr = tl.constexpr(0.21348357200622559)
+_P5: tl.constexpr = tl.constexpr(-0.09198083728551865)
+_P6: tl.constexpr = tl.constexpr(0.3308808207511902)
+
+
+@triton.jit
+def log_near_one(
+    u,  # float32 block, meant for u in [3/4, 1]
+):
+    """ln(u) for u in [3/4, 1] as f * P(f), f = u - 1 (exact there): 8 instructions, within 1.3e-7 relative
+    error (tests/kernels/test_philox.py), so tiny -log(u) keep their relative accuracy."""
+    f = u - 1.0
+    p = _P6 * f + _P5
+    p = p * f + _P4
+    p = p * f + _P3
+    p = p * f + _P2
+    p = p * f + _P1
+    p = p * f + 1.0
+    return f * p
+
+
+@triton.jit
+def neg_log_unit_fast(
+    u,  # float32 block in [0, 1): uniforms
+):
+    """-ln(u) for the Gumbel noise on a GPU: ~12 instructions a token instead of `log_unit`'s ~20.
+
+    Where -ln(u) is tiny (u > 3/4: the noise of likely winners) its relative error becomes the noise's
+    absolute error, so that side is `log_near_one` (1.3e-7 relative). Elsewhere the GPU's approximate log2
+    (absolute error <= 2^-22 on [1/2, 2], 2 ulp below) is within 2^-22 / log2(4/3) = 5.8e-7 relative, which
+    moves a key by at most that much (the outer log adds <= 1.7e-7): tokens can differ from the float64
+    reference only where two keys are that close. u = 0 gives +inf (that token never wins)."""
+    return -tl.where(u > _NEAR_ONE, log_near_one(u), libdevice.fast_log2f(u) * _LN2)
 
 
 @triton.jit

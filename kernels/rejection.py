@@ -174,8 +174,8 @@ def _rejection_residual_kernel(
             q = tl.where(offs == (tl.minimum(tl.maximum(x_k, 0), V - 1) - start).to(tl.int32), 1.0, 0.0)
         r = tl.maximum(p - q, 0.0)  # residual max(p - q, 0); with one-hot q: p without x_k
         res_key = tl.where(r > 0, log_abs(tl.where(r > 0, r, 1.0), FAST_LOG), float("-inf")) + noise
-        res_best, res_token = block_argmax_offset(res_key, offs, valid, start, BLOCK)
-        p_best, p_token = block_argmax_offset(x + noise, offs, valid, start, BLOCK)
+        res_best, res_token = block_argmax_offset(res_key, offs, start, BLOCK)
+        p_best, p_token = block_argmax_offset(x + noise, offs, start, BLOCK)
         out = row * NB + blk
         tl.store(res_key_ptr + out, res_best)
         tl.store(res_token_ptr + out, res_token)
