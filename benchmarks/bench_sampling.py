@@ -176,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         "triton": triton.__version__,
         "date": datetime.date.today().isoformat(),
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("FSPEC_")},
         "copy_bandwidth_TBps": round(bandwidth, 3),
         "rows": rows,
     }

@@ -17,6 +17,8 @@ first maximal block. One program per row over the vocabulary took 218 us at 8 x 
 for eager PyTorch (COMPILE-FACTS.md), so the vocabulary is split over programs.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -26,6 +28,19 @@ from .philox import philox_gumbel_ref, philox_gumbel_tile
 from .salts import SALT_DRAFT
 
 DEFAULT_BLOCK = 2048  # tokens per program: 63 blocks at V = 128256, 16 tokens per thread at 4 warps
+
+
+def launch_block(block: int | None) -> int:
+    """Tokens per program of the sampling kernels: `block`, else FSPEC_SAMPLING_BLOCK (a power of two >= 4;
+    for benchmarking other sizes), else DEFAULT_BLOCK."""
+    if block is not None:
+        return block
+    env = os.environ.get("FSPEC_SAMPLING_BLOCK")
+    if env is None:
+        return DEFAULT_BLOCK
+    if not env.isdigit() or int(env) < 4 or int(env) & (int(env) - 1):
+        raise ValueError(f"FSPEC_SAMPLING_BLOCK: expected a power of two >= 4, got {env!r}")
+    return int(env)
 
 
 @triton.jit
@@ -210,13 +225,14 @@ def gumbel_sample(
     out_tokens: Tensor | None = None,
     out_probs: Tensor | None = None,
     col: Tensor | None = None,
-    block: int = DEFAULT_BLOCK,
+    block: int | None = None,
 ) -> Tensor:
     """Launch the Gumbel kernels; returns tokens [N] int64 and, with out buffers, writes column `col`.
 
     Inputs are assumed validated (fspec.sampling.gumbel_sample checks them); out_tokens [N, K] and
-    out_probs [N, K, V] must be contiguous. `block` is a power of two >= 4.
+    out_probs [N, K, V] must be contiguous. `block` is a power of two >= 4 (None: `launch_block`).
     """
+    block = launch_block(block)
     n, v = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()

@@ -25,12 +25,12 @@ import triton.language as tl
 from torch import Tensor
 
 from .gumbel import (
-    DEFAULT_BLOCK,
     block_argmax_offset,
     clean_logits_ref,
     first_argmax_ref,
     inv_temperature,
     inv_temperature_ref,
+    launch_block,
     softmax_ref,
     softmax_shift,
     tile_offsets,
@@ -273,12 +273,14 @@ def rejection_sample(
     seed: Tensor,
     positions: Tensor,
     *,
-    block: int = DEFAULT_BLOCK,
+    block: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Launch the rejection-sampling kernels: (tokens [B, K+1] int64, num_accepted [B] int64).
 
-    Inputs are assumed validated (fspec.verify.rejection_sample checks them). `block` is a power of two >= 4.
+    Inputs are assumed validated (fspec.verify.rejection_sample checks them). `block` is a power of two >= 4
+    (None: `launch_block`).
     """
+    block = launch_block(block)
     b, k1, v = target_logits.shape
     k = k1 - 1
     dev = target_logits.device
