@@ -291,6 +291,12 @@ def generated_rows(
     from fspec.engine import generate
 
     n = r.generated_sequences
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise ValueError(f"generated_sequences: expected a positive int, got {n!r}")
+    for name in ("generated_prompt_len", "generated_new_tokens"):
+        value = getattr(r, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
     gen = torch.Generator().manual_seed(seed + 7)
     prompts = data.sample_windows(
         tokens, batch_size=n, seq_len=r.generated_prompt_len, generator=gen
@@ -555,6 +561,8 @@ def recipe_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     for part in ("target", "draft"):  # a time budget asked for replaces the recipe's fixed step count
         if f"{part}_minutes" in changes and getattr(args, f"{part}_steps") is None:
             changes[f"{part}_steps"] = 0
+    if args.generated_sequences is not None and args.generated_sequences < 0:
+        parser.error(f"--generated-sequences: expected a count >= 0, got {args.generated_sequences}")
     if args.target_layer_ids is not None:
         try:
             changes["target_layer_ids"] = tuple(int(i) for i in args.target_layer_ids.split(","))

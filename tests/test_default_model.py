@@ -70,6 +70,8 @@ def test_command_line_recipe_is_the_shipped_one_and_time_budgets_replace_step_co
     assert recipe() == FULL and FULL.target_steps == 2000 and FULL.target_layer_ids == (1, 2, 3)
     assert FULL.draft_steps == 3000 and FULL.generated_sequences == 16384
     assert recipe("--generated-sequences", "0").generated_sequences == 0
+    with pytest.raises(SystemExit):
+        recipe("--generated-sequences", "-3")
     r = recipe("--minutes", "7")
     assert (r.target_steps, r.draft_steps, r.target_minutes, r.draft_minutes) == (0, 0, 4.0, 3.0)
     r = recipe("--target-minutes", "2", "--target-steps", "50")
@@ -108,3 +110,10 @@ def test_generated_rows_are_training_windows_continued_by_the_target_itself():
     assert log["sequences"] == 5 and log["new_tokens"] == sum(map(len, conts))
     with pytest.raises(ValueError, match="target: expected a config with an EOS id"):
         default_model.generated_stream(r, base, tokens, seed=2)
+    for field, bad in (
+        ("generated_sequences", 0),
+        ("generated_prompt_len", -1),
+        ("generated_new_tokens", 1.5),
+    ):
+        with pytest.raises(ValueError, match=f"{field}: expected a positive int, got {bad!r}"):
+            default_model.generated_rows(dataclasses.replace(r, **{field: bad}), target, tokens, seed=2)
