@@ -10,6 +10,7 @@
 #   generate     benchmarks/bench_generate.py
 #   overhead     benchmarks/bench_call_overhead.py (warm generate calls, B = 1: forced full acceptance and
 #                target-only; FSPEC_* switches in the environment apply; a later --out names another file)
+#   linear       benchmarks/bench_skinny_linear.py (fspec::skinny_linear vs cuBLAS; --sweep for configs)
 #   scaling      benchmarks/bench_distill_scaling.py (two GPUs)
 #   memcheck     compute-sanitizer memcheck over the kernel GPU tests (caching allocator off; graph tests
 #                excluded: capture cannot allocate with the allocator off)
@@ -36,6 +37,8 @@ case "$stage" in
   attention) timeout 560 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" "$@" > "$log" 2>&1 ;;
   generate) timeout 560 python3 benchmarks/bench_generate.py --out "$OUT/generate.json" "$@" > "$log" 2>&1 ;;
   overhead) timeout 400 python3 benchmarks/bench_call_overhead.py --out "$OUT/call_overhead.json" "$@" \
+      > "$log" 2>&1 ;;
+  linear) timeout 500 python3 benchmarks/bench_skinny_linear.py --out "$OUT/skinny_linear.json" "$@" \
       > "$log" 2>&1 ;;
   scaling) timeout 300 python3 benchmarks/bench_distill_scaling.py --out "$OUT/distill_scaling.json" "$@" \
       > "$log" 2>&1 ;;

@@ -118,6 +118,25 @@ def call_overhead(d: dict) -> list[str]:
     return out
 
 
+def skinny_linear(d: dict) -> list[str]:
+    out = [
+        "| projection | N × K | M | floor µs | cuBLAS µs | skinny (default) µs | best skinny µs | best config "
+        "| cuBLAS / floor | best / floor |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in d["rows"]:
+        best = r.get("best_config")
+        cfg = (
+            f"{best['block_n']}×{best['block_k']}, {best['num_warps']}w{best['num_stages']}s" if best else "-"
+        )
+        out.append(
+            f"| {r['shape']} | {r['N']} × {r['K']} | {r['M']} | {_f(r.get('floor_us'), '{:.2f}')} "
+            f"| {_f(r['cublas_us'], '{:.2f}')} | {_f(r['skinny_us'], '{:.2f}')} | {_f(r.get('best_us'), '{:.2f}')} "
+            f"| {cfg} | {_f(r.get('cublas_over_floor'), '{:.2f}')} | {_f(r.get('best_over_floor'), '{:.2f}')} |"
+        )
+    return out
+
+
 acceptance_h200 = acceptance  # the same sweep, run on the GPU host (its Python's held-out files)
 
 
@@ -161,6 +180,7 @@ def main(names: list[str]) -> int:
         "draft_loop",
         "generate",
         "call_overhead",
+        "skinny_linear",
         "acceptance",
         "acceptance_h200",
         "distill_scaling",

@@ -13,6 +13,7 @@ kernel writes; callers pass whole buffers plus the column tensor, never views (p
     fspec::gumbel_sample_into   (... , out_tokens!, out_probs!, col) -> tokens [N] (fresh tensor)
     fspec::rejection_sample     (target_logits, draft_tokens, draft_probs?, temperature, seed, positions)
                                 -> (tokens [B, K+1], num_accepted [B])
+    fspec::skinny_linear        (x [M, K], w [N, K]) -> x @ w.T [M, N], M <= 16 (kernels/skinny_linear.py)
 """
 
 import os
@@ -22,6 +23,7 @@ from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
 from . import attention_ops, gumbel, rejection  # noqa: F401  (attention_ops registers its ops)
+from . import skinny_linear as _sl
 
 
 def kernels_interpreted() -> bool:
@@ -114,3 +116,20 @@ def _(
 ) -> tuple[Tensor, Tensor]:
     b, k1, _ = target_logits.shape
     return target_logits.new_empty((b, k1), dtype=torch.int64), target_logits.new_empty(b, dtype=torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# fspec::skinny_linear (kernels/skinny_linear.py)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fspec::skinny_linear", mutates_args=())
+def skinny_linear(x: Tensor, w: Tensor) -> Tensor:
+    """x [M, K] @ w [N, K].T -> [M, N] in x's dtype (M <= 16; fspec.models.layers.linear routes to it)."""
+    impl = _sl.skinny_linear if _use_triton(x) else _sl.skinny_linear_ref
+    return impl(x, w)
+
+
+@skinny_linear.register_fake
+def _(x: Tensor, w: Tensor) -> Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]))

@@ -79,3 +79,10 @@ def test_acceptance_scores_a_built_model_on_a_cut_grid(tmp_path):
     assert d["prompts"] == 2 and all(1.0 <= r["acceptance_length"] <= 6.0 for r in d["rows"])
     assert not any("theory_iid" in r or "theory_per_position" in r for r in d["rows"])
     assert "fspec/assets/default" in d["model"]
+
+
+def test_skinny_linear_smoke_agrees_with_cublas_path_on_every_row(tmp_path):
+    """The interpreter run covers every shape x row count and the kernel equals F.linear on each."""
+    d = _run("bench_skinny_linear.py", "--cpu-smoke", "--rows", "1", "6", out=tmp_path / "sk.json")
+    assert [(r["shape"], r["M"]) for r in d["rows"]] == [(s, m) for s in ("tiny a", "tiny b") for m in (1, 6)]
+    assert all(r["max_abs_diff_vs_cublas"] < 1e-4 and r["skinny_us"] > 0 for r in d["rows"])

@@ -13,6 +13,7 @@ convention (the HF checkpoint layout, not the interleaved one of Meta's original
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,31 @@ from einops import rearrange
 
 from fspec.attention import Attend
 from fspec.config import ModelConfig
+
+SKINNY_ROWS = 16  # fspec::skinny_linear's row limit (kernels/skinny_linear.py MAX_ROWS)
+
+
+def use_skinny_linear(x: torch.Tensor, w: torch.Tensor, *, cuda: bool | None = None) -> bool:
+    """Whether `linear` routes x @ w.T to `fspec::skinny_linear`: opt-in (FSPEC_SKINNY_LINEAR=1), on CUDA,
+    for at most 16 rows of x (decode, verification and draft steps at small batch), same floating dtype, and
+    no autograd through it (training keeps F.linear). Decided when a graph is traced."""
+    if os.environ.get("FSPEC_SKINNY_LINEAR") != "1":
+        return False
+    cuda = x.is_cuda if cuda is None else cuda
+    rows = math.prod(x.shape[:-1])
+    grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    return cuda and 0 < rows <= SKINNY_ROWS and w.dim() == 2 and x.dtype == w.dtype in dtypes and not grad
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, b), through `fspec::skinny_linear` where `use_skinny_linear` says so."""
+    if not use_skinny_linear(x, w):
+        return F.linear(x, w, b)
+    from fspec.kernels import ops  # noqa: F401  (registers torch.ops.fspec)
+
+    y = torch.ops.fspec.skinny_linear(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+    return y if b is None else y + b
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -87,11 +113,11 @@ def project_qkv(
     are then views of that one output, which the paged backend's kernel reads in place.
     """
     if "qkv" in p:
-        q, k, v = F.linear(x, p["qkv"], p.get("qkv_bias")).split(qkv_sizes(cfg), dim=-1)
+        q, k, v = linear(x, p["qkv"], p.get("qkv_bias")).split(qkv_sizes(cfg), dim=-1)
     else:
-        q = F.linear(x, p["q"], p.get("q_bias"))
-        k = F.linear(x, p["k"], p.get("k_bias"))
-        v = F.linear(x, p["v"], p.get("v_bias"))
+        q = linear(x, p["q"], p.get("q_bias"))
+        k = linear(x, p["k"], p.get("k_bias"))
+        v = linear(x, p["v"], p.get("v_bias"))
     q = rearrange(q, "... (n d) -> ... n d", d=cfg.head_dim)
     k = rearrange(k, "... (n d) -> ... n d", d=cfg.head_dim)
     v = rearrange(v, "... (n d) -> ... n d", d=cfg.head_dim)
@@ -104,10 +130,10 @@ def project_qkv(
 def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
     """SwiGLU: down(silu(gate(x)) * up(x)); a fused layer computes gate and up with one matmul."""
     if "gate_up" in p:
-        gate, up = F.linear(x, p["gate_up"]).chunk(2, dim=-1)
+        gate, up = linear(x, p["gate_up"]).chunk(2, dim=-1)
     else:
-        gate, up = F.linear(x, p["gate"]), F.linear(x, p["up"])
-    return F.linear(F.silu(gate) * up, p["down"])
+        gate, up = linear(x, p["gate"]), linear(x, p["up"])
+    return linear(F.silu(gate) * up, p["down"])
 
 
 # --- fused projections --------------------------------------------------------------------------------------
@@ -236,7 +262,7 @@ def decoder_layer(
     """
     q, k, v = project_qkv(p, attn_in, cfg=cfg)
     out = rearrange(attend(q, k, v, layer, cos, sin), "... n d -> ... (n d)")  # RoPE happens in attend
-    h = residual + F.linear(out, p["o"], p.get("o_bias"))
+    h = residual + linear(out, p["o"], p.get("o_bias"))
     return h + mlp(p, rms_norm(h, p["post_norm"], cfg.rms_norm_eps))
 
 

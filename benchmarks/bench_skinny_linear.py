@@ -1,0 +1,168 @@
+"""fspec::skinny_linear against cuBLAS (F.linear) on the projections of a decode step, and the floor.
+
+    python benchmarks/bench_skinny_linear.py [--sweep] [--rows 1 6 8 16] [--out PATH]
+    python benchmarks/bench_skinny_linear.py --cpu-smoke      # tiny shapes through the Triton interpreter
+
+Shapes (bf16, nn.Linear layout w [N, K]): the fused q/k/v, o, gate/up and down projections of a
+Llama-3.2-1B-shaped target and of an EAGLE-3 head at Llama-3.1-8B shapes (its q/k/v reads 2 x 4096 inputs).
+Each time is a CUDA-graph replay of calls that cycle through enough copies of the weight to exceed the L2
+cache (~50 MB on the H200), so every call reads its weight from HBM as in a real decode step; floor = (weight
++ x + y bytes) / measured copy bandwidth. --sweep also times a grid of launch configs at every shape.
+"""
+
+from __future__ import annotations
+
+import sys
+
+if "--cpu-smoke" in sys.argv:  # before triton is imported: the kernel is built by the interpreter
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+from fspec.kernels.skinny_linear import SkinnyConfig, default_config, skinny_linear  # noqa: E402
+
+SHAPES = {  # name: (N, K)
+    "1B q/k/v": (3072, 2048),
+    "1B o": (2048, 2048),
+    "1B gate/up": (16384, 2048),
+    "1B down": (2048, 8192),
+    "8B head q/k/v": (6144, 8192),
+    "8B head o": (4096, 4096),
+    "8B head gate/up": (28672, 4096),
+    "8B head down": (4096, 14336),
+}
+SMOKE_SHAPES = {"tiny a": (48, 64), "tiny b": (20, 100)}
+L2_BYTES = 64 << 20  # weights cycled per timed call sequence exceed this (the H200's L2 is ~50 MB)
+
+
+def sweep_configs() -> list[SkinnyConfig]:
+    return [
+        SkinnyConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+        for bn in (16, 32, 64)
+        for bk in (128, 256, 512)
+        for w, st in ((4, 3), (4, 4), (8, 3))
+    ]
+
+
+def copy_bandwidth_tbps() -> float:
+    src = torch.empty(1 << 29, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), rep=200, return_mode="median")
+    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e12
+
+
+def time_per_call_us(call, weights: list[torch.Tensor], smoke: bool) -> float:
+    """Median time of one call, each call on the next weight copy (graph replay on CUDA)."""
+
+    def run():
+        for w in weights:
+            call(w)
+
+    if smoke:
+        run()
+        samples = []
+        for _ in range(3):
+            start = time.perf_counter()
+            run()
+            samples.append((time.perf_counter() - start) / len(weights) * 1e6)
+        return statistics.median(samples)
+    return 1e3 * triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median") / len(weights)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 6, 8, 16], help="rows M of x")
+    p.add_argument("--sweep", action="store_true", help="also time a grid of launch configs")
+    p.add_argument(
+        "--cpu-smoke", action="store_true", help="tiny shapes, Triton interpreter, no timing claims"
+    )
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/skinny_linear.json"))
+    args = p.parse_args(argv)
+    smoke = args.cpu_smoke
+    if not smoke and not torch.cuda.is_available():
+        raise SystemExit("bench_skinny_linear: needs a CUDA device (or --cpu-smoke)")
+    dev, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
+    bandwidth = None if smoke else copy_bandwidth_tbps()
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for name, (n, k) in (SMOKE_SHAPES if smoke else SHAPES).items():
+        nbytes = n * k * torch.finfo(dtype).bits // 8
+        copies = 1 if smoke else max(2, -(-2 * L2_BYTES // nbytes))
+        weights = [torch.randn(n, k, device=dev, dtype=dtype, generator=gen) * k**-0.5 for _ in range(copies)]
+        for m in args.rows:
+            x = torch.randn(m, k, device=dev, dtype=dtype, generator=gen)
+            err = (skinny_linear(x, weights[0]).float() - F.linear(x, weights[0]).float()).abs().max().item()
+            row = {
+                "shape": name,
+                "N": n,
+                "K": k,
+                "M": m,
+                "weight_copies": copies,
+                "max_abs_diff_vs_cublas": err,
+                "cublas_us": time_per_call_us(lambda w, x=x: F.linear(x, w), weights, smoke),
+                "default_config": vars(default_config(n, k)),
+                "skinny_us": time_per_call_us(lambda w, x=x: skinny_linear(x, w), weights, smoke),
+            }
+            if bandwidth:
+                floor = (n * k + m * k + m * n) * torch.finfo(dtype).bits / 8 / (bandwidth * 1e12) * 1e6
+                row.update(floor_us=floor, cublas_over_floor=row["cublas_us"] / floor)
+                row["skinny_over_floor"] = row["skinny_us"] / floor
+            if args.sweep and not smoke:
+                timed = []
+                for cfg in sweep_configs():
+                    try:
+                        call = lambda w, c=cfg, x=x: skinny_linear(x, w, config=c)  # noqa: E731
+                        us = time_per_call_us(call, weights, smoke)
+                    except Exception as e:  # a config that does not compile (shared memory) is skipped
+                        timed.append({"config": vars(cfg), "error": f"{type(e).__name__}: {e}"[:200]})
+                        continue
+                    timed.append({"config": vars(cfg), "us": us})
+                ok = [t for t in timed if "us" in t]
+                row["sweep"] = timed
+                if ok:
+                    best = min(ok, key=lambda t: t["us"])
+                    row.update(best_config=best["config"], best_us=best["us"])
+                    if bandwidth:
+                        row["best_over_floor"] = best["us"] / row["floor_us"]
+            rows.append(row)
+            print(
+                f"{name:>16} M={m:>2}: cuBLAS {row['cublas_us']:8.2f} us, skinny {row['skinny_us']:8.2f} us"
+                + (f", floor {row['floor_us']:.2f} us" if bandwidth else "")
+                + (f", best {row['best_us']:.2f} us {row['best_config']}" if "best_us" in row else ""),
+                flush=True,
+            )
+        del weights
+    doc = {
+        "machine": platform.processor() or platform.machine(),
+        "device": "cpu (Triton interpreter)" if smoke else torch.cuda.get_device_name(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.date.today().isoformat(),
+        "command": "python benchmarks/bench_skinny_linear.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("FSPEC_")},
+        "copy_bandwidth_TBps": bandwidth,
+        "dtype": str(dtype).removeprefix("torch."),
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Skinny linear layer: y = x @ w.T for a few rows of x (decode, verification, draft steps), reading w once.
+
+    skinny_linear(x [M, K], w [N, K]) -> y [M, N]      M <= MAX_ROWS, y in x's dtype, fp32 accumulation
+
+Why: at batch 1 a projection is a matrix-vector product bound by reading w. On the H200 cuBLAS picks tiles of
+64 output columns for the decode-step projections of a 1B-shaped model (q/k/v: 3072 x 2048, o: 2048 x 2048),
+which launches only 32-48 programs on 132 SMs and reads their weights at ~1.8 TB/s of the ~4.2 TB/s a copy
+reaches (benchmarks/results/generate_profile_b1.txt: 5.9 us per call against a ~2-3 us floor).
+
+Design: grid (cdiv(N, BLOCK_N),); a program owns BLOCK_N output columns for all M rows and streams their
+[BLOCK_N, K] slice of w in [BLOCK_N, BLOCK_K] tiles (each row contiguous in K: coalesced 16-byte loads),
+multiplying by the [M_PAD, BLOCK_K] tile of x on the tensor cores (M padded to 16, the smallest tl.dot
+shape; the padding rows are masked loads, no memory traffic). Small BLOCK_N (16) spreads a 2048-column
+weight over 128 programs; a large BLOCK_K (512) keeps 16 KB of w per pipeline stage in flight per program,
+which is what a memory-bound stream needs per SM. No split-K: its second (reduce) launch would cost as much
+as it saves at these sizes. Launch parameters depend on static shapes only (CUDA-graph safe). Under the
+Triton interpreter everything is cast to float32 after loading (its bf16 arithmetic is not IEEE).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+
+MAX_ROWS = 16  # rows of x one program handles (one tl.dot tile); callers fall back to F.linear above it
+
+
+@dataclasses.dataclass(frozen=True)
+class SkinnyConfig:
+    """Launch parameters: output columns and reduction depth per tile, warps, pipeline stages."""
+
+    block_n: int = 16
+    block_k: int = 512
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_config(n: int, k: int) -> SkinnyConfig:
+    """A starting point from the shapes alone (to be tuned on the GPU with bench_skinny_linear.py): 16 columns
+    per program while that gives at least ~128 programs, wider tiles for wide outputs; BLOCK_K at most K's
+    next power of two."""
+    block_n = 16 if n <= 4096 else 32 if n <= 16384 else 64
+    block_k = min(512, max(16, triton.next_power_of_2(k)))
+    return SkinnyConfig(block_n=block_n, block_k=block_k)
+
+
+@triton.jit
+def _skinny_linear_kernel(
+    x_ptr,  # [M, K] rows of the input, K-stride 1
+    w_ptr,  # [N, K] weight (nn.Linear layout), K-stride 1
+    y_ptr,  # [M, N] out, N-stride 1
+    M,  # rows (<= M_PAD)
+    N,  # output features
+    K,  # input features
+    stride_xm,  # elements between rows of x
+    stride_wn,  # elements between rows of w
+    stride_ym,  # elements between rows of y
+    M_PAD: tl.constexpr,  # rows per tile, a power of two >= 16
+    BLOCK_N: tl.constexpr,  # output columns per program, a power of two >= 16
+    BLOCK_K: tl.constexpr,  # reduction depth per tile, a power of two >= 16
+    UPCAST: tl.constexpr,  # cast loads to float32 (interpreter, or float32 inputs: exact "ieee" dots)
+):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, M_PAD)
+    n_ok = n < N
+    m_ok = m < M
+    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        x_tile = x_ptr + m[:, None] * stride_xm + k[None, :]
+        x = tl.load(x_tile, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w_tile = w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :]
+        w = tl.load(w_tile, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if UPCAST:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    tl.store(
+        y_ptr + m[:, None] * stride_ym + n[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & n_ok[None, :],
+    )
+
+
+def skinny_linear(x: Tensor, w: Tensor, *, config: SkinnyConfig | None = None) -> Tensor:
+    """x [M, K] @ w [N, K].T -> [M, N] in x's dtype, M <= MAX_ROWS; inputs are assumed checked by the caller
+    (`fspec.models.layers.linear` only routes shapes that fit)."""
+    m, k = x.shape
+    n = w.shape[0]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    cfg = config or default_config(n, k)
+    interpreted = isinstance(_skinny_linear_kernel, InterpretedFunction)
+    upcast = interpreted or x.dtype == torch.float32
+    launch = {} if interpreted else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    _skinny_linear_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
+        M_PAD=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=upcast,
+        **launch,
+    )  # fmt: skip
+    return y
+
+
+def skinny_linear_ref(x: Tensor, w: Tensor) -> Tensor:
+    """The reference: float32 accumulation of x @ w.T, cast to x's dtype."""
+    return (x.float() @ w.float().T).to(x.dtype)

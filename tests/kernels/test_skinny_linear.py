@@ -1,0 +1,113 @@
+"""fspec::skinny_linear (kernels/skinny_linear.py) against its reference, the routing in
+fspec.models.layers.linear, and the kernel compiled for the H200 (sm_90)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fresh_process import in_fresh_process
+
+from fspec.kernels import ops  # noqa: F401  (registers torch.ops.fspec)
+from fspec.kernels.skinny_linear import SkinnyConfig, default_config, skinny_linear, skinny_linear_ref
+from fspec.models import layers
+
+
+@pytest.mark.parametrize("m", [1, 3, 6, 16])
+@pytest.mark.parametrize(("n", "k"), [(16, 16), (37, 200), (100, 513)])
+def test_kernel_equals_reference_on_irregular_shapes(m, n, k):
+    """Every row count up to the tile, output and reduction sizes that are not multiples of the tiles (masked
+    columns, a partial last K tile), one and several K iterations, two tile widths."""
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    want = skinny_linear_ref(x, w)
+    for cfg in (None, SkinnyConfig(block_n=32, block_k=64), SkinnyConfig(block_n=16, block_k=16)):
+        got = skinny_linear(x, w, config=cfg)
+        assert got.shape == (m, n) and got.dtype == x.dtype
+        # fp32 sums of k unit-variance products in another order: rounding ~ sqrt(k) * 2^-24 * sqrt(k)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_kernel_reads_strided_rows_and_keeps_bf16():
+    """A row-strided x (a slice of a wider activation) and bf16 inputs: the result is the reference's
+    float32-accumulated product rounded to bf16 (at most one bf16 step apart: sums in another order)."""
+    gen = torch.Generator().manual_seed(7)
+    wide = torch.randn(5, 300, generator=gen).bfloat16()
+    x, w = wide[:, 20:220], torch.randn(48, 200, generator=gen).bfloat16()
+    got, want = skinny_linear(x, w), skinny_linear_ref(x, w)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-2)
+
+
+def test_op_matches_reference_and_traces_under_compile():
+    """The registered op (Triton under the interpreter, reference on CPU when traced) gives the reference's
+    result eagerly and inside torch.compile(fullgraph=True)."""
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(6, 40, generator=gen), torch.randn(24, 40, generator=gen)
+    want = skinny_linear_ref(x, w)
+    torch.testing.assert_close(torch.ops.fspec.skinny_linear(x, w), want, rtol=1e-5, atol=1e-5)
+    compiled = torch.compile(lambda a, b: torch.ops.fspec.skinny_linear(a, b) * 2.0, fullgraph=True)
+    torch.testing.assert_close(compiled(x, w), want * 2.0, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_routes_only_small_inference_products_on_cuda_when_asked(monkeypatch):
+    """use_skinny_linear: off unless FSPEC_SKINNY_LINEAR=1; then only on CUDA, for 1..16 rows, matching
+    float dtypes, and never where autograd would need the product's gradient. `linear` itself equals
+    F.linear (on CPU it never routes)."""
+    x, w = torch.randn(2, 3, 8), torch.randn(5, 8)
+    monkeypatch.delenv("FSPEC_SKINNY_LINEAR", raising=False)
+    assert not layers.use_skinny_linear(x, w, cuda=True)
+    monkeypatch.setenv("FSPEC_SKINNY_LINEAR", "1")
+    assert layers.use_skinny_linear(x, w, cuda=True)  # 6 rows
+    assert not layers.use_skinny_linear(x, w, cuda=False)
+    assert not layers.use_skinny_linear(torch.randn(17, 8), w, cuda=True)
+    assert not layers.use_skinny_linear(x.double(), w.double(), cuda=True)
+    assert not layers.use_skinny_linear(x.bfloat16(), w, cuda=True)
+    assert not layers.use_skinny_linear(x, w.requires_grad_(), cuda=True)
+    with torch.no_grad():
+        assert layers.use_skinny_linear(x, w, cuda=True)
+    b = torch.randn(5)
+    torch.testing.assert_close(layers.linear(x, w.detach(), b), F.linear(x, w.detach(), b))
+
+
+def test_default_config_spreads_columns_and_caps_the_tile_depth():
+    """16 columns per program up to 4096 outputs (>= 128 programs for a 2048-wide projection), wider above;
+    BLOCK_K never past K's next power of two."""
+    assert default_config(2048, 2048) == SkinnyConfig(block_n=16, block_k=512)
+    assert default_config(16384, 2048).block_n == 32 and default_config(128256, 2048).block_n == 64
+    assert default_config(100, 40).block_k == 64
+
+
+def _compile_for_sm90_body():
+    """Compile the kernel for sm_90 (bf16 weights, one decode row) and look for tensor-core MMAs and the
+    absence of register spills."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fspec.kernels.skinny_linear import _skinny_linear_kernel
+
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32"}
+    sig.update(stride_xm="i32", stride_wn="i32", stride_ym="i32")
+    sig.update(M_PAD="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr", UPCAST="constexpr")
+    consts = {"M_PAD": 16, "BLOCK_N": 16, "BLOCK_K": 512, "UPCAST": False}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(9)}
+    src = ASTSource(fn=_skinny_linear_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    options = {"num_warps": 4, "num_stages": 3}
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    nvdisasm = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        run = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True)
+    sass = run.stdout
+    assert "HMMA" in sass or "HGMMA" in sass, "no tensor-core instruction in the skinny linear kernel"
+    assert "STL" not in sass, "the skinny linear kernel spills registers"
+
+
+def test_kernel_compiles_for_sm90():
+    in_fresh_process(__file__, globals(), "_compile_for_sm90_body")
