@@ -47,6 +47,7 @@ MAX_VOCAB = 1 << 24  # token_id // 4 must fit in the 22 low bits
 _MASK32 = 0xFFFFFFFF
 
 _LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+_NEG_LN2: tl.constexpr = tl.constexpr(-0.6931471805599453)
 _KEY_A: tl.constexpr = tl.constexpr(PHILOX_KEY_A)
 _KEY_B: tl.constexpr = tl.constexpr(PHILOX_KEY_B)
 _ROUND_A: tl.constexpr = tl.constexpr(PHILOX_ROUND_A)
@@ -157,8 +158,8 @@ def philox_gumbel_tile(
     then differ from the float64 reference only where two keys are within ~8e-7 of each other.
     """
     u = philox_uniform_tile(seed, position, salt, start, GROUPS)
-    if FAST_LOG:
-        return -log_abs(neg_log_unit_fast(u), True)
+    if FAST_LOG:  # -ln(e) = lg2(e) * -ln 2: one multiply the caller's add can fuse with (no unary minus)
+        return libdevice.fast_log2f(neg_log_unit_fast(u)) * _NEG_LN2
     return -log_abs(-log_unit(u), False)
 
 
@@ -204,16 +205,17 @@ _P6: tl.constexpr = tl.constexpr(0.3308808207511902)
 @triton.jit
 def log_near_one(
     u,  # float32 block, meant for u in [3/4, 1]
+    SIGN: tl.constexpr = 1.0,  # -1.0: -ln(u), the sign folded into the coefficients (no extra instruction)
 ):
-    """ln(u) for u in [3/4, 1] as f * P(f), f = u - 1 (exact there): 8 instructions, within 1.3e-7 relative
-    error (tests/kernels/test_philox.py), so tiny -log(u) keep their relative accuracy."""
+    """SIGN * ln(u) for u in [3/4, 1] as f * P(f), f = u - 1 (exact there): 8 instructions, within 1.3e-7
+    relative error (tests/kernels/test_philox.py), so tiny -log(u) keep their relative accuracy."""
     f = u - 1.0
-    p = _P6 * f + _P5
-    p = p * f + _P4
-    p = p * f + _P3
-    p = p * f + _P2
-    p = p * f + _P1
-    p = p * f + 1.0
+    p = (_P6 * SIGN) * f + (_P5 * SIGN)
+    p = p * f + (_P4 * SIGN)
+    p = p * f + (_P3 * SIGN)
+    p = p * f + (_P2 * SIGN)
+    p = p * f + (_P1 * SIGN)
+    p = p * f + SIGN
     return f * p
 
 
@@ -221,14 +223,15 @@ def log_near_one(
 def neg_log_unit_fast(
     u,  # float32 block in [0, 1): uniforms
 ):
-    """-ln(u) for the Gumbel noise on a GPU: ~12 instructions a token instead of `log_unit`'s ~20.
+    """-ln(u) for the Gumbel noise on a GPU: ~11 instructions a token instead of `log_unit`'s ~20.
 
     Where -ln(u) is tiny (u > 3/4: the noise of likely winners) its relative error becomes the noise's
     absolute error, so that side is `log_near_one` (1.3e-7 relative). Elsewhere the GPU's approximate log2
     (absolute error <= 2^-22 on [1/2, 2], 2 ulp below) is within 2^-22 / log2(4/3) = 5.8e-7 relative, which
     moves a key by at most that much (the outer log adds <= 1.7e-7): tokens can differ from the float64
-    reference only where two keys are that close. u = 0 gives +inf (that token never wins)."""
-    return -tl.where(u > _NEAR_ONE, log_near_one(u), libdevice.fast_log2f(u) * _LN2)
+    reference only where two keys are that close. u = 0 gives +inf (that token never wins). Signs live in
+    the constants: Triton's unary minus is a subtraction from 0, an instruction of its own."""
+    return tl.where(u > _NEAR_ONE, log_near_one(u, -1.0), libdevice.fast_log2f(u) * _NEG_LN2)
 
 
 @triton.jit

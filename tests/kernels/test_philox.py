@@ -224,17 +224,20 @@ def test_log_unit_is_within_one_ulp_of_the_true_log_on_every_kind_of_uniform():
 
 
 @triton.jit
-def _log_near_one_probe_kernel(u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _log_near_one_probe_kernel(u_ptr, out_ptr, neg_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
-    tl.store(out_ptr + i, log_near_one(tl.load(u_ptr + i, mask=ok, other=0.9)), mask=ok)
+    u = tl.load(u_ptr + i, mask=ok, other=0.9)
+    tl.store(out_ptr + i, log_near_one(u), mask=ok)
+    tl.store(neg_ptr + i, log_near_one(u, -1.0), mask=ok)
 
 
 def test_log_near_one_keeps_relative_accuracy_where_the_fast_inner_log_uses_it():
     """`log_near_one`, the side of the GPU's fast inner log (`neg_log_unit_fast`) that handles u > 3/4,
     against float64 in float32 arithmetic without fused multiply-adds (the GPU's FMAs round less): within
     1.3e-7 relative error (~2 ulp) on every float32 in [3/4, 1) near both ends and on random uniforms there,
-    including the 4096 values just below 1 where -log(u) is tiny."""
+    including the 4096 values just below 1 where -log(u) is tiny. SIGN = -1 (the sign folded into the
+    coefficients) gives exactly the negation."""
     gen = torch.Generator().manual_seed(1)
     u = torch.cat(
         [
@@ -243,8 +246,9 @@ def test_log_near_one_keeps_relative_accuracy_where_the_fast_inner_log_uses_it()
             0.75 + torch.arange(0, 4096, dtype=torch.float64) * 2.0**-24,
         ]
     ).float()
-    out = torch.empty_like(u)
-    _log_near_one_probe_kernel[(triton.cdiv(len(u), 4096),)](u, out, len(u), BLOCK=4096)
+    out, neg = torch.empty_like(u), torch.empty_like(u)
+    _log_near_one_probe_kernel[(triton.cdiv(len(u), 4096),)](u, out, neg, len(u), BLOCK=4096)
     truth = torch.log(u.double())
     rel = ((out.double() - truth).abs() / truth.abs()).max().item()
     assert rel <= 1.3e-7, rel
+    assert torch.equal(neg, -out)
