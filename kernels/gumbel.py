@@ -104,7 +104,7 @@ def _gumbel_block_kernel(
     SALT: tl.constexpr,  # Philox salt of this sampling decision
     WITH_STATS: tl.constexpr,  # also write softmax statistics for the probability write
     BLOCK: tl.constexpr,  # tokens per program, a power of two >= 4
-    FAST_LOG: tl.constexpr,  # philox_gumbel_tile's approximate outer log (GPU launches)
+    FAST_LOG: tl.constexpr,  # GPU launch: approximate logs (philox_gumbel_tile), NaN masked by max.f32
 ):
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1).to(tl.int64)
@@ -112,19 +112,26 @@ def _gumbel_block_kernel(
     start = blk * BLOCK
     # [GROUPS, 4] tile: four consecutive tokens share one Philox call (kernels/philox.py)
     offs = tile_offsets(GROUPS)
-    valid = offs < tl.minimum(V - start, BLOCK).to(tl.int32)
-    raw = tl.load(logits_ptr + row * stride_row + start + offs, mask=valid, other=float("-inf"))
-    raw = raw.to(tl.float32)
-    raw = tl.where(raw != raw, float("-inf"), raw)  # NaN never wins
+    ptrs = logits_ptr + row * stride_row + start + offs
+    if start + BLOCK <= V:  # every block but the last: no per-token mask
+        raw = tl.load(ptrs).to(tl.float32)
+    else:
+        valid = offs < (V - start).to(tl.int32)
+        raw = tl.load(ptrs, mask=valid, other=float("-inf")).to(tl.float32)
+    if FAST_LOG:  # NaN never wins: max.f32 returns the non-NaN operand on the GPU (one instruction)
+        raw = tl.maximum(raw, float("-inf"))
+    else:  # the interpreter's maximum propagates NaN
+        raw = tl.where(raw != raw, float("-inf"), raw)
     t = tl.load(temperature_ptr + row)
-    x = raw * inv_temperature(t)
-    key = x
+    inv_t = inv_temperature(t)  # 1 for greedy rows: their key is the raw logit
+    key = raw
     hot = tl.full([], float("-inf"), tl.float32)
     if t > 0:  # greedy rows skip Philox entirely
         seed = tl.load(seed_ptr + row)
         position = tl.load(positions_ptr + row)
-        key = x + philox_gumbel_tile(seed, position, SALT, start, GROUPS, FAST_LOG)
-        if tl.max(tl.max(x, axis=1), axis=0) == float("inf"):
+        key = raw * inv_t + philox_gumbel_tile(seed, position, SALT, start, GROUPS, FAST_LOG)  # one FMA
+        # max(logits / T) = max(logits) / T (multiplying by 1 / T > 0 is monotone, rounding included)
+        if tl.max(tl.max(raw, axis=1), axis=0) * inv_t == float("inf"):
             # logits / T reaches +inf (a +inf logit, or T small enough to overflow): the row is decided
             # greedily, by its raw logits (the T -> 0 limit); this block competes with its raw maximum
             key = raw
@@ -134,6 +141,7 @@ def _gumbel_block_kernel(
     tl.store(block_token_ptr + row * NB + blk, best_token)
     tl.store(block_hot_ptr + row * NB + blk, hot)
     if WITH_STATS:
+        x = raw * inv_t
         m = tl.max(tl.max(x, axis=1), axis=0)
         e = tl.exp(x - softmax_shift(m))
         tl.store(block_max_ptr + row * NB + blk, m)

@@ -142,7 +142,7 @@ def _rejection_residual_kernel(
     K,  # draft tokens per request
     HAS_Q: tl.constexpr,  # draft_probs given (sampled drafts)
     BLOCK: tl.constexpr,  # tokens per program, a power of two >= 4
-    FAST_LOG: tl.constexpr,  # approximate logs where only their absolute error matters (GPU launches)
+    FAST_LOG: tl.constexpr,  # GPU launch: approximate logs where only absolute error matters, NaN by max.f32
 ):
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1).to(tl.int64)
@@ -151,7 +151,8 @@ def _rejection_residual_kernel(
     GROUPS: tl.constexpr = BLOCK // 4
     start = blk * BLOCK
     offs = tile_offsets(GROUPS)  # [GROUPS, 4] int32: token = start + offs
-    valid = offs < tl.minimum(V - start, BLOCK).to(tl.int32)
+    full = start + BLOCK <= V
+    valid = offs < tl.minimum(V - start, BLOCK).to(tl.int32)  # only read in the last block
     is_draft = k < K
     t = tl.load(temperature_ptr + b)
     # Greedy targets (T = 0) need none of this: the accept kernel uses their argmax, so skip the pass (no
@@ -161,14 +162,24 @@ def _rejection_residual_kernel(
         salt = tl.where(is_draft, _SALT_RESIDUAL, _SALT_BONUS).to(tl.int64)
         seed, position = tl.load(seed_ptr + b), tl.load(positions_ptr + b) + k
         noise = philox_gumbel_tile(seed, position, salt, start, GROUPS, FAST_LOG)
-        x = tl.load(logits_ptr + b * stride_b + k * stride_k + start + offs, mask=valid, other=float("-inf"))
-        x = x.to(tl.float32)
-        x = tl.where(x != x, float("-inf"), x) * inv_temperature(t)
+        x_ptrs = logits_ptr + b * stride_b + k * stride_k + start + offs
+        if full:  # every block but the last: no per-token mask
+            x = tl.load(x_ptrs).to(tl.float32)
+        else:
+            x = tl.load(x_ptrs, mask=valid, other=float("-inf")).to(tl.float32)
+        if FAST_LOG:  # NaN never wins: max.f32 returns the non-NaN operand on the GPU
+            x = tl.maximum(x, float("-inf")) * inv_temperature(t)
+        else:  # the interpreter's maximum propagates NaN
+            x = tl.where(x != x, float("-inf"), x) * inv_temperature(t)
         row_max, row_sum = tl.load(row_max_ptr + row), tl.load(row_sum_ptr + row)
         x, m, s = _one_hot_if_degenerate(x, (offs == 0) & (start == 0), row_max, row_sum)
         p = tl.exp(x - m) * (1.0 / s)  # [GROUPS, 4]
         if HAS_Q:
-            q = tl.load(draft_probs_ptr + (b * K + k) * V + start + offs, mask=valid & is_draft, other=0.0)
+            q_ptrs = draft_probs_ptr + (b * K + k) * V + start + offs
+            if full:
+                q = tl.load(q_ptrs, mask=is_draft, other=0.0)
+            else:
+                q = tl.load(q_ptrs, mask=valid & is_draft, other=0.0)
         else:
             x_k = tl.load(draft_tokens_ptr + b * K + k, mask=is_draft, other=0)
             q = tl.where(offs == (tl.minimum(tl.maximum(x_k, 0), V - 1) - start).to(tl.int32), 1.0, 0.0)

@@ -46,6 +46,31 @@ def test_gumbel_kernel_on_gpu_agrees_with_the_cpu_reference_token_for_token(n, v
     torch.testing.assert_close(got_p[:, 1].cpu(), ref_p, rtol=1e-4, atol=1e-6)
 
 
+def test_gumbel_kernel_on_gpu_treats_nan_and_inf_as_the_reference_does():
+    """The GPU path masks NaN with max.f32 and reads full blocks without a mask: rows with NaN around and at
+    the finite maximum, a NaN-only row but one token, +inf logits (decided greedily), an all -inf row but one
+    token, in the last (partial) block too; greedy and sampled rows; tokens equal the CPU reference's."""
+    n, v = 8, 5000  # two 2048-token blocks and a partial one
+    logits = _logits(n, v, 11)
+    logits[0, ::7] = float("nan")
+    logits[1, logits[1].argmax()] = float("nan")  # the largest finite logit becomes NaN
+    logits[2] = float("nan")
+    logits[2, 4321] = -3.0  # in the partial block
+    logits[3, 100] = float("inf")
+    logits[4] = float("-inf")
+    logits[4, 4999] = 0.0
+    logits[5, 2048:] = float("nan")
+    logits[6, 4990] = 1e30  # with T = 0.5 overflows to +inf: decided greedily
+    logits[7, ::3] = float("nan")
+    temp = torch.tensor([1.0, 0.0, 1.0, 0.7, 1.0, 1.3, 0.5, 0.0])
+    seed = torch.arange(n, dtype=torch.int64) * 7 + 1
+    pos = torch.arange(n, dtype=torch.int64) + 50
+    want = gumbel.gumbel_sample_ref(logits, temp, seed, pos, salt=0)
+    got = fspec.gumbel_sample(*(x.cuda() for x in (logits, temp, seed, pos)), salt=0)
+    assert got.cpu().tolist() == want.tolist()
+    assert want[2] == 4321 and want[3] == 100 and want[4] == 4999 and want[6] == 4990
+
+
 def test_rejection_kernel_on_gpu_agrees_with_the_cpu_reference():
     """B = 64, K = 5, V = 32000, sampled drafts, mixed greedy and sampled targets: tokens and counts agree."""
     b, k, v = 64, 5, 32000
