@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_generate as BG  # noqa: E402
 
 import fspec  # noqa: E402
+from fspec.config import env_switches  # noqa: E402
 
 
 class GcClock:
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
         "date": datetime.date.today().isoformat(),
         "command": "python benchmarks/bench_call_overhead.py "
         + " ".join(sys.argv[1:] if argv is None else argv),
-        "env": BG.fspec_env(),
+        "env": env_switches(),
         "setup": f"{s.label}; K = {s.k} (forced full acceptance), B = 1, {s.new_tokens} new tokens, "
         f"prompt {s.prompt_len}, compile={s.compile}",
         "fspec": fspec.__version__ if hasattr(fspec, "__version__") else None,

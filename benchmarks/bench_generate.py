@@ -55,7 +55,6 @@ import datetime
 import functools
 import json
 import logging
-import os
 import platform
 import statistics
 import sys
@@ -70,7 +69,7 @@ import torch
 import fspec
 from fspec import rounds, runner
 from fspec.compile import compile_propose, jit
-from fspec.config import ModelConfig
+from fspec.config import ModelConfig, env_switches
 from fspec.draft import propose
 from fspec.engine import Stats
 from fspec.metadata import first_step_metadata
@@ -243,11 +242,6 @@ _START = time.monotonic()
 
 def log(msg: str) -> None:
     print(f"[{time.monotonic() - _START:7.1f}s] {msg}", flush=True)
-
-
-def fspec_env() -> dict[str, str]:
-    """The FSPEC_* switches of this process (tuning, pipelining, prefill graph): part of what was measured."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("FSPEC_")}
 
 
 def sync(device: torch.device) -> None:
@@ -871,7 +865,7 @@ def header(s: Setup, bandwidth: float, models: Models, floor_step_s: float) -> d
         "python": platform.python_version(),
         "date": datetime.date.today().isoformat(),
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-        "env": fspec_env(),
+        "env": env_switches(),
         "copy_bandwidth_TBps": round(bandwidth, 4),
         "target": s.label,
         "config": {

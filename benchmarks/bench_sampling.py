@@ -28,6 +28,7 @@ import triton
 import triton.testing
 
 import fspec.kernels.ops  # noqa: F401  (registers torch.ops.fspec)
+from fspec.config import env_switches
 from fspec.kernels import gumbel, rejection
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "sampling.json"
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         "triton": triton.__version__,
         "date": datetime.date.today().isoformat(),
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("FSPEC_")},
+        "env": env_switches(),
         "copy_bandwidth_TBps": round(bandwidth, 3),
         "rows": rows,
         "block_sweep": sweep,

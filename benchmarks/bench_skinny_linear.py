@@ -32,6 +32,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
+from fspec.config import env_switches  # noqa: E402
 from fspec.kernels.skinny_linear import SkinnyConfig, default_config, skinny_linear  # noqa: E402
 
 SHAPES = {  # name: (N, K)
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
         "date": datetime.date.today().isoformat(),
         "command": "python benchmarks/bench_skinny_linear.py "
         + " ".join(sys.argv[1:] if argv is None else argv),
-        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("FSPEC_")},
+        "env": env_switches(),
         "copy_bandwidth_TBps": bandwidth,
         "dtype": str(dtype).removeprefix("torch."),
         "rows": rows,

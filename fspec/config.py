@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -357,6 +358,12 @@ class DraftConfig:
     @property
     def max_blocks_per_request(self) -> int:
         return -(-self.max_model_len // self.block_size)
+
+
+def env_switches() -> dict[str, str]:
+    """The FSPEC_* environment switches of this process (FSPEC_PIPELINE, FSPEC_COMPILE_PREFILL,
+    FSPEC_SKINNY_LINEAR, FSPEC_SAMPLING_BLOCK, ...), sorted: benchmarks record them beside their results."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("FSPEC_")}
 
 
 def size_bucket(n: int) -> int:

@@ -147,3 +147,16 @@ def test_bucket_for_pads_to_the_next_bucket():
     for bad in (0, 257, 2.0):
         with pytest.raises(ValueError, match="batch_size"):
             fspec.bucket_for(bad)
+
+
+def test_env_switches_are_exactly_the_fspec_variables_sorted(monkeypatch):
+    """What benchmarks record beside their results: every FSPEC_* variable, nothing else, in name order."""
+    from fspec.config import env_switches
+
+    for k in [k for k in __import__("os").environ if k.startswith("FSPEC_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("FSPEC_SKINNY_LINEAR", "1")
+    monkeypatch.setenv("FSPEC_PIPELINE", "0")
+    monkeypatch.setenv("NOT_FSPEC_X", "1")
+    assert env_switches() == {"FSPEC_PIPELINE": "0", "FSPEC_SKINNY_LINEAR": "1"}
+    assert list(env_switches()) == ["FSPEC_PIPELINE", "FSPEC_SKINNY_LINEAR"]
