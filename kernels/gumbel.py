@@ -80,6 +80,27 @@ def block_argmax_offset(
 
 
 @triton.jit
+def load_logits_tile(
+    ptrs,  # [GROUPS, 4] pointers to the tile's logits (any float dtype)
+    offs,  # int32 [GROUPS, 4] offsets from the tile's first token (`tile_offsets`)
+    start,  # int64 scalar: the tile's first token id (< V)
+    V,  # vocabulary size
+    BLOCK: tl.constexpr,  # tokens per tile
+    FAST: tl.constexpr,  # GPU launch: NaN masked by max.f32
+):
+    """float32 logits of a tile, -inf past the vocabulary and for NaN (NaN never wins). Every tile but the
+    last loads without a per-token mask; on the GPU max.f32 returns the non-NaN operand (one instruction;
+    the interpreter's maximum propagates NaN, so it compares and selects)."""
+    if start + BLOCK <= V:
+        raw = tl.load(ptrs).to(tl.float32)
+    else:
+        raw = tl.load(ptrs, mask=offs < (V - start).to(tl.int32), other=float("-inf")).to(tl.float32)
+    if FAST:
+        return tl.maximum(raw, float("-inf"))
+    return tl.where(raw != raw, float("-inf"), raw)
+
+
+@triton.jit
 def tile_offsets(GROUPS: tl.constexpr):
     """int32 [GROUPS, 4] offsets 4 * g + w of a tile's tokens from its first token (four consecutive tokens
     per row, the words of one Philox call). Offsets, not int64 token ids: 32-bit compares, selects and
@@ -112,16 +133,7 @@ def _gumbel_block_kernel(
     start = blk * BLOCK
     # [GROUPS, 4] tile: four consecutive tokens share one Philox call (kernels/philox.py)
     offs = tile_offsets(GROUPS)
-    ptrs = logits_ptr + row * stride_row + start + offs
-    if start + BLOCK <= V:  # every block but the last: no per-token mask
-        raw = tl.load(ptrs).to(tl.float32)
-    else:
-        valid = offs < (V - start).to(tl.int32)
-        raw = tl.load(ptrs, mask=valid, other=float("-inf")).to(tl.float32)
-    if FAST_LOG:  # NaN never wins: max.f32 returns the non-NaN operand on the GPU (one instruction)
-        raw = tl.maximum(raw, float("-inf"))
-    else:  # the interpreter's maximum propagates NaN
-        raw = tl.where(raw != raw, float("-inf"), raw)
+    raw = load_logits_tile(logits_ptr + row * stride_row + start + offs, offs, start, V, BLOCK, FAST_LOG)
     t = tl.load(temperature_ptr + row)
     inv_t = inv_temperature(t)  # 1 for greedy rows: their key is the raw logit
     key = raw

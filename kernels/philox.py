@@ -38,7 +38,6 @@ PHILOX_ROUND_B = 0xCD9E8D57  # multiplier of counter word 2
 PHILOX_ROUNDS = 10
 # `uint_to_uniform_float`: largest scale with (2^31 - 1) * scale < 1 after float32 rounding.
 UNIFORM_SCALE = 4.6566127342e-10
-UNIFORM_SCALE_F32: tl.constexpr = tl.constexpr(UNIFORM_SCALE)
 
 SALT_SHIFT = 53  # offset bits [53, 63): salt
 POSITION_SHIFT = 22  # offset bits [22, 53): position mod 2^31
@@ -124,18 +123,7 @@ def philox_uniform_tile(
     r = tl.where(
         w == 0, r0[:, None], tl.where(w == 1, r1[:, None], tl.where(w == 2, r2[:, None], r3[:, None]))
     )
-    return uniform_from_words(r)  # [GROUPS, 4]
-
-
-@triton.jit
-def uniform_from_words(
-    r,  # uint32 block: Philox output words
-):
-    """`tl.uint_to_uniform_float(r)` bit for bit, one instruction a word cheaper: a negative word x (as
-    int32) folds to -x - 1 = ~x, which is x ^ (x >> 31) (arithmetic shift) — a shift and an xor instead of
-    a compare, a not and a select."""
-    x = r.to(tl.int32, bitcast=True)
-    return (x ^ (x >> 31)).to(tl.float32) * UNIFORM_SCALE_F32
+    return tl.uint_to_uniform_float(r)  # [GROUPS, 4]
 
 
 @triton.jit

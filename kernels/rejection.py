@@ -31,6 +31,7 @@ from .gumbel import (
     inv_temperature,
     inv_temperature_ref,
     launch_block,
+    load_logits_tile,
     softmax_ref,
     softmax_shift,
     tile_offsets,
@@ -151,8 +152,6 @@ def _rejection_residual_kernel(
     GROUPS: tl.constexpr = BLOCK // 4
     start = blk * BLOCK
     offs = tile_offsets(GROUPS)  # [GROUPS, 4] int32: token = start + offs
-    full = start + BLOCK <= V
-    valid = offs < tl.minimum(V - start, BLOCK).to(tl.int32)  # only read in the last block
     is_draft = k < K
     t = tl.load(temperature_ptr + b)
     # Greedy targets (T = 0) need none of this: the accept kernel uses their argmax, so skip the pass (no
@@ -163,23 +162,16 @@ def _rejection_residual_kernel(
         seed, position = tl.load(seed_ptr + b), tl.load(positions_ptr + b) + k
         noise = philox_gumbel_tile(seed, position, salt, start, GROUPS, FAST_LOG)
         x_ptrs = logits_ptr + b * stride_b + k * stride_k + start + offs
-        if full:  # every block but the last: no per-token mask
-            x = tl.load(x_ptrs).to(tl.float32)
-        else:
-            x = tl.load(x_ptrs, mask=valid, other=float("-inf")).to(tl.float32)
-        if FAST_LOG:  # NaN never wins: max.f32 returns the non-NaN operand on the GPU
-            x = tl.maximum(x, float("-inf")) * inv_temperature(t)
-        else:  # the interpreter's maximum propagates NaN
-            x = tl.where(x != x, float("-inf"), x) * inv_temperature(t)
+        x = load_logits_tile(x_ptrs, offs, start, V, BLOCK, FAST_LOG) * inv_temperature(t)
         row_max, row_sum = tl.load(row_max_ptr + row), tl.load(row_sum_ptr + row)
         x, m, s = _one_hot_if_degenerate(x, (offs == 0) & (start == 0), row_max, row_sum)
         p = tl.exp(x - m) * (1.0 / s)  # [GROUPS, 4]
         if HAS_Q:
             q_ptrs = draft_probs_ptr + (b * K + k) * V + start + offs
-            if full:
+            if start + BLOCK <= V:  # every block but the last: no per-token mask
                 q = tl.load(q_ptrs, mask=is_draft, other=0.0)
             else:
-                q = tl.load(q_ptrs, mask=valid & is_draft, other=0.0)
+                q = tl.load(q_ptrs, mask=(offs < (V - start).to(tl.int32)) & is_draft, other=0.0)
         else:
             x_k = tl.load(draft_tokens_ptr + b * K + k, mask=is_draft, other=0)
             q = tl.where(offs == (tl.minimum(tl.maximum(x_k, 0), V - 1) - start).to(tl.int32), 1.0, 0.0)
