@@ -88,15 +88,28 @@ def _skinny_linear_kernel(
     )
 
 
+def check_args(x: Tensor, w: Tensor) -> None:
+    """ValueError unless x is [M, K] with 1 <= M <= MAX_ROWS, w is [N, K], both of one floating dtype on one
+    device (a mismatched K would make the kernel read past x's rows)."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"x: expected a [M, K] tensor with 1 <= M <= {MAX_ROWS}, got shape {tuple(x.shape)}")
+    if w.dim() != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"w: expected a [N, {x.shape[1]}] tensor (x's K), got shape {tuple(w.shape)}")
+    if w.dtype != x.dtype or not x.dtype.is_floating_point:
+        raise ValueError(f"w: expected x's floating dtype {x.dtype}, got {w.dtype}")
+    if w.device != x.device:
+        raise ValueError(f"w: expected x's device {x.device}, got {w.device}")
+
+
 def skinny_linear(x: Tensor, w: Tensor, *, config: SkinnyConfig | None = None) -> Tensor:
-    """x [M, K] @ w [N, K].T -> [M, N] in x's dtype, M <= MAX_ROWS; inputs are assumed checked by the caller
-    (`fspec.models.layers.linear` only routes shapes that fit)."""
+    """x [M, K] @ w [N, K].T -> [M, N] in x's dtype, M <= MAX_ROWS (`check_args`)."""
+    check_args(x, w)
     m, k = x.shape
     n = w.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
+    if n == 0:
         return y
     cfg = config or default_config(n, k)
     interpreted = isinstance(_skinny_linear_kernel, InterpretedFunction)
@@ -112,4 +125,5 @@ def skinny_linear(x: Tensor, w: Tensor, *, config: SkinnyConfig | None = None) -
 
 def skinny_linear_ref(x: Tensor, w: Tensor) -> Tensor:
     """The reference: float32 accumulation of x @ w.T, cast to x's dtype."""
+    check_args(x, w)
     return (x.float() @ w.float().T).to(x.dtype)

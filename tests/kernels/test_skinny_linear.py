@@ -70,6 +70,24 @@ def test_linear_routes_only_small_inference_products_on_cuda_when_asked(monkeypa
     torch.testing.assert_close(layers.linear(x, w.detach(), b), F.linear(x, w.detach(), b))
 
 
+def test_bad_shapes_dtypes_and_devices_are_refused_naming_the_argument():
+    """The op, the kernel's launcher and the reference refuse what the kernel would read out of bounds or
+    mix: a ValueError naming the argument, the expected and the actual value."""
+    x, w = torch.randn(4, 32), torch.randn(8, 32)
+    cases = [
+        (torch.randn(17, 32), w, r"x: expected a \[M, K\] tensor with 1 <= M <= 16, got shape \(17, 32\)"),
+        (torch.randn(0, 32), w, r"x: expected .* got shape \(0, 32\)"),
+        (torch.randn(32), w, r"x: expected .* got shape \(32,\)"),
+        (x, torch.randn(8, 31), r"w: expected a \[N, 32\] tensor \(x's K\), got shape \(8, 31\)"),
+        (x, w.double(), r"w: expected x's floating dtype torch.float32, got torch.float64"),
+        (x.long(), w.long(), r"w: expected x's floating dtype torch.int64, got torch.int64"),
+    ]
+    for fn in (skinny_linear, skinny_linear_ref, torch.ops.fspec.skinny_linear):
+        for a, b, msg in cases:
+            with pytest.raises(ValueError, match=msg):
+                fn(a, b)
+
+
 def test_default_config_spreads_columns_and_caps_the_tile_depth():
     """16 columns per program up to 4096 outputs (>= 128 programs for a 2048-wide projection), wider above;
     BLOCK_K never past K's next power of two."""
