@@ -36,16 +36,18 @@ def attention(d: dict) -> list[str]:
 
 def sampling(d: dict) -> list[str]:
     out = [
-        "| op | B | V | floor µs | fspec, graph µs | fspec, eager µs | exponential race, graph µs "
+        "| op | B | V | floor µs | fspec, graph µs | fspec, eager µs | fspec launch, eager µs "
+        "| vLLM Gumbel, eager µs (reported) | exponential race, graph µs "
         "| exponential race, eager µs | torch.multinomial, graph µs | torch.multinomial, eager µs "
         "| PyTorch reference, eager µs | fspec graph / floor |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in d["rows"]:
         c = r["case"]
         out.append(
             f"| {c['op']} | {c['B']} | {c['V']} | {_f(r['floor_us'])} | {_f(r['fspec_graph_us'])} "
-            f"| {_f(r['fspec_us'])} | {_f(r.get('exponential_race_graph_us'))} "
+            f"| {_f(r['fspec_us'])} | {_f(r.get('fspec_launch_us'))} | {_f(r.get('vllm_reported_eager_us'))} "
+            f"| {_f(r.get('exponential_race_graph_us'))} "
             f"| {_f(r.get('exponential_race_us'))} | {_f(r.get('torch_multinomial_graph_us'))} "
             f"| {_f(r.get('torch_multinomial_us'))} | {_f(r['ref_eager_us'], '{:.0f}')} "
             f"| {r['fspec_graph_us'] / max(r['floor_us'], 1e-9):.1f} |"

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from fspec.cache import KVCache, _write_kv
+from fspec.kernels.ops import call
 from fspec.metadata import token_requests
 from fspec.state import AttnMetadata, _expect, check_positive_int, validate_attn_metadata
 
@@ -196,16 +197,23 @@ def _paged_kernels(
     their PyTorch references elsewhere). The kernels read block_table, seq_lens and positions on the device;
     keys past seq_lens are never read."""
     if rope is None:
-        torch.ops.fspec.kv_write(
-            k.to(cache.k.dtype), v.to(cache.v.dtype), cache.k, cache.v, meta.slot_mapping, layer=layer
+        call(
+            "kv_write",
+            k.to(cache.k.dtype),
+            v.to(cache.v.dtype),
+            cache.k,
+            cache.v,
+            meta.slot_mapping,
+            layer=layer,
         )
         q_cache = q.to(cache.k.dtype)
     else:  # RoPE of q and k in the write's launch; q comes back rotated, in the cache's dtype
-        q_cache = torch.ops.fspec.rope_kv_write(
-            q, k, v, *rope, cache.k, cache.v, meta.slot_mapping, layer=layer
+        q_cache = call(
+            "rope_kv_write", q, k, v, *rope, cache.k, cache.v, meta.slot_mapping, layer=layer
         )  # [T, N, D]
     num_query = q.shape[0] if max_query_len is None else max_query_len
-    return torch.ops.fspec.paged_attention(
+    return call(
+        "paged_attention",
         q_cache,
         cache.k,
         cache.v,

@@ -20,6 +20,7 @@ from fspec.cache import KVCache
 from fspec.compile import jit
 from fspec.config import DraftConfig, ModelConfig
 from fspec.draft import _step, last_live_rows
+from fspec.kernels.ops import call
 from fspec.kernels.salts import SALT_BONUS
 from fspec.metadata import _decode_metadata, _first_step_metadata
 from fspec.models import llama, project_target_hidden
@@ -114,7 +115,7 @@ def prefill_forward(
         tparams, ids.reshape(-1), meta, tcache, cfg=tcfg, backend=backend, aux_layer_ids=aux, max_query_len=q
     )
     last = logits.index_select(0, last_live_rows(meta)).float()  # [B, V]
-    first = torch.ops.fspec.gumbel_sample(last, temperature, seed, counts, SALT_BONUS)
+    first = call("gumbel_sample", last, temperature, seed, counts, SALT_BONUS)
     if dcfg is None:
         return first, last, None
     # The head's rows are positions 0..n-1, pairing hidden i with token i + 1 (last: the new token).
@@ -204,8 +205,8 @@ def spec_round(
     q = None
     if not dcfg.greedy_drafts:
         q = draft_probs_over_target_vocab(draft_probs, dparams, cfg=dcfg, vocab=tcfg.vocab_size)
-    tokens, accepted = torch.ops.fspec.rejection_sample(
-        logits.view(b, k + 1, -1), draft_tokens.clamp(min=0), q, temperature, seed, n + 1
+    tokens, accepted = call(
+        "rejection_sample", logits.view(b, k + 1, -1), draft_tokens.clamp(min=0), q, temperature, seed, n + 1
     )
     # 3. The next proposal: the head's first step pairs the target hidden of positions n..n+a with the
     #    emitted tokens at n+1..n+a+1 (a = accepted), then K - 1 decode steps.
@@ -236,7 +237,7 @@ def decode_step(
     pos = torch.where(live, n, torch.full_like(n, -1))
     meta = _decode_metadata(pos, table, block_size=block_size)
     logits, _, _ = llama.forward(tparams, cur, meta, tcache, cfg=tcfg, backend=backend, max_query_len=1)
-    return torch.ops.fspec.gumbel_sample(logits, temperature, seed, n + 1, SALT_BONUS)
+    return call("gumbel_sample", logits, temperature, seed, n + 1, SALT_BONUS)
 
 
 @functools.cache

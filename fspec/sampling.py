@@ -9,11 +9,13 @@ Validation runs eagerly at this boundary (it reads values, e.g. temperature >= 0
 skipped while `torch.compile` traces; the calls below it are branch-free and sync-free.
 """
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
-from fspec.kernels import ops  # noqa: F401  (registers the torch.ops.fspec ops)
 from fspec.kernels.gumbel import inv_temperature_ref
+from fspec.kernels.ops import call
 from fspec.kernels.philox import MAX_VOCAB, POSITION_MASK
 from fspec.kernels.salts import MAX_SALT, SALT_ACCEPT, SALT_BONUS, SALT_DRAFT, SALT_RESIDUAL
 
@@ -51,6 +53,20 @@ def check_tensor(
         raise argument_error(name, "a contiguous tensor (it is written in place)", f"strides {t.stride()}")
 
 
+def check_values(*checks: tuple[Tensor, Callable[[], None]]) -> None:
+    """Value checks with one device sync instead of one each: every check pairs a 0-d bool tensor (True:
+    something is wrong) with the function that finds it and raises the ValueError naming it. Only when a
+    flag is set do those functions run, in order."""
+    if bool(torch.stack([bad for bad, _ in checks]).any()):
+        for _, check in checks:
+            check()
+        raise AssertionError("a value flag was set but no check raised")  # the flags and checks disagree
+
+
+def temperature_flag(temperature: Tensor) -> Tensor:
+    return (~torch.isfinite(temperature) | (temperature < 0)).any()
+
+
 def check_temperature(temperature: Tensor) -> None:
     """Temperatures must be finite and >= 0 (0 = greedy)."""
     bad = ~torch.isfinite(temperature) | (temperature < 0)
@@ -67,19 +83,34 @@ def check_logits(name: str, logits: Tensor, temperature: Tensor) -> None:
     temperature of 1e-38 where argmax is 1) and write NaN probabilities q that verification cannot use.
     NaN and -inf are fine (they count as -inf).
     """
-    x = logits.float()  # [N, V] or [B, K+1, V]
-    if bool(torch.isposinf(x).any()):
+    posinf, overflow, big, t = _scan_logits(logits, temperature)
+    if bool(posinf):
         raise argument_error(name, "no +inf values (NaN and -inf count as -inf)", "+inf entries")
-    big = torch.where(torch.isfinite(x), x.abs(), 0.0).amax(-1)  # [N] or [B, K+1]
-    t = temperature.view(-1, *([1] * (big.dim() - 1)))  # broadcast over the K+1 slots
-    sampled = (t > 0).expand_as(big)
-    overflow = sampled & ~torch.isfinite(big * inv_temperature_ref(t))  # the kernels' scaling
     if bool(overflow.any()):
         raise argument_error(
             "temperature",
             "0 (greedy) or a value for which logits / temperature stays finite",
             f"{t.expand_as(big)[overflow][:1].tolist()} with max |logit| {big[overflow][:1].tolist()}",
         )
+
+
+def _scan_logits(logits: Tensor, temperature: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(any +inf, overflow mask [N] or [B, K+1], max finite |logit| per row, temperature broadcast)."""
+    x = logits.float()  # [N, V] or [B, K+1, V]
+    big = torch.where(torch.isfinite(x), x.abs(), 0.0).amax(-1)  # [N] or [B, K+1]
+    t = temperature.view(-1, *([1] * (big.dim() - 1)))  # broadcast over the K+1 slots
+    sampled = (t > 0).expand_as(big)
+    overflow = sampled & ~torch.isfinite(big * inv_temperature_ref(t))  # the kernels' scaling
+    return torch.isposinf(x).any(), overflow, big, t
+
+
+def logits_flag(logits: Tensor, temperature: Tensor) -> Tensor:
+    posinf, overflow, _, _ = _scan_logits(logits, temperature)
+    return posinf | overflow.any()
+
+
+def positions_flag(positions: Tensor, *, span: int) -> Tensor:
+    return ((positions < -1) | (positions > POSITION_MASK - span)).any()
 
 
 def check_positions(positions: Tensor, *, span: int) -> None:
@@ -111,10 +142,13 @@ def _validate_gumbel(logits, temperature, seed, positions, salt, out_tokens, out
     given = [x is not None for x in (out_tokens, out_probs, col)]
     if any(given) and not all(given):
         raise argument_error("out_tokens, out_probs, col", "all three or none", f"given={given}")
-    check_temperature(temperature)
-    check_logits("logits", logits, temperature)
-    check_positions(positions, span=0)
+    checks = [
+        (temperature_flag(temperature), lambda: check_temperature(temperature)),
+        (logits_flag(logits, temperature), lambda: check_logits("logits", logits, temperature)),
+        (positions_flag(positions, span=0), lambda: check_positions(positions, span=0)),
+    ]
     if out_tokens is None:
+        check_values(*checks)
         return
     check_tensor("out_tokens", out_tokens, ndim=2, dtypes=(torch.int64,), device=dev, contiguous=True)
     k = out_tokens.shape[1]
@@ -123,8 +157,12 @@ def _validate_gumbel(logits, temperature, seed, positions, salt, out_tokens, out
         "out_probs", out_probs, shape=(n, k, v), dtypes=(torch.float32,), device=dev, contiguous=True
     )
     check_tensor("col", col, shape=(), dtypes=(torch.int64,), device=dev)
-    if not 0 <= int(col) < k:
-        raise argument_error("col", f"a value in [0, {k}) (columns of out_tokens)", int(col))
+
+    def check_col() -> None:
+        if not 0 <= int(col) < k:
+            raise argument_error("col", f"a value in [0, {k}) (columns of out_tokens)", int(col))
+
+    check_values(*checks, ((col < 0) | (col >= k), check_col))
 
 
 def gumbel_sample(
@@ -167,7 +205,5 @@ def gumbel_sample(
         _validate_gumbel(logits, temperature, seed, positions, salt, out_tokens, out_probs, col)
     temperature, seed, positions = unit_stride(temperature, seed, positions)
     if out_tokens is None:
-        return torch.ops.fspec.gumbel_sample(logits, temperature, seed, positions, salt)
-    return torch.ops.fspec.gumbel_sample_into(
-        logits, temperature, seed, positions, salt, out_tokens, out_probs, col
-    )
+        return call("gumbel_sample", logits, temperature, seed, positions, salt)
+    return call("gumbel_sample_into", logits, temperature, seed, positions, salt, out_tokens, out_probs, col)

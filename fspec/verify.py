@@ -19,7 +19,7 @@ the draft's noise for the residual biases the output (vLLM issue #47386); tests/
 import torch
 from torch import Tensor
 
-from fspec.kernels import ops  # noqa: F401  (registers the torch.ops.fspec ops)
+from fspec.kernels.ops import call
 from fspec.kernels.philox import MAX_VOCAB
 from fspec.sampling import (
     FLOAT_DTYPES,
@@ -28,6 +28,10 @@ from fspec.sampling import (
     check_positions,
     check_temperature,
     check_tensor,
+    check_values,
+    logits_flag,
+    positions_flag,
+    temperature_flag,
     unit_stride,
 )
 
@@ -47,23 +51,41 @@ def _validate_rejection(target_logits, draft_tokens, draft_probs, temperature, s
     check_tensor("draft_tokens", draft_tokens, shape=(b, k), dtypes=(torch.int64,), device=dev)
     if draft_probs is not None:
         check_tensor("draft_probs", draft_probs, shape=(b, k, v), dtypes=(torch.float32,), device=dev)
-        # q enters the test u * q(x) < p(x): a NaN or negative q would accept or reject at will.
-        bad_q = ~torch.isfinite(draft_probs) | (draft_probs < 0)
-        if bool(bad_q.any()):
-            raise argument_error(
-                "draft_probs",
-                "finite probabilities >= 0",
-                f"{draft_probs[bad_q][:4].tolist()} (first bad values)",
-            )
     check_tensor("temperature", temperature, shape=(b,), dtypes=(torch.float32,), device=dev)
     check_tensor("seed", seed, shape=(b,), dtypes=(torch.int64,), device=dev)
     check_tensor("positions", positions, shape=(b,), dtypes=(torch.int64,), device=dev)
-    bad = (draft_tokens < 0) | (draft_tokens >= v)
-    if bool(bad.any()):
-        raise argument_error("draft_tokens", f"token ids in [0, {v})", f"{draft_tokens[bad][:4].tolist()}")
-    check_temperature(temperature)
-    check_logits("target_logits", target_logits, temperature)
-    check_positions(positions, span=k)
+
+    def check_q() -> (
+        None
+    ):  # q enters the test u * q(x) < p(x): a NaN or negative q accepts or rejects at will
+        bad = ~torch.isfinite(draft_probs) | (draft_probs < 0)
+        if bool(bad.any()):
+            raise argument_error(
+                "draft_probs",
+                "finite probabilities >= 0",
+                f"{draft_probs[bad][:4].tolist()} (first bad values)",
+            )
+
+    def check_drafts() -> None:
+        bad = (draft_tokens < 0) | (draft_tokens >= v)
+        if bool(bad.any()):
+            raise argument_error(
+                "draft_tokens", f"token ids in [0, {v})", f"{draft_tokens[bad][:4].tolist()}"
+            )
+
+    checks = []
+    if draft_probs is not None:
+        checks.append(((~torch.isfinite(draft_probs) | (draft_probs < 0)).any(), check_q))
+    check_values(
+        *checks,
+        (((draft_tokens < 0) | (draft_tokens >= v)).any(), check_drafts),
+        (temperature_flag(temperature), lambda: check_temperature(temperature)),
+        (
+            logits_flag(target_logits, temperature),
+            lambda: check_logits("target_logits", target_logits, temperature),
+        ),
+        (positions_flag(positions, span=k), lambda: check_positions(positions, span=k)),
+    )
 
 
 def rejection_sample(
@@ -101,6 +123,4 @@ def rejection_sample(
     if not torch.compiler.is_compiling():
         _validate_rejection(target_logits, draft_tokens, draft_probs, temperature, seed, positions)
     temperature, seed, positions = unit_stride(temperature, seed, positions)
-    return torch.ops.fspec.rejection_sample(
-        target_logits, draft_tokens, draft_probs, temperature, seed, positions
-    )
+    return call("rejection_sample", target_logits, draft_tokens, draft_probs, temperature, seed, positions)

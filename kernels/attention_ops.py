@@ -18,29 +18,17 @@ Callers pass the whole cache buffers ([num_blocks, block_size, Nkv, D], or the s
 returns a fresh q_out, never an alias); `paged_attention` mutates nothing and returns a fresh tensor.
 """
 
-import os
-
 import torch
 from torch import Tensor
-from triton.runtime.interpreter import InterpretedFunction
 
 from . import kv_write as _kv
 from . import paged_attention as _pa
 from . import rope_kv_write as _rkv
+from .dispatch import kernels_interpreted, register  # noqa: F401  (kernels_interpreted re-exported)
+from .dispatch import use_triton as _use_triton
 
 
-def kernels_interpreted() -> bool:
-    """True when the attention kernels were built by the interpreter (TRITON_INTERPRET=1 at import time)."""
-    return os.environ.get("TRITON_INTERPRET") == "1" and isinstance(
-        _pa._paged_attention_kernel, InterpretedFunction
-    )
-
-
-def _use_triton(t: Tensor) -> bool:
-    return t.is_cuda or (kernels_interpreted() and not torch.compiler.is_compiling())
-
-
-@torch.library.custom_op("fspec::kv_write", mutates_args=("k_cache", "v_cache"))
+@register("fspec::kv_write", mutates_args=("k_cache", "v_cache"))
 def kv_write(
     k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, *, layer: int = 0
 ) -> None:
@@ -56,7 +44,7 @@ def _(
     return None
 
 
-@torch.library.custom_op("fspec::rope_kv_write", mutates_args=("k_cache", "v_cache"))
+@register("fspec::rope_kv_write", mutates_args=("k_cache", "v_cache"))
 def rope_kv_write(
     q: Tensor,
     k: Tensor,
@@ -91,7 +79,7 @@ def _(
     return q.new_empty(q.shape, dtype=k_cache.dtype)
 
 
-@torch.library.custom_op("fspec::paged_attention", mutates_args=())
+@register("fspec::paged_attention", mutates_args=())
 def paged_attention(
     q: Tensor,
     k_cache: Tensor,

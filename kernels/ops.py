@@ -16,33 +16,20 @@ kernel writes; callers pass whole buffers plus the column tensor, never views (p
     fspec::skinny_linear        (x [M, K], w [N, K]) -> x @ w.T [M, N], M <= 16 (kernels/skinny_linear.py)
 """
 
-import os
-
 import torch
 from torch import Tensor
-from triton.runtime.interpreter import InterpretedFunction
 
 from . import attention_ops, gumbel, rejection  # noqa: F401  (attention_ops registers its ops)
 from . import skinny_linear as _sl
-
-
-def kernels_interpreted() -> bool:
-    """True when the Triton kernels were built by the interpreter (TRITON_INTERPRET=1 at import time)."""
-    return os.environ.get("TRITON_INTERPRET") == "1" and isinstance(
-        gumbel._gumbel_block_kernel, InterpretedFunction
-    )
-
-
-def _use_triton(t: Tensor) -> bool:
-    return t.is_cuda or (kernels_interpreted() and not torch.compiler.is_compiling())
-
+from .dispatch import call, kernels_interpreted, register  # noqa: F401  (re-exported)
+from .dispatch import use_triton as _use_triton
 
 # ----------------------------------------------------------------------------------------------------------
 # fspec::gumbel_sample, fspec::gumbel_sample_into (kernels/gumbel.py)
 # ----------------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("fspec::gumbel_sample", mutates_args=())
+@register("fspec::gumbel_sample", mutates_args=())
 def gumbel_sample(logits: Tensor, temperature: Tensor, seed: Tensor, positions: Tensor, salt: int) -> Tensor:
     """Gumbel-max sample per row of logits [N, V] -> int64 [N]."""
     impl = gumbel.gumbel_sample if _use_triton(logits) else gumbel.gumbel_sample_ref
@@ -54,7 +41,7 @@ def _(logits: Tensor, temperature: Tensor, seed: Tensor, positions: Tensor, salt
     return logits.new_empty(logits.shape[0], dtype=torch.int64)
 
 
-@torch.library.custom_op("fspec::gumbel_sample_into", mutates_args=("out_tokens", "out_probs"))
+@register("fspec::gumbel_sample_into", mutates_args=("out_tokens", "out_probs"))
 def gumbel_sample_into(
     logits: Tensor,
     temperature: Tensor,
@@ -91,7 +78,7 @@ def _(
 # ----------------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("fspec::rejection_sample", mutates_args=())
+@register("fspec::rejection_sample", mutates_args=())
 def rejection_sample(
     target_logits: Tensor,
     draft_tokens: Tensor,
@@ -123,7 +110,7 @@ def _(
 # ----------------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("fspec::skinny_linear", mutates_args=())
+@register("fspec::skinny_linear", mutates_args=())
 def skinny_linear(x: Tensor, w: Tensor) -> Tensor:
     """x [M, K] @ w [N, K].T -> [M, N] in x's dtype (M <= 16; fspec.models.layers.linear routes to it)."""
     impl = _sl.skinny_linear if _use_triton(x) else _sl.skinny_linear_ref

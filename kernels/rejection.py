@@ -32,6 +32,7 @@ from .gumbel import (
     inv_temperature_ref,
     launch_block,
     load_logits_tile,
+    scratch,
     softmax_ref,
     softmax_shift,
     tile_offsets,
@@ -298,12 +299,11 @@ def rejection_sample(
     if b == 0:
         return tokens, num_accepted
     r, nb = b * k1, triton.cdiv(v, block)
-    f32, i64 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int64, device=dev)
     # scratch: per (row, block) partial results, then per row; R * NB = 1512 * 126 at B = 256, K = 5
-    block_max, block_sum, res_key, res_mass, p_key = (torch.empty((r, nb), **f32) for _ in range(5))
-    block_token, res_token, p_token = (torch.empty((r, nb), **i64) for _ in range(3))
-    block_raw = torch.empty((r, nb), **f32)
-    row_max, row_sum, greedy = torch.empty(r, **f32), torch.empty(r, **f32), torch.empty(r, **i64)
+    block_max, block_sum, res_key, res_mass, p_key, block_raw, row_max, row_sum = scratch(
+        torch.float32, dev, *[(r, nb)] * 6, (r,), (r,)
+    )
+    block_token, res_token, p_token, greedy = scratch(torch.int64, dev, *[(r, nb)] * 3, (r,))
     sb, sk = target_logits.stride(0), target_logits.stride(1)
     _rejection_stats_kernel[(r, nb)](
         target_logits, sb, sk, temperature, block_max, block_sum, block_token, block_raw, v, nb, k1,

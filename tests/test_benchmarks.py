@@ -86,3 +86,12 @@ def test_skinny_linear_smoke_agrees_with_cublas_path_on_every_row(tmp_path):
     d = _run("bench_skinny_linear.py", "--cpu-smoke", "--rows", "1", "6", out=tmp_path / "sk.json")
     assert [(r["shape"], r["M"]) for r in d["rows"]] == [(s, m) for s in ("tiny a", "tiny b") for m in (1, 6)]
     assert all(r["max_abs_diff_vs_cublas"] < 1e-4 and r["skinny_us"] > 0 for r in d["rows"])
+
+
+def test_dispatch_smoke_times_every_op_both_ways_with_equal_results(tmp_path):
+    d = _run(
+        "bench_dispatch.py", "--device", "cpu", "--calls", "2", "--vocab", "300", out=tmp_path / "d.json"
+    )
+    names = ["gumbel_sample", "gumbel_sample_into", "rejection_sample", "kv_write", "rope_kv_write"]
+    assert [r["op"] for r in d["rows"]] == [*names, "paged_attention"]
+    assert all(r["same_result"] and r["dispatcher_us"] > 0 and r["direct_us"] > 0 for r in d["rows"])

@@ -185,3 +185,28 @@ def test_gumbel_sample_requires_all_or_none_of_the_out_arguments():
     del args["out_probs"]
     with pytest.raises(ValueError, match="out_tokens, out_probs, col: expected all three or none"):
         gumbel_sample(**args)
+
+
+def test_valid_eager_calls_read_the_device_once(monkeypatch):
+    """Validation gathers its value checks into one host read (a device sync on CUDA) per call, for
+    gumbel_sample with out buffers and for rejection_sample with sampled drafts; bad values still raise."""
+    reads = []
+    for name in ("__bool__", "__int__", "__float__", "item", "tolist"):
+        orig = getattr(torch.Tensor, name)
+
+        def spy(self, *a, _orig=orig, _name=name, **k):
+            reads.append(_name)
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    gumbel_sample(**_valid_gumbel_args())
+    assert len(reads) == 1, reads
+    reads.clear()
+    b, k, v = 3, 2, 11
+    target = torch.randn(b, k + 1, v, generator=torch.Generator().manual_seed(3))
+    q = torch.softmax(torch.randn(b, k, v), -1)
+    drafts, temp = torch.randint(0, v, (b, k)), torch.tensor([0.0, 1.0, 0.5])
+    rejection_sample(target, drafts, q, temp, torch.arange(b), torch.arange(b))
+    assert len(reads) == 1, reads
+    with pytest.raises(ValueError, match="^positions: expected"):
+        rejection_sample(target, drafts, q, temp, torch.arange(b), torch.tensor([0, -5, 0]))

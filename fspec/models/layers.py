@@ -42,9 +42,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     """F.linear(x, w, b), through `fspec::skinny_linear` where `use_skinny_linear` says so."""
     if not use_skinny_linear(x, w):
         return F.linear(x, w, b)
-    from fspec.kernels import ops  # noqa: F401  (registers torch.ops.fspec)
+    from fspec.kernels.ops import call
 
-    y = torch.ops.fspec.skinny_linear(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+    y = call("skinny_linear", x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
     return y if b is None else y + b
 
 

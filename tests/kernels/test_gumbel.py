@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from fspec.kernels import gumbel
 from fspec.kernels.gumbel import gumbel_sample, gumbel_sample_ref
 from fspec.kernels.salts import SALT_DRAFT, SALT_RESIDUAL
 
@@ -182,3 +183,15 @@ def test_tokens_per_program_come_from_the_call_the_environment_or_the_default(mo
     monkeypatch.setenv("FSPEC_SAMPLING_BLOCK", "256")
     via_env = gumbel_sample(logits, t, seeds, positions)
     assert torch.equal(via_env, gumbel_sample(logits, t, seeds, positions, block=64))
+
+
+def test_scratch_views_are_disjoint_contiguous_and_16_byte_aligned():
+    """The launchers' partial-result buffers come from one allocation: each view has its shape, starts on a
+    16-byte boundary (Triton specialises pointers on it) and shares no element with another."""
+    for dtype in (torch.float32, torch.int64):
+        views = gumbel.scratch(dtype, torch.device("cpu"), (3, 5), (3,), (1,), (2, 7))
+        assert [tuple(t.shape) for t in views] == [(3, 5), (3,), (1,), (2, 7)]
+        assert all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in views)
+        for i, t in enumerate(views):
+            t.fill_(i)
+        assert all(bool((t == i).all()) for i, t in enumerate(views))

@@ -1,0 +1,76 @@
+"""How fspec's kernels are registered and called: a torch.library op while anything traces, the op's own
+implementation directly otherwise.
+
+An eager call through `torch.ops.fspec.*` makes a round trip through the dispatcher and torch.library's
+Python wrappers: measured on torch 2.13 (CPU, `benchmarks/bench_dispatch.py`) about 11 µs per call for an op
+that mutates nothing and 34 µs for one that mutates two buffers, when a small kernel runs in 3-7 µs. `call`
+skips it when nothing can observe the difference: not under torch.compile, no functorch transform (vmap,
+grad), no TorchDispatchMode, and every tensor argument a plain tensor (or parameter) that does not require
+grad. Otherwise it calls the op, so fake tensors, tracing, autograd's refusal of these ops and dispatch modes
+see exactly what they saw before.
+
+    @register("fspec::name", mutates_args=(...))   # torch.library.custom_op, and remembered for `call`
+    def name(...): ...
+    call("name", *args, **kwargs)                  # what fspec's code calls
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+
+import torch
+import triton
+from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+from triton.runtime.interpreter import InterpretedFunction
+
+_IMPLS: dict[str, Callable] = {}
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+@triton.jit
+def _probe():  # built like every kernel: interpreted when TRITON_INTERPRET=1 was set before triton's import
+    pass
+
+
+def kernels_interpreted() -> bool:
+    """True when the Triton kernels were built by the interpreter (TRITON_INTERPRET=1 at import time)."""
+    return os.environ.get("TRITON_INTERPRET") == "1" and isinstance(_probe, InterpretedFunction)
+
+
+def use_triton(t: Tensor) -> bool:
+    """Run the Triton kernel (CUDA tensors, or interpreted kernels outside tracing), else the reference."""
+    return t.is_cuda or (kernels_interpreted() and not torch.compiler.is_compiling())
+
+
+def register(qualname: str, *, mutates_args: Iterable[str]) -> Callable:
+    """`torch.library.custom_op(qualname, mutates_args=...)` that also keeps the function for `call`."""
+    namespace, name = qualname.split("::")
+    if namespace != "fspec":
+        raise ValueError(f"qualname: expected an op of the 'fspec' namespace, got {qualname!r}")
+
+    def wrap(fn: Callable):
+        _IMPLS[name] = fn
+        return torch.library.custom_op(qualname, mutates_args=tuple(mutates_args))(fn)
+
+    return wrap
+
+
+def direct(args: Iterable[object]) -> bool:
+    """True when calling an op's implementation directly is indistinguishable from calling the op."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    if _get_current_dispatch_mode() is not None:
+        return False
+    for a in args:
+        if isinstance(a, Tensor) and (type(a) not in _PLAIN or a.requires_grad):
+            return False
+    return True
+
+
+def call(name: str, *args, **kwargs):
+    """torch.ops.fspec.<name>(*args, **kwargs), without the dispatcher where `direct` allows."""
+    if not torch.compiler.is_compiling() and direct((*args, *kwargs.values())):
+        return _IMPLS[name](*args, **kwargs)
+    return getattr(torch.ops.fspec, name)(*args, **kwargs)
