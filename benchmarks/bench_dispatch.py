@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+import triton
 
 from fspec.config import env_switches
 from fspec.kernels.ops import call
@@ -113,13 +114,14 @@ def main(argv=None) -> None:
         )
         print(f"{name:<20} dispatcher {via_op:8.1f} µs   direct {direct:8.1f} µs")
     res = {
-        "machine": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or "cpu",
+        "machine": platform.machine(),
+        "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
         "torch": torch.__version__,
+        "triton": triton.__version__,
         "date": datetime.date.today().isoformat(),
         "command": "python benchmarks/bench_dispatch.py "
         f"--device {a.device} --calls {a.calls} --vocab {a.vocab}",
         "env": env_switches(),
-        "device": a.device,
         "rows": rows,
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -120,6 +120,17 @@ def call_overhead(d: dict) -> list[str]:
     return out
 
 
+def dispatch(d: dict) -> list[str]:
+    out = [
+        "| op | through torch.ops.fspec µs | fspec's call (direct) µs | saved µs |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in d["rows"]:
+        saved = r["dispatcher_us"] - r["direct_us"]
+        out.append(f"| {r['op']} | {_f(r['dispatcher_us'])} | {_f(r['direct_us'])} | {_f(saved)} |")
+    return out
+
+
 def skinny_linear(d: dict) -> list[str]:
     out = [
         "| projection | N × K | M | floor µs | cuBLAS µs | skinny (default) µs | best skinny µs | best config "
@@ -183,6 +194,7 @@ def main(names: list[str]) -> int:
         "generate",
         "call_overhead",
         "skinny_linear",
+        "dispatch",
         "acceptance",
         "acceptance_h200",
         "distill_scaling",

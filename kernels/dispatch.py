@@ -2,8 +2,9 @@
 implementation directly otherwise.
 
 An eager call through `torch.ops.fspec.*` makes a round trip through the dispatcher and torch.library's
-Python wrappers: measured on torch 2.13 (CPU, `benchmarks/bench_dispatch.py`) about 11 µs per call for an op
-that mutates nothing and 34 µs for one that mutates two buffers, when a small kernel runs in 3-7 µs. `call`
+Python wrappers: 25-81 µs of host time per call on the H200 host (`benchmarks/bench_dispatch.py`, torch
+2.11; most for the ops that mutate buffers), 11-34 µs for a no-op custom op on a CPU with torch 2.13, when a
+small kernel runs in 3-7 µs. `call`
 skips it when nothing can observe the difference: not under torch.compile, no functorch transform (vmap,
 grad), no TorchDispatchMode, and every tensor argument a plain tensor (or parameter) that does not require
 grad. Otherwise it calls the op, so fake tensors, tracing, autograd's refusal of these ops and dispatch modes
