@@ -15,10 +15,7 @@ environment (FSPEC_COORDINATE_DESCENT, FSPEC_MAX_AUTOTUNE, ...) apply and are re
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
-import platform
 import statistics
 import sys
 import time
@@ -29,9 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import bench_generate as BG  # noqa: E402
+import results_io as RIO  # noqa: E402
 
 import fspec  # noqa: E402
-from fspec.config import env_switches  # noqa: E402
 
 
 class GcClock:
@@ -119,24 +116,16 @@ def main(argv=None) -> int:
         rows += timed_calls(case, target, draft, prompts, s, clock, args.calls)
         phases[case] = BG.phase_seconds(target, draft, 1, s)
         print(f"{case}: phases of one call: {phases[case]}", flush=True)
+    device = torch.cuda.get_device_name() if s.device.type == "cuda" else "cpu"
     doc = {
-        "machine": platform.processor() or platform.machine(),
-        "device": torch.cuda.get_device_name() if s.device.type == "cuda" else "cpu",
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__ if s.device.type == "cuda" else "-",
-        "date": datetime.date.today().isoformat(),
-        "command": "python benchmarks/bench_call_overhead.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),
-        "env": env_switches(),
+        **RIO.header("bench_call_overhead.py", argv, device),
         "setup": f"{s.label}; K = {s.k} (forced full acceptance), B = 1, {s.new_tokens} new tokens, "
         f"prompt {s.prompt_len}, compile={s.compile}",
         "fspec": fspec.__version__ if hasattr(fspec, "__version__") else None,
         "phases_s": phases,
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1))
+    RIO.write(args.out, doc)
     return 0
 
 

@@ -12,17 +12,13 @@ side, so the figure is the larger of the two, as an eager user sees it. On the C
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
-import platform
 import time
 from pathlib import Path
 
+import results_io as RIO
 import torch
-import triton
 
-from fspec.config import env_switches
 from fspec.kernels.ops import call
 
 
@@ -114,18 +110,12 @@ def main(argv=None) -> None:
         )
         print(f"{name:<20} dispatcher {via_op:8.1f} µs   direct {direct:8.1f} µs")
     res = {
-        "machine": platform.machine(),
-        "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "date": datetime.date.today().isoformat(),
-        "command": "python benchmarks/bench_dispatch.py "
-        f"--device {a.device} --calls {a.calls} --vocab {a.vocab}",
-        "env": env_switches(),
+        **RIO.header(
+            "bench_dispatch.py", argv, torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
+        ),
         "rows": rows,
     }
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(res, indent=1) + "\n")
+    RIO.write(a.out, res)
 
 
 if __name__ == "__main__":

@@ -20,19 +20,16 @@ if "--cpu-smoke" in sys.argv:  # before triton is imported: the kernel is built 
     os.environ["TRITON_INTERPRET"] = "1"
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import results_io as RIO  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from fspec.config import env_switches  # noqa: E402
 from fspec.kernels.skinny_linear import SkinnyConfig, default_config, skinny_linear  # noqa: E402
 
 SHAPES = {  # name: (N, K)
@@ -147,21 +144,16 @@ def main(argv=None) -> int:
             )
         del weights
     doc = {
-        "machine": platform.processor() or platform.machine(),
-        "device": "cpu (Triton interpreter)" if smoke else torch.cuda.get_device_name(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "date": datetime.date.today().isoformat(),
-        "command": "python benchmarks/bench_skinny_linear.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),
-        "env": env_switches(),
+        **RIO.header(
+            "bench_skinny_linear.py",
+            argv,
+            "cpu (Triton interpreter)" if smoke else torch.cuda.get_device_name(),
+        ),
         "copy_bandwidth_TBps": bandwidth,
         "dtype": str(dtype).removeprefix("torch."),
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1))
+    RIO.write(args.out, doc)
     return 0
 
 
