@@ -15,8 +15,11 @@ greedily: p there is the T -> 0 limit, a point mass at the first argmax of the r
 comparison). The public `fspec.rejection_sample` refuses such inputs; compiled callers get this instead.
 Draft token ids are clamped into [0, V) for memory safety; validation happens upstream.
 
-Four launches, none per k on the host: softmax statistics per (row, vocabulary block); their per-row
-reduction; the residual / bonus Gumbel block maxima; one program per request walks k with fixed-shape masks.
+Four launches, none per k on the host: softmax statistics per (slot, vocabulary block); one program per
+request reduces them and walks k with fixed-shape masks to the first rejection n (acceptance needs only
+p(x_k) and q(x_k)); the residual / bonus Gumbel block maxima of slot n alone (only that slot is ever emitted,
+so one logits row and one q row per request are read a second time, not K + 1 and K); one program per
+request picks slot n's token.
 """
 
 import torch
@@ -94,35 +97,6 @@ def _rejection_stats_kernel(
 
 
 @triton.jit
-def _rejection_row_kernel(
-    block_max_ptr,  # [R, NB] float32: block max of logits / T
-    block_sum_ptr,  # [R, NB] float32: block sum of exp(logits / T - block max)
-    block_token_ptr,  # [R, NB] int64: block argmax of the raw logits
-    block_raw_ptr,  # [R, NB] float32: block max of the raw logits
-    row_max_ptr,  # [R] float32 out: max of logits / T (-inf for a row without finite logits)
-    row_sum_ptr,  # [R] float32 out: sum of exp(logits / T - row max) (0 for such a row)
-    greedy_ptr,  # [R] int64 out: argmax of the row's raw logits, smallest id on ties (0 for such a row)
-    V,  # vocabulary size (sentinel token id)
-    NB,  # vocabulary blocks
-    NB_POW2: tl.constexpr,  # next power of two >= NB
-):
-    row = tl.program_id(0).to(tl.int64)
-    nb = tl.arange(0, NB_POW2)
-    in_row = nb < NB
-    bmax = tl.load(block_max_ptr + row * NB + nb, mask=in_row, other=float("-inf"))
-    bsum = tl.load(block_sum_ptr + row * NB + nb, mask=in_row, other=0.0)
-    btok = tl.load(block_token_ptr + row * NB + nb, mask=in_row, other=V)
-    braw = tl.load(block_raw_ptr + row * NB + nb, mask=in_row, other=float("-inf"))
-    m = tl.max(bmax, axis=0)
-    s = tl.sum(bsum * tl.exp(bmax - softmax_shift(m)), axis=0)
-    tl.store(row_max_ptr + row, m)
-    tl.store(row_sum_ptr + row, s)
-    # all blocks -inf: every block matches and block 0 starts at token 0
-    mr = tl.max(braw, axis=0)
-    tl.store(greedy_ptr + row, tl.min(tl.where(in_row & (braw == mr), btok, V), axis=0))
-
-
-@triton.jit
 def _rejection_residual_kernel(
     logits_ptr,  # [B, K+1, V] float32/bfloat16/float16, vocabulary stride 1
     stride_b,  # elements between requests of logits
@@ -134,11 +108,12 @@ def _rejection_residual_kernel(
     positions_ptr,  # [B] int64: position of draft 0; slot k sits at positions[b] + k
     row_max_ptr,  # [R] float32: max of logits / T, -inf for a row without finite logits
     row_sum_ptr,  # [R] float32: sum of exp(logits / T - row max)
-    res_key_ptr,  # [R, NB] float32 out (T > 0 rows only): block max of log(max(p - q, 0)) + g
-    res_token_ptr,  # [R, NB] int64 out: its token id
-    res_mass_ptr,  # [R, NB] float32 out: block max of max(p - q, 0); 0 = no residual mass
-    p_key_ptr,  # [R, NB] float32 out: block max of logits / T + g (fallback for k < K, bonus for k = K)
-    p_token_ptr,  # [R, NB] int64 out: its token id
+    num_accepted_ptr,  # [B] int64: n, the one slot of request b that is sampled (decide kernel)
+    res_key_ptr,  # [B, NB] float32 out (sampled slots only): block max of log(max(p - q, 0)) + g
+    res_token_ptr,  # [B, NB] int64 out: its token id
+    res_mass_ptr,  # [B, NB] float32 out: block max of max(p - q, 0); 0 = no residual mass
+    p_key_ptr,  # [B, NB] float32 out: block max of logits / T + g (fallback for n < K, bonus for n = K)
+    p_token_ptr,  # [B, NB] int64 out: its token id
     V,  # vocabulary size
     NB,  # vocabulary blocks
     K,  # draft tokens per request
@@ -146,18 +121,20 @@ def _rejection_residual_kernel(
     BLOCK: tl.constexpr,  # tokens per program, a power of two >= 4
     FAST_LOG: tl.constexpr,  # GPU launch: approximate logs where only absolute error matters, NaN by max.f32
 ):
-    row = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1).to(tl.int64)
-    b = row // (K + 1)
-    k = row % (K + 1)
+    # Only slot n = the first rejection (or K: the bonus) is ever emitted, so only its row is read: one
+    # logits row and one q row per request instead of K + 1 and K.
+    k = tl.load(num_accepted_ptr + b)
+    row = b * (K + 1) + k
     GROUPS: tl.constexpr = BLOCK // 4
     start = blk * BLOCK
     offs = tile_offsets(GROUPS)  # [GROUPS, 4] int32: token = start + offs
     is_draft = k < K
     t = tl.load(temperature_ptr + b)
-    # Greedy targets (T = 0) need none of this: the accept kernel uses their argmax, so skip the pass (no
-    # logits, q or Philox traffic for greedy verification). So do slots whose logits / T reach +inf: they
-    # verify greedily too.
+    # Greedy targets (T = 0) need none of this: the finalize kernel takes their argmax, so skip the pass
+    # (no logits, q or Philox traffic for greedy verification). So do slots whose logits / T reach +inf:
+    # they verify greedily too. The finalize kernel reads this kernel's outputs only where they were written.
     if (t > 0) & (tl.load(row_max_ptr + row) < float("inf")):
         salt = tl.where(is_draft, _SALT_RESIDUAL, _SALT_BONUS).to(tl.int64)
         seed, position = tl.load(seed_ptr + b), tl.load(positions_ptr + b) + k
@@ -180,23 +157,16 @@ def _rejection_residual_kernel(
         res_key = tl.where(r > 0, log_abs(tl.where(r > 0, r, 1.0), FAST_LOG), float("-inf")) + noise
         res_best, res_token = block_argmax_offset(res_key, offs, start, BLOCK)
         p_best, p_token = block_argmax_offset(x + noise, offs, start, BLOCK)
-        out = row * NB + blk
+        out = b * NB + blk
         tl.store(res_key_ptr + out, res_best)
         tl.store(res_token_ptr + out, res_token)
         tl.store(res_mass_ptr + out, tl.max(tl.max(r, axis=1), axis=0))
         tl.store(p_key_ptr + out, p_best)
         tl.store(p_token_ptr + out, p_token)
-    else:  # defined values (never selected) instead of uninitialised scratch
-        out = row * NB + blk
-        tl.store(res_key_ptr + out, float("-inf"))
-        tl.store(res_token_ptr + out, 0)
-        tl.store(res_mass_ptr + out, 0.0)
-        tl.store(p_key_ptr + out, float("-inf"))
-        tl.store(p_token_ptr + out, 0)
 
 
 @triton.jit
-def _rejection_accept_kernel(
+def _rejection_decide_kernel(
     logits_ptr,  # [B, K+1, V] float32/bfloat16/float16, vocabulary stride 1
     stride_b,  # elements between requests of logits
     stride_k,  # elements between slots of logits
@@ -205,17 +175,16 @@ def _rejection_accept_kernel(
     temperature_ptr,  # [B] float32
     seed_ptr,  # [B] int64
     positions_ptr,  # [B] int64: position of draft 0
-    row_max_ptr,  # [R] float32: max of logits / T
-    row_sum_ptr,  # [R] float32: sum of exp(logits / T - row max)
-    greedy_ptr,  # [R] int64: argmax of each row
-    res_key_ptr,  # [R, NB] float32: residual Gumbel block maxima
-    res_token_ptr,  # [R, NB] int64: their tokens
-    res_mass_ptr,  # [R, NB] float32: block max of the residual
-    p_key_ptr,  # [R, NB] float32: block maxima of logits / T + g
-    p_token_ptr,  # [R, NB] int64: their tokens
-    tokens_ptr,  # [B, K+1] int64 out: accepted drafts, replacement or bonus, then -1
-    num_accepted_ptr,  # [B] int64 out: accepted drafts, 0..K
-    V,  # vocabulary size
+    block_max_ptr,  # [R, NB] float32: block max of logits / T
+    block_sum_ptr,  # [R, NB] float32: block sum of exp(logits / T - block max)
+    block_token_ptr,  # [R, NB] int64: block argmax of the raw logits
+    block_raw_ptr,  # [R, NB] float32: block max of the raw logits
+    row_max_ptr,  # [R] float32 out: max of logits / T (-inf for a row without finite logits)
+    row_sum_ptr,  # [R] float32 out: sum of exp(logits / T - row max) (0 for such a row)
+    greedy_ptr,  # [R] int64 out: argmax of the row's raw logits, smallest id on ties (0 for such a row)
+    tokens_ptr,  # [B, K+1] int64 out: accepted drafts, then -1 (slot n is written by the finalize kernel)
+    num_accepted_ptr,  # [B] int64 out: n = accepted drafts, 0..K (the slot the residual pass samples)
+    V,  # vocabulary size (sentinel token id)
     NB,  # vocabulary blocks
     K,  # draft tokens per request
     HAS_Q: tl.constexpr,  # draft_probs given (sampled drafts)
@@ -228,32 +197,31 @@ def _rejection_accept_kernel(
     is_draft = kk < K
     rows = b * (K + 1) + kk  # [K1_POW2]
     t = tl.load(temperature_ptr + b)
-    # 1. Each slot's candidate: residual sample (or p-sample without residual mass), bonus, or argmax.
+    # 1. Each slot's softmax statistics and raw argmax, from the stats kernel's block partials.
     nb = tl.arange(0, NB_POW2)
     at = rows[:, None] * NB + nb[None, :]  # [K1_POW2, NB_POW2]
     live = in_row[:, None] & (nb[None, :] < NB)
-    res_key = tl.load(res_key_ptr + at, mask=live, other=float("-inf"))
-    res_best = tl.max(res_key, axis=1)
-    res_tok = tl.min(
-        tl.where(live & (res_key == res_best[:, None]), tl.load(res_token_ptr + at, mask=live), V), 1
-    )
-    has_mass = tl.max(tl.load(res_mass_ptr + at, mask=live, other=0.0), axis=1) > 0
-    p_key = tl.load(p_key_ptr + at, mask=live, other=float("-inf"))
-    p_best = tl.max(p_key, axis=1)
-    p_tok = tl.min(tl.where(live & (p_key == p_best[:, None]), tl.load(p_token_ptr + at, mask=live), V), 1)
-    greedy = tl.load(greedy_ptr + rows, mask=in_row, other=0)
-    m = tl.load(row_max_ptr + rows, mask=in_row, other=0.0)
+    bmax = tl.load(block_max_ptr + at, mask=live, other=float("-inf"))
+    bsum = tl.load(block_sum_ptr + at, mask=live, other=0.0)
+    m = tl.max(bmax, axis=1)  # [K1_POW2]
+    s = tl.sum(bsum * tl.exp(bmax - softmax_shift(m)[:, None]), axis=1)
+    braw = tl.load(block_raw_ptr + at, mask=live, other=float("-inf"))
+    mr = tl.max(braw, axis=1)
+    # all blocks -inf: every block matches and block 0 starts at token 0
+    btok = tl.load(block_token_ptr + at, mask=live, other=V)
+    greedy = tl.min(tl.where(live & (braw == mr[:, None]), btok, V), axis=1)
+    tl.store(row_max_ptr + rows, m, mask=in_row)
+    tl.store(row_sum_ptr + rows, s, mask=in_row)
+    tl.store(greedy_ptr + rows, greedy, mask=in_row)
     # a slot whose logits / T reach +inf is a greedy slot (the T -> 0 limit of p: a point mass)
     sampled = ((tl.zeros([K1_POW2], tl.float32) + t) > 0) & (m < float("inf"))  # [K1_POW2]
-    final = tl.where(sampled, tl.where(is_draft & has_mass, res_tok, p_tok), greedy)  # [K1_POW2]
     # 2. Acceptance: u_k * q(x_k) < p(x_k) (no division); greedy target: argmax p == x_k.
     x = tl.load(draft_tokens_ptr + b * K + kk, mask=is_draft, other=-1)
     xc = tl.minimum(tl.maximum(x, 0), V - 1)
     lx = tl.load(logits_ptr + b * stride_b + kk * stride_k + xc, mask=is_draft, other=float("-inf"))
     lx = lx.to(tl.float32)
     lx = tl.where(lx != lx, float("-inf"), lx) * inv_temperature(t)
-    s = tl.load(row_sum_ptr + rows, mask=in_row, other=1.0)
-    lx, m, s = _one_hot_if_degenerate(lx, xc == 0, m, s)
+    lx, m, s = _one_hot_if_degenerate(lx, xc == 0, m, tl.where(in_row, s, 1.0))
     p_x = tl.exp(lx - m) / s
     if HAS_Q:
         q_x = tl.load(draft_probs_ptr + (b * K + kk) * V + xc, mask=is_draft, other=1.0)
@@ -261,12 +229,50 @@ def _rejection_accept_kernel(
         q_x = tl.full([K1_POW2], 1.0, tl.float32)
     u = tl.rand(tl.load(seed_ptr + b), philox_offset(tl.load(positions_ptr + b) + kk, 0, _SALT_ACCEPT))
     accept = tl.where(sampled, u * q_x < p_x, greedy == x)
-    # 3. n = index of the first rejection (K if none); emit drafts before it, the candidate at it, -1 after.
+    # 3. n = index of the first rejection (K if none): drafts before it, -1 after it; slot n comes later.
     n = tl.min(tl.where(is_draft & (accept == 0), kk, K), axis=0)
-    final_n = tl.sum(tl.where(kk == n, final, 0), axis=0)
-    out = tl.where(kk < n, x, tl.where(kk == n, final_n, -1))
-    tl.store(tokens_ptr + b * (K + 1) + kk, out, mask=in_row)
+    tl.store(tokens_ptr + b * (K + 1) + kk, tl.where(kk < n, x, -1), mask=in_row)
     tl.store(num_accepted_ptr + b, n)
+
+
+@triton.jit
+def _rejection_finalize_kernel(
+    temperature_ptr,  # [B] float32
+    row_max_ptr,  # [R] float32: max of logits / T
+    greedy_ptr,  # [R] int64: argmax of each row's raw logits
+    res_key_ptr,  # [B, NB] float32: residual Gumbel block maxima at slot n
+    res_token_ptr,  # [B, NB] int64: their tokens
+    res_mass_ptr,  # [B, NB] float32: block max of the residual at slot n
+    p_key_ptr,  # [B, NB] float32: block maxima of logits / T + g at slot n
+    p_token_ptr,  # [B, NB] int64: their tokens
+    tokens_ptr,  # [B, K+1] int64 out: slot n receives the replacement or the bonus
+    num_accepted_ptr,  # [B] int64: n
+    V,  # vocabulary size (sentinel token id)
+    NB,  # vocabulary blocks
+    K,  # draft tokens per request
+    NB_POW2: tl.constexpr,  # next power of two >= NB
+):
+    b = tl.program_id(0).to(tl.int64)
+    n = tl.load(num_accepted_ptr + b)
+    row = b * (K + 1) + n
+    t = tl.load(temperature_ptr + b)
+    greedy = tl.load(greedy_ptr + row)
+    token = greedy
+    if (t > 0) & (tl.load(row_max_ptr + row) < float("inf")):  # the residual kernel sampled this slot
+        nb = tl.arange(0, NB_POW2)
+        live = nb < NB
+        res_key = tl.load(res_key_ptr + b * NB + nb, mask=live, other=float("-inf"))
+        res_best = tl.max(res_key, axis=0)
+        res_tok = tl.load(res_token_ptr + b * NB + nb, mask=live, other=V)
+        res_tok = tl.min(tl.where(live & (res_key == res_best), res_tok, V), axis=0)
+        has_mass = tl.max(tl.load(res_mass_ptr + b * NB + nb, mask=live, other=0.0), axis=0) > 0
+        p_key = tl.load(p_key_ptr + b * NB + nb, mask=live, other=float("-inf"))
+        p_best = tl.max(p_key, axis=0)
+        p_tok = tl.load(p_token_ptr + b * NB + nb, mask=live, other=V)
+        p_tok = tl.min(tl.where(live & (p_key == p_best), p_tok, V), axis=0)
+        # a rejected draft takes the residual sample (p itself without residual mass); all accepted: bonus
+        token = tl.where((n < K) & has_mass, res_tok, p_tok)
+    tl.store(tokens_ptr + b * (K + 1) + n, token)
 
 
 def rejection_sample(
@@ -299,29 +305,29 @@ def rejection_sample(
     if b == 0:
         return tokens, num_accepted
     r, nb = b * k1, triton.cdiv(v, block)
-    # scratch: per (row, block) partial results, then per row; R * NB = 1512 * 126 at B = 256, K = 5
-    block_max, block_sum, res_key, res_mass, p_key, block_raw, row_max, row_sum = scratch(
-        torch.float32, dev, *[(r, nb)] * 6, (r,), (r,)
+    # scratch: per (slot, block) statistics; per (request, block) results of the one sampled slot; per slot
+    block_max, block_sum, block_raw, res_key, res_mass, p_key, row_max, row_sum = scratch(
+        torch.float32, dev, *[(r, nb)] * 3, *[(b, nb)] * 3, (r,), (r,)
     )
-    block_token, res_token, p_token, greedy = scratch(torch.int64, dev, *[(r, nb)] * 3, (r,))
+    block_token, res_token, p_token, greedy = scratch(torch.int64, dev, (r, nb), (b, nb), (b, nb), (r,))
     sb, sk = target_logits.stride(0), target_logits.stride(1)
     _rejection_stats_kernel[(r, nb)](
         target_logits, sb, sk, temperature, block_max, block_sum, block_token, block_raw, v, nb, k1,
         BLOCK=block,
     )  # fmt: skip
-    _rejection_row_kernel[(r,)](
-        block_max, block_sum, block_token, block_raw, row_max, row_sum, greedy, v, nb,
-        NB_POW2=triton.next_power_of_2(nb),
+    _rejection_decide_kernel[(b,)](
+        target_logits, sb, sk, draft_tokens, draft_probs, temperature, seed, positions, block_max, block_sum,
+        block_token, block_raw, row_max, row_sum, greedy, tokens, num_accepted, v, nb, k, HAS_Q=has_q,
+        K1_POW2=triton.next_power_of_2(k1), NB_POW2=triton.next_power_of_2(nb),
     )  # fmt: skip
-    _rejection_residual_kernel[(r, nb)](
+    _rejection_residual_kernel[(b, nb)](
         target_logits, sb, sk, draft_tokens, draft_probs, temperature, seed, positions, row_max, row_sum,
-        res_key, res_token, res_mass, p_key, p_token, v, nb, k, HAS_Q=has_q, BLOCK=block,
+        num_accepted, res_key, res_token, res_mass, p_key, p_token, v, nb, k, HAS_Q=has_q, BLOCK=block,
         FAST_LOG=target_logits.is_cuda,
     )  # fmt: skip
-    _rejection_accept_kernel[(b,)](
-        target_logits, sb, sk, draft_tokens, draft_probs, temperature, seed, positions, row_max, row_sum,
-        greedy, res_key, res_token, res_mass, p_key, p_token, tokens, num_accepted, v, nb, k,
-        HAS_Q=has_q, K1_POW2=triton.next_power_of_2(k1), NB_POW2=triton.next_power_of_2(nb),
+    _rejection_finalize_kernel[(b,)](
+        temperature, row_max, greedy, res_key, res_token, res_mass, p_key, p_token, tokens, num_accepted,
+        v, nb, k, NB_POW2=triton.next_power_of_2(nb),
     )  # fmt: skip
     return tokens, num_accepted
 

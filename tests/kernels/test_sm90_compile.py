@@ -28,7 +28,8 @@ from triton.compiler import ASTSource
 from fspec.kernels.gumbel import _gumbel_block_kernel
 from fspec.kernels.rejection import _rejection_residual_kernel
 
-INT64 = {"seed_ptr", "positions_ptr", "block_token_ptr", "draft_tokens_ptr", "res_token_ptr", "p_token_ptr"}
+INT64 = {"seed_ptr", "positions_ptr", "block_token_ptr", "draft_tokens_ptr", "res_token_ptr", "p_token_ptr",
+         "num_accepted_ptr"}
 fast = sys.argv[1] == "1"
 
 def sm90_sass(kernel, constexprs):
