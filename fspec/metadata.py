@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from fspec.kernels.ops import call
+from fspec.kernels.step_metadata import MODE_AFTER, MODE_DECODE, MODE_FIRST
 from fspec.state import AttnMetadata, check_positive_int
 
 
@@ -40,6 +42,31 @@ def _realize_vmap(info, in_dims, x):
 
 
 _realize.register_vmap(_realize_vmap)
+
+
+def _from_kernel(
+    start: torch.Tensor,
+    count: torch.Tensor | None,
+    block_table: torch.Tensor,
+    *,
+    num_query: int,
+    block_size: int,
+    max_model_len: int,
+    mode: int,
+) -> AttnMetadata:
+    """`AttnMetadata` whose derived fields come from one `fspec::step_metadata` launch
+    (kernels/step_metadata.py: one kernel instead of four small Inductor kernels and four copies through
+    `_realize`); the block table is passed through."""
+    positions, query_start_loc, seq_lens, slots = call(
+        "step_metadata", start, count, block_table, num_query, block_size, max_model_len, mode
+    )
+    return AttnMetadata(
+        positions=positions,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_table=block_table,
+        slot_mapping=slots,
+    )
 
 
 def _built(
@@ -161,18 +188,9 @@ def decode_metadata(positions: torch.Tensor, block_table: torch.Tensor, *, block
 
 def _decode_metadata(positions: torch.Tensor, block_table: torch.Tensor, *, block_size: int) -> AttnMetadata:
     """`decode_metadata` without validation (branch-free; inside compiled rounds)."""
-    positions = positions.to(torch.int64).contiguous()
-    b = positions.shape[0]
-    device = positions.device
-    live = positions >= 0
-    seq_lens = torch.where(live, positions + 1, torch.zeros_like(positions)).to(torch.int32)
-    request = torch.arange(b, device=device)
-    return _built(
-        positions=positions,
-        query_start_loc=torch.arange(b + 1, device=device, dtype=torch.int32),
-        seq_lens=seq_lens,
-        block_table=block_table.to(torch.int32).contiguous(),
-        slot_mapping=_slot_mapping(block_table, positions, block_size, request),
+    table = block_table.to(torch.int32).contiguous()
+    return _from_kernel(
+        positions, None, table, num_query=1, block_size=block_size, max_model_len=1, mode=MODE_DECODE
     )
 
 
@@ -246,25 +264,11 @@ def _first_step_metadata(
     block_size: int,
 ) -> AttnMetadata:
     """`first_step_metadata` without validation (branch-free; inside compiled rounds)."""
-    start = start_positions.to(torch.int64)
-    b = start.shape[0]
-    device = start.device
-    j = torch.arange(num_query, device=device, dtype=torch.int64)
-    row_live = start >= 0
-    live = row_live[:, None] & (j[None, :] < num_tokens.to(torch.int64)[:, None])  # [B, Q]
-    positions = torch.where(live, start[:, None] + j[None, :], torch.full_like(live, -1, dtype=torch.int64))
-    seq_lens = torch.where(row_live, start + num_tokens.to(torch.int64), torch.zeros_like(start)).to(
-        torch.int32
-    )
-    request = torch.arange(b, device=device)[:, None].expand(b, num_query)
-    slots = _slot_mapping(block_table, positions, block_size, request)
-    return _built(
-        positions=positions.reshape(-1),
-        query_start_loc=(torch.arange(b + 1, device=device, dtype=torch.int32) * num_query),
-        seq_lens=seq_lens,
-        block_table=block_table.to(torch.int32).contiguous(),
-        slot_mapping=slots.reshape(-1),
-    )
+    table = block_table.to(torch.int32).contiguous()
+    return _from_kernel(
+        start_positions, num_tokens, table, num_query=num_query, block_size=block_size, max_model_len=1,
+        mode=MODE_FIRST,
+    )  # fmt: skip
 
 
 def advance(meta: AttnMetadata, *, block_size: int, max_model_len: int) -> AttnMetadata:
@@ -300,19 +304,10 @@ def decode_after(meta: AttnMetadata, *, block_size: int, max_model_len: int) -> 
     """
     if not torch.compiler.is_compiling():
         _check_algebra_args(meta, block_size, max_model_len, decode=False)
-    lens = meta.seq_lens.to(torch.int64)
-    live = lens > 0
-    pos = torch.where(live, lens.clamp(max=max_model_len - 1), torch.full_like(lens, -1))
-    new_lens = torch.where(live, pos + 1, torch.zeros_like(pos)).to(torch.int32)
-    b = lens.shape[0]
-    request = torch.arange(b, device=lens.device)
-    return _built(
-        positions=pos,
-        query_start_loc=torch.arange(b + 1, device=lens.device, dtype=torch.int32),
-        seq_lens=new_lens,
-        block_table=meta.block_table,
-        slot_mapping=_slot_mapping(meta.block_table, pos, block_size, request),
-    )
+    return _from_kernel(
+        meta.seq_lens, None, meta.block_table, num_query=1, block_size=block_size,
+        max_model_len=max_model_len, mode=MODE_AFTER,
+    )  # fmt: skip
 
 
 def _check_algebra_args(meta: AttnMetadata, block_size: int, max_model_len: int, *, decode: bool) -> None:

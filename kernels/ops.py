@@ -14,13 +14,20 @@ kernel writes; callers pass whole buffers plus the column tensor, never views (p
     fspec::rejection_sample     (target_logits, draft_tokens, draft_probs?, temperature, seed, positions)
                                 -> (tokens [B, K+1], num_accepted [B])
     fspec::skinny_linear        (x [M, K], w [N, K]) -> x @ w.T [M, N], M <= 16 (kernels/skinny_linear.py)
+    fspec::step_metadata        (start, count?, block_table, num_query, block_size, max_model_len, mode)
+                                -> (positions, query_start_loc, seq_lens, slot_mapping)
+                                (kernels/step_metadata.py)
+    fspec::rope_cos_sin         (positions [...], inv_freq [D/2], dtype) -> (cos, sin) [..., D]
+                                (kernels/rope_cos_sin.py)
 """
 
 import torch
 from torch import Tensor
 
 from . import attention_ops, gumbel, rejection  # noqa: F401  (attention_ops registers its ops)
+from . import rope_cos_sin as _rcs
 from . import skinny_linear as _sl
+from . import step_metadata as _sm
 from .dispatch import call, kernels_interpreted, register  # noqa: F401  (re-exported)
 from .dispatch import use_triton as _use_triton
 
@@ -121,3 +128,103 @@ def skinny_linear(x: Tensor, w: Tensor) -> Tensor:
 def _(x: Tensor, w: Tensor) -> Tensor:
     _sl.check_args(x, w)
     return x.new_empty((x.shape[0], w.shape[0]))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# fspec::step_metadata (kernels/step_metadata.py)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@register("fspec::step_metadata", mutates_args=())
+def step_metadata(
+    start: Tensor,
+    count: Tensor | None,
+    block_table: Tensor,
+    num_query: int,
+    block_size: int,
+    max_model_len: int,
+    mode: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A step's (positions, query_start_loc, seq_lens, slot_mapping) in one launch."""
+    impl = _sm.step_metadata if _use_triton(start) else _sm.step_metadata_ref
+    return impl(
+        start, count, block_table, num_query=num_query, block_size=block_size, max_model_len=max_model_len,
+        mode=mode,
+    )  # fmt: skip
+
+
+@step_metadata.register_fake
+def _(
+    start: Tensor,
+    count: Tensor | None,
+    block_table: Tensor,
+    num_query: int,
+    block_size: int,
+    max_model_len: int,
+    mode: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _sm._outputs(start.shape[0], num_query if mode == _sm.MODE_FIRST else 1, start.device)
+
+
+def _step_metadata_vmap(info, in_dims, start, count, block_table, num_query, block_size, max_model_len, mode):
+    """Batched inputs (metadata stacked over a leading dim): the reference per batch entry, stacked."""
+
+    def entry(x, dim, i):
+        return x if dim is None else x.select(dim, i)
+
+    outs = [
+        _sm.step_metadata_ref(
+            entry(start, in_dims[0], i),
+            count if count is None else entry(count, in_dims[1], i),
+            entry(block_table, in_dims[2], i),
+            num_query=num_query,
+            block_size=block_size,
+            max_model_len=max_model_len,
+            mode=mode,
+        )  # fmt: skip
+        for i in range(info.batch_size)
+    ]
+    return tuple(torch.stack(field) for field in zip(*outs)), (0, 0, 0, 0)
+
+
+step_metadata.register_vmap(_step_metadata_vmap)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# fspec::rope_cos_sin (kernels/rope_cos_sin.py)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@register("fspec::rope_cos_sin", mutates_args=())
+def rope_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """RoPE's (cos, sin) [..., D] of integer positions [...] in one launch."""
+    impl = _rcs.rope_cos_sin if _use_triton(positions) else _rcs.rope_cos_sin_ref
+    return impl(positions, inv_freq, dtype)
+
+
+@rope_cos_sin.register_fake
+def _(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    shape = (*positions.shape, 2 * inv_freq.shape[0])
+    return positions.new_empty(shape, dtype=dtype), positions.new_empty(shape, dtype=dtype)
+
+
+def _rope_cos_sin_vmap(info, in_dims, positions, inv_freq, dtype):
+    """Batched positions broadcast through the reference (leading dims); batched inv_freq, per entry."""
+    pos_dim, freq_dim = in_dims[:2]  # dtype has no batch dim
+    if freq_dim is None:
+        positions = positions if pos_dim is None else positions.movedim(pos_dim, 0)
+        if pos_dim is None:
+            positions = positions.expand(info.batch_size, *positions.shape)
+        return _rcs.rope_cos_sin_ref(positions, inv_freq, dtype), (0, 0)
+    outs = [
+        _rcs.rope_cos_sin_ref(
+            positions if pos_dim is None else positions.select(pos_dim, i),
+            inv_freq.select(freq_dim, i),
+            dtype,
+        )
+        for i in range(info.batch_size)
+    ]
+    return tuple(torch.stack(field) for field in zip(*outs)), (0, 0)
+
+
+rope_cos_sin.register_vmap(_rope_cos_sin_vmap)

@@ -173,32 +173,57 @@ def test_metadata_builders_keep_dtypes_and_shapes():
 
 
 def test_metadata_fields_are_materialised_once_through_an_opaque_op():
-    """The derived fields of decode/first-step/advance metadata go through `fspec::realize` once each, so a
-    compiled step computes them once however many layers read them (Inductor recomputed them in front of each
-    layer's attention op otherwise), and the op keeps values, vmap and the eager path intact."""
-    from fspec.metadata import _decode_metadata
+    """The derived fields of decode / first-step / decode-after metadata come from one `fspec::step_metadata`
+    op (one kernel on the GPU) and those of `advance` from `fspec::realize` once each, so a compiled step
+    computes them once however many layers read them (Inductor recomputed them in front of each layer's
+    attention op otherwise), and the ops keep values, vmap and the eager path intact."""
+    from fspec.metadata import _decode_metadata, _first_step_metadata
 
     calls = []
 
-    def count_realize(gm, example_inputs):
-        calls.append(sum(n.target is torch.ops.fspec.realize.default for n in gm.graph.nodes))
+    def count_ops(gm, example_inputs):
+        targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        step_ops = sum(t in ("fspec.step_metadata", "fspec.step_metadata.default") for t in targets)
+        calls.append((step_ops, targets.count("fspec.realize.default")))
         return gm.forward
 
+    def read16(meta):  # sixteen "layers" read the fields
+        return sum(meta.seq_lens.sum() + (meta.positions + meta.slot_mapping).sum() for _ in range(16))
+
     def step(pos, table):
-        meta = _decode_metadata(pos, table, block_size=4)
-        # sixteen "layers" read the fields
-        return sum((meta.seq_lens + meta.positions + meta.slot_mapping).sum() for _ in range(16))
+        return read16(_decode_metadata(pos, table, block_size=4))
+
+    def first_then_after(start, n, table):
+        meta = _first_step_metadata(start, n, table, num_query=3, block_size=4)
+        return read16(meta) + read16(fspec.decode_after(meta, block_size=4, max_model_len=16))
+
+    def advanced(pos, table):
+        return read16(
+            fspec.advance(_decode_metadata(pos, table, block_size=4), block_size=4, max_model_len=16)
+        )
 
     pos = torch.tensor([5, -1, 9])
     table = torch.arange(12, dtype=torch.int32).view(3, 4)
-    torch._dynamo.reset()
-    got = torch.compile(step, backend=count_realize, fullgraph=True)(pos, table)
-    assert calls == [4]  # positions, query_start_loc, seq_lens, slot mapping: once each
-    assert got == step(pos, table)
+    n = torch.tensor([2, 0, 3])
+    for fn, args, want in (
+        (step, (pos, table), (1, 0)),
+        (first_then_after, (pos, n, table), (2, 0)),
+        (advanced, (pos, table), (1, 4)),
+    ):
+        calls.clear()
+        torch._dynamo.reset()
+        got = torch.compile(fn, backend=count_ops, fullgraph=True)(*args)
+        assert calls == [want], fn.__name__  # (step_metadata ops, realize ops) in the graph
+        assert got == fn(*args)
     metas = [fspec.decode_metadata(p, table, block_size=4) for p in (pos, pos + 1)]
     stacked = fspec.tree.tree_map(lambda *xs: torch.stack(xs), *metas)
-    advanced = torch.func.vmap(lambda m: fspec.advance(m, block_size=4, max_model_len=16))(stacked)
-    for i, meta in enumerate(metas):
-        want = fspec.advance(meta, block_size=4, max_model_len=16)
-        assert torch.equal(advanced.positions[i], want.positions)
-        assert torch.equal(advanced.slot_mapping[i], want.slot_mapping)
+    for build in (
+        lambda m: fspec.advance(m, block_size=4, max_model_len=16),
+        lambda m: fspec.decode_after(m, block_size=4, max_model_len=16),
+        lambda m: _decode_metadata(m.positions, m.block_table, block_size=4),
+    ):
+        batched = torch.func.vmap(build)(stacked)
+        for i, meta in enumerate(metas):
+            want = build(meta)
+            for a, b in zip(fspec.tree.tree_leaves(want), fspec.tree.tree_leaves(batched)):
+                assert torch.equal(b[i], a)

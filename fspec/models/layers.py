@@ -21,6 +21,7 @@ from einops import rearrange
 
 from fspec.attention import Attend
 from fspec.config import ModelConfig
+from fspec.kernels.ops import call
 
 SKINNY_ROWS = 16  # fspec::skinny_linear's row limit (kernels/skinny_linear.py MAX_ROWS)
 
@@ -42,8 +43,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     """F.linear(x, w, b), through `fspec::skinny_linear` where `use_skinny_linear` says so."""
     if not use_skinny_linear(x, w):
         return F.linear(x, w, b)
-    from fspec.kernels.ops import call
-
     y = call("skinny_linear", x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
     return y if b is None else y + b
 
@@ -83,11 +82,11 @@ def rope_inv_freq(cfg: ModelConfig, device: torch.device | str) -> torch.Tensor:
 def rope_cos_sin(
     positions: torch.Tensor, *, cfg: ModelConfig, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [..., D] for integer `positions` [...]; padding positions (-1) get position 0's values."""
-    inv_freq = rope_inv_freq(cfg, positions.device)  # [D/2]
-    freqs = positions.clamp(min=0).float()[..., None] * inv_freq  # [..., D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [..., D]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    """cos, sin [..., D] for integer `positions` [...]; padding positions (-1) get position 0's values.
+
+    One `fspec::rope_cos_sin` op (kernels/rope_cos_sin.py: one launch on the GPU, the PyTorch reference on
+    the CPU), so a compiled forward computes the tables once for all its layers."""
+    return call("rope_cos_sin", positions, rope_inv_freq(cfg, positions.device), dtype)
 
 
 def bias_layout(cfg: ModelConfig) -> tuple[bool, bool]:

@@ -1,0 +1,70 @@
+"""RoPE's cos and sin tables of a forward's positions in one launch.
+
+    rope_cos_sin(positions [...] int, inv_freq [D/2] float32, dtype) -> (cos [..., D], sin [..., D]) in dtype
+
+freqs = max(position, 0) * inv_freq in fp32 (padding positions -1 get position 0's values), duplicated over
+the two halves of D (the rotate-half layout), cos and sin rounded once to `dtype`: the arithmetic of
+`fspec.models.layers.rope_cos_sin`, whose PyTorch code is the reference here.
+
+Why: every layer's RoPE reads the same tables, and a compiled forward hands them to each layer's custom
+attention op (`fspec::rope_kv_write`); Inductor, seeing cheap pointwise expressions of the positions,
+recomputed them in front of each op: one ~1.3 µs kernel per layer of a 1B-shaped decode step on the H200
+(16 per token; benchmarks/kernel_timeline.py). An op's outputs are buffers: computed once per forward.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BLOCK_T = 16  # positions per program
+
+
+@triton.jit
+def _rope_cos_sin_kernel(
+    positions_ptr,  # [T] int positions (negative = padding: position 0's values)
+    inv_freq_ptr,  # [HALF] float32
+    cos_ptr,  # [T, 2 * HALF] out, the output dtype
+    sin_ptr,  # [T, 2 * HALF] out
+    T,  # positions
+    HALF: tl.constexpr,  # D / 2
+    HALF_POW2: tl.constexpr,  # next power of two >= HALF
+    BLOCK: tl.constexpr,  # positions per program
+):
+    t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    f = tl.arange(0, HALF_POW2)  # [HALF_POW2]
+    t_ok = t < T
+    f_ok = f < HALF
+    pos = tl.maximum(tl.load(positions_ptr + t, mask=t_ok, other=0), 0).to(tl.float32)
+    freqs = pos[:, None] * tl.load(inv_freq_ptr + f, mask=f_ok, other=0.0)[None, :]  # [BLOCK, HALF_POW2]
+    c = tl.cos(freqs).to(cos_ptr.dtype.element_ty)
+    s = tl.sin(freqs).to(sin_ptr.dtype.element_ty)
+    at = t[:, None] * (2 * HALF) + f[None, :]
+    ok = t_ok[:, None] & f_ok[None, :]
+    tl.store(cos_ptr + at, c, mask=ok)
+    tl.store(cos_ptr + at + HALF, c, mask=ok)
+    tl.store(sin_ptr + at, s, mask=ok)
+    tl.store(sin_ptr + at + HALF, s, mask=ok)
+
+
+def rope_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Launch the kernel: (cos, sin) [..., D] in `dtype` for integer positions [...] and inv_freq [D/2]."""
+    half = inv_freq.shape[0]
+    shape = (*positions.shape, 2 * half)
+    cos = torch.empty(shape, dtype=dtype, device=positions.device)
+    sin = torch.empty(shape, dtype=dtype, device=positions.device)
+    t = positions.numel()
+    if t == 0:
+        return cos, sin
+    _rope_cos_sin_kernel[(triton.cdiv(t, BLOCK_T),)](
+        positions.reshape(-1).contiguous(), inv_freq.contiguous(), cos, sin, t, HALF=half,
+        HALF_POW2=triton.next_power_of_2(half), BLOCK=BLOCK_T,
+    )  # fmt: skip
+    return cos, sin
+
+
+def rope_cos_sin_ref(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The reference: fp32 freqs of the clamped positions, duplicated halves, cos / sin cast to `dtype`."""
+    freqs = positions.clamp(min=0).float()[..., None] * inv_freq  # [..., D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [..., D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -1,0 +1,160 @@
+"""A step's attention metadata in one launch: positions, query_start_loc, seq_lens and slot_mapping.
+
+    step_metadata(start [B], count [B] | None, block_table [B, max_blocks], *, num_query, block_size,
+                  max_model_len, mode) -> (positions [B * Q] int64, query_start_loc [B + 1] int32,
+                                           seq_lens [B] int32, slot_mapping [B * Q] int64)
+
+Three modes, each the exact arithmetic of the PyTorch reference beside the kernel (`step_metadata_ref`, which
+is what `fspec.metadata` computed before this kernel existed):
+
+* MODE_DECODE (Q = 1): `start` holds each request's position (-1 = padding): positions = start, seq_lens =
+  start + 1 where start >= 0, else 0.
+* MODE_AFTER (Q = 1): `start` holds the previous step's seq_lens; the next token sits at seq_lens (clamped to
+  max_model_len - 1) where seq_lens > 0, else the row is padding (-1, seq_len 0).
+* MODE_FIRST: request b's `count[b]` tokens sit at start[b] + j, j < count[b]; its other rows of Q are
+  padding; a request with start < 0 is a padding row (seq_len 0).
+
+query_start_loc = arange(B + 1) * Q. Slot of a token at position p of request b: block_table[b, p // bs] * bs
++ p % bs, or -1 where p < 0, p // bs is past the table, or the table's entry is negative (unallocated).
+
+Why: each of these fields is an input of the attention ops of every layer, so it must be one materialised
+buffer (Inductor recomputed cheap expressions in front of every consumer, fspec/metadata.py). Materialised
+through copies, the four fields cost four small Inductor kernels and four device copies per step: eight
+launches of ~1 µs plus a ~0.4 µs gap each in a CUDA graph (benchmarks/kernel_timeline.py, draft step of a
+1B-shaped EAGLE-3 head on the H200). One kernel writes all four.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+MODE_DECODE, MODE_AFTER, MODE_FIRST = 0, 1, 2
+BLOCK_B = 128  # requests per program
+
+
+@triton.jit
+def _step_metadata_kernel(
+    start_ptr,  # [B] int: positions (DECODE), previous seq_lens (AFTER) or first positions (FIRST)
+    count_ptr,  # [B] int: live tokens per request (FIRST only)
+    block_table_ptr,  # [B, max_blocks] int: cache block of each request's j-th block (-1 = unallocated)
+    positions_ptr,  # [B * Q] int64 out
+    query_start_loc_ptr,  # [B + 1] int32 out
+    seq_lens_ptr,  # [B] int32 out
+    slot_mapping_ptr,  # [B * Q] int64 out
+    B,  # requests
+    max_blocks,  # columns of the block table
+    stride_table,  # elements between rows of the block table
+    block_size,  # tokens per cache block
+    max_model_len,  # AFTER: positions clamp at max_model_len - 1
+    Q: tl.constexpr,  # query rows per request (1 for DECODE and AFTER)
+    Q_POW2: tl.constexpr,  # next power of two >= Q
+    MODE: tl.constexpr,  # MODE_DECODE, MODE_AFTER or MODE_FIRST
+    BLOCK: tl.constexpr,  # requests per program
+):
+    b = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    b_ok = b < B
+    x = tl.load(start_ptr + b, mask=b_ok, other=-1).to(tl.int64)
+    j = tl.arange(0, Q_POW2).to(tl.int64)  # [Q_POW2]
+    j_ok = j < Q
+    if MODE == 1:  # AFTER: x is the previous seq_lens
+        row_live = x > 0
+        first = tl.where(row_live, tl.minimum(x, max_model_len - 1), -1)
+        seq = tl.where(row_live, first + 1, 0)
+        pos = first[:, None] + j[None, :]  # Q = 1: j = 0
+    elif MODE == 0:  # DECODE: x is the position, kept as given
+        seq = tl.where(x >= 0, x + 1, 0)
+        pos = x[:, None] + j[None, :]
+    else:  # FIRST
+        count = tl.load(count_ptr + b, mask=b_ok, other=0).to(tl.int64)
+        row_live = x >= 0
+        seq = tl.where(row_live, x + count, 0)
+        live = row_live[:, None] & (j[None, :] < count[:, None])
+        pos = tl.where(live, x[:, None] + j[None, :], -1)
+    ok = b_ok[:, None] & j_ok[None, :]  # [BLOCK, Q_POW2]
+    p = tl.maximum(pos, 0)
+    col = p // block_size
+    beyond = col >= max_blocks
+    entry = block_table_ptr + b[:, None] * stride_table + tl.minimum(col, max_blocks - 1)
+    blk = tl.load(entry, mask=ok & (max_blocks > 0), other=-1).to(tl.int64)
+    slot = tl.where((pos < 0) | beyond | (blk < 0), -1, blk * block_size + p % block_size)
+    row = b[:, None] * Q + j[None, :]
+    tl.store(positions_ptr + row, pos, mask=ok)
+    tl.store(slot_mapping_ptr + row, slot, mask=ok)
+    tl.store(seq_lens_ptr + b, seq.to(tl.int32), mask=b_ok)
+    tl.store(query_start_loc_ptr + b, (b * Q).to(tl.int32), mask=b <= B)
+
+
+def _outputs(b: int, q: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return (
+        torch.empty(b * q, dtype=torch.int64, device=device),
+        torch.empty(b + 1, dtype=torch.int32, device=device),
+        torch.empty(b, dtype=torch.int32, device=device),
+        torch.empty(b * q, dtype=torch.int64, device=device),
+    )
+
+
+def step_metadata(
+    start: Tensor,
+    count: Tensor | None,
+    block_table: Tensor,
+    *,
+    num_query: int,
+    block_size: int,
+    max_model_len: int,
+    mode: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Launch the kernel: (positions, query_start_loc, seq_lens, slot_mapping). Inputs are assumed
+    validated (fspec.metadata checks them eagerly); `count` is read only in MODE_FIRST."""
+    b = start.shape[0]
+    q = num_query if mode == MODE_FIRST else 1
+    outs = _outputs(b, q, start.device)
+    start = start.contiguous()
+    count = start if count is None else count.contiguous()
+    _step_metadata_kernel[(triton.cdiv(b + 1, BLOCK_B),)](
+        start, count, block_table, *outs, b, block_table.shape[1], block_table.stride(0), block_size,
+        max_model_len, Q=q, Q_POW2=triton.next_power_of_2(q), MODE=mode, BLOCK=BLOCK_B,
+    )  # fmt: skip
+    return outs
+
+
+def step_metadata_ref(
+    start: Tensor,
+    count: Tensor | None,
+    block_table: Tensor,
+    *,
+    num_query: int,
+    block_size: int,
+    max_model_len: int,
+    mode: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Plain-PyTorch twin of `step_metadata`."""
+    x = start.to(torch.int64)
+    b = x.shape[0]
+    q = num_query if mode == MODE_FIRST else 1
+    j = torch.arange(q, device=x.device)
+    if mode == MODE_AFTER:
+        live = x > 0
+        pos = torch.where(live, x.clamp(max=max_model_len - 1), -1)
+        seq = torch.where(live, pos + 1, 0)
+        positions = pos[:, None]
+    elif mode == MODE_DECODE:
+        seq = torch.where(x >= 0, x + 1, 0)
+        positions = x[:, None].clone()  # an op's output never aliases its input
+    else:
+        n = count.to(torch.int64)
+        row_live = x >= 0
+        seq = torch.where(row_live, x + n, 0)
+        live = row_live[:, None] & (j[None, :] < n[:, None])
+        positions = torch.where(live, x[:, None] + j[None, :], -1)  # [B, Q]
+    p = positions.clamp(min=0)
+    col = p // block_size
+    beyond = col >= block_table.shape[1]
+    request = torch.arange(b, device=x.device)[:, None].expand(b, q)
+    if block_table.shape[1] > 0:
+        blk = block_table[request, col.clamp(max=block_table.shape[1] - 1)].to(torch.int64)
+    else:
+        blk = torch.full_like(positions, -1)
+    slot = torch.where((positions < 0) | beyond | (blk < 0), -1, blk * block_size + p % block_size)
+    qsl = (torch.arange(b + 1, device=x.device) * q).to(torch.int32)
+    return positions.reshape(-1), qsl, seq.to(torch.int32), slot.reshape(-1)

@@ -1,0 +1,80 @@
+"""One-launch step metadata (kernels/step_metadata.py): the interpreted kernel against its PyTorch reference
+on irregular shapes, and the reference against the metadata algebra written out by hand.
+
+Inputs cover padding rows (-1), positions on unallocated (-1) table entries and past the table, positions
+crossing block boundaries, requests past one program's 128 (B = 130, 257), an empty batch, ragged first-step
+token counts, and seq_lens at and past max_model_len.
+"""
+
+import pytest
+import torch
+
+from fspec.kernels import ops
+from fspec.kernels.step_metadata import (
+    MODE_AFTER,
+    MODE_DECODE,
+    MODE_FIRST,
+    step_metadata,
+    step_metadata_ref,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+BLOCK_SIZE, MAX_BLOCKS, MAX_LEN = 4, 5, 18  # the table holds 20 positions; max_model_len cuts at 18
+
+
+def _inputs(b: int, q: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randint(0, 4 * b + 8, (b, MAX_BLOCKS), generator=g, dtype=torch.int32)
+    table[torch.rand(b, MAX_BLOCKS, generator=g) < 0.2] = -1  # unallocated blocks
+    start = torch.randint(-1, 26, (b,), generator=g)  # -1 padding, up to past the table (>= 20)
+    count = torch.randint(0, q + 1, (b,), generator=g)
+    return start, count, table
+
+
+@pytest.mark.parametrize("b", [0, 1, 3, 37, 130, 257])
+@pytest.mark.parametrize("mode,q", [(MODE_DECODE, 1), (MODE_AFTER, 1), (MODE_FIRST, 1), (MODE_FIRST, 6)])
+def test_kernel_equals_reference(b, mode, q):
+    assert ops.kernels_interpreted() or torch.cuda.is_available()
+    start, count, table = _inputs(b, q, seed=b * 10 + mode + q)
+    args = (start, count if mode == MODE_FIRST else None, table)
+    kw = dict(num_query=q, block_size=BLOCK_SIZE, max_model_len=MAX_LEN, mode=mode)
+    got = step_metadata(*args, **kw)
+    want = step_metadata_ref(*args, **kw)
+    for name, g, w in zip(("positions", "query_start_loc", "seq_lens", "slot_mapping"), got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        assert torch.equal(g, w), name
+
+
+def _slot(table: torch.Tensor, b: int, pos: int) -> int:
+    if pos < 0 or pos // BLOCK_SIZE >= table.shape[1] or table[b, pos // BLOCK_SIZE] < 0:
+        return -1
+    return int(table[b, pos // BLOCK_SIZE]) * BLOCK_SIZE + pos % BLOCK_SIZE
+
+
+def test_reference_equals_the_algebra_written_out():
+    """Per request and row, in plain Python: what each mode means (fspec/metadata.py's builders)."""
+    b, q = 37, 6
+    start, count, table = _inputs(b, q, seed=5)
+    start[:4] = torch.tensor([17, 18, 25, 0])  # at, past max_model_len - 1 (AFTER clamps), past the table
+    for mode in (MODE_DECODE, MODE_AFTER, MODE_FIRST):
+        qq = q if mode == MODE_FIRST else 1
+        pos, qsl, lens, slots = step_metadata_ref(
+            start, count if mode == MODE_FIRST else None, table, num_query=qq, block_size=BLOCK_SIZE,
+            max_model_len=MAX_LEN, mode=mode,
+        )  # fmt: skip
+        assert qsl.tolist() == [i * qq for i in range(b + 1)]
+        for r in range(b):
+            s = int(start[r])
+            if mode == MODE_DECODE:
+                want_pos, want_len = [s], (s + 1 if s >= 0 else 0)
+            elif mode == MODE_AFTER:  # s is the previous seq_len
+                p = min(s, MAX_LEN - 1) if s > 0 else -1
+                want_pos, want_len = [p], (p + 1 if s > 0 else 0)
+            else:
+                n = int(count[r])
+                want_pos = [s + j if s >= 0 and j < n else -1 for j in range(q)]
+                want_len = s + n if s >= 0 else 0
+            assert pos[r * qq : (r + 1) * qq].tolist() == want_pos, (mode, r)
+            assert int(lens[r]) == want_len, (mode, r)
+            assert slots[r * qq : (r + 1) * qq].tolist() == [_slot(table, r, p) for p in want_pos], (mode, r)
