@@ -57,16 +57,20 @@ def sampling(d: dict) -> list[str]:
 
 def draft_loop(d: dict) -> list[str]:
     out = [
-        "| head | B | K | floor µs/step | compiled whole loop µs/step | compiled per-step replay µs/step "
-        "| eager µs/step | loop / floor | eager / loop |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| head | B | K | floor µs/step | compiled whole loop µs/step | whole loop, back to back µs/step "
+        "| host µs/call | compiled per-step replay µs/step | eager µs/step | loop / floor "
+        "| back to back / floor | eager / loop |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in d["rows"]:
         c = r["case"]
+        b2b = r.get("compiled_loop_back_to_back_us")
+        b2b_ratio = b2b / r["floor_us"] if b2b else None
         out.append(
             f"| {c['head']} | {c['B']} | {c['K']} | {_f(r['floor_us'])} | {_f(r['compiled_loop_us'])} "
+            f"| {_f(b2b)} | {_f(r.get('compiled_loop_host_us_per_call'))} "
             f"| {_f(r.get('compiled_step_us'))} | {_f(r['eager_us'])} | {_f(r['loop_over_floor'], '{:.2f}')} "
-            f"| {_f(r['eager_over_loop'], '{:.1f}')} |"
+            f"| {_f(b2b_ratio, '{:.2f}')} | {_f(r['eager_over_loop'], '{:.1f}')} |"
         )
     return out
 
