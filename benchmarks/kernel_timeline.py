@@ -22,8 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from bench_draft_loop import time_us  # noqa: E402  (CUDA-event median of one call)
 
-def _timeline(fn, calls: int = 3) -> list[tuple[float, float, str]]:
+
+def _timeline(fn, calls: int = 1) -> list[tuple[float, float, str]]:
     """(start µs, duration µs, name) of the device activities of the last of `calls` calls of fn."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -45,18 +47,6 @@ def _timeline(fn, calls: int = 3) -> list[tuple[float, float, str]]:
     split = sorted(gaps)[-(calls - 1) :] if calls > 1 else []
     first = max(i for _, i in split) if split else 0
     return events[first:]
-
-
-def _median_us(fn, reps: int = 50) -> float:
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[reps // 2]
 
 
 def _write(path: Path, title: str, events: list[tuple[float, float, str]], median_us: float) -> None:
@@ -90,7 +80,7 @@ def draft(out: Path, k: int, b: int, tag: str) -> None:
     fn = lambda: whole(d.params, state, cache)  # noqa: E731
     events = _timeline(fn)
     title = f"propose, 1B EAGLE-3 head, B = {b}, K = {k}, ctx 2048"
-    _write(out / f"timeline_draft{tag}.txt", title, events, _median_us(fn))
+    _write(out / f"timeline_draft{tag}.txt", title, events, time_us(fn, 50))
 
 
 def decode(out: Path, b: int, tag: str) -> None:
@@ -116,7 +106,7 @@ def decode(out: Path, b: int, tag: str) -> None:
         step(params, cur, n, live, table, temp, seed, cache)
 
     title = f"target decode step, 1B Llama, B = {b}, ctx 150"
-    _write(out / f"timeline_decode{tag}.txt", title, _timeline(call), _median_us(call))
+    _write(out / f"timeline_decode{tag}.txt", title, _timeline(call), time_us(call, 50))
 
 
 def main(argv=None) -> int:
