@@ -38,6 +38,24 @@ def test_ops_pass_torch_library_opcheck():
     torch.library.opcheck(torch.ops.fspec.rejection_sample.default, (*args[:2], None, *args[3:]))
 
 
+def test_metadata_and_rope_ops_pass_opcheck():
+    """The one-launch step metadata (every mode, with and without `count`) and RoPE tables ops: schemas,
+    fake implementations (shapes, dtypes) and the no-aliasing rule, in eager (interpreted kernel) and fake."""
+    from fspec.kernels.step_metadata import MODE_AFTER, MODE_DECODE, MODE_FIRST
+
+    table = torch.tensor([[3, 1, -1], [0, 2, 4]], dtype=torch.int32)
+    start, count = torch.tensor([5, -1]), torch.tensor([2, 0])
+    op = torch.ops.fspec.step_metadata.default
+    torch.library.opcheck(op, (start, None, table, 1, 4, 12, MODE_DECODE))
+    torch.library.opcheck(op, (torch.tensor([6, 0], dtype=torch.int32), None, table, 1, 4, 12, MODE_AFTER))
+    torch.library.opcheck(op, (start, count, table, 3, 4, 12, MODE_FIRST))
+    inv_freq = torch.tensor([1.0, 0.25, 0.01])
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.library.opcheck(
+            torch.ops.fspec.rope_cos_sin.default, (torch.tensor([[0, 7], [-1, 300]]), inv_freq, dtype)
+        )
+
+
 def test_ops_run_the_interpreted_kernels_in_eager(monkeypatch):
     """With TRITON_INTERPRET=1 the eager ops call the Triton launchers, not the references."""
     logits, t, seeds, positions = _gumbel_args()
