@@ -19,7 +19,9 @@ Design (flash-decoding with GQA packing):
   [split * partition, (split + 1) * partition). The number of splits is static (cache capacity / partition),
   so the grid never depends on seq_lens; programs whose partition starts at or past seq_len run no loop
   iteration and write max = -inf, which the reduce kernel weighs by exp2(-inf) = 0. With one split the main
-  kernel normalises and writes `out` itself (no reduce launch).
+  kernel normalises and writes `out` itself (no reduce launch). With `fused_reduce` (opt-in until measured)
+  the last split of each tile to finish combines the partials in the same launch (an atomic counter per
+  tile, left at zero for the next launch; one stream at a time per device).
 * Everything the launch depends on (B, num_query, max_blocks, block_size, config) is static; block_table,
   seq_lens, positions and query_start_loc are loaded inside the kernels, so the launch is CUDA-graph safe.
 * fp32 accumulation and softmax in base 2 (scale * log2(e) folded into the scores). On a GPU the dots run in
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 import triton
@@ -58,6 +61,9 @@ class AttentionConfig:
         num_warps: warps per program of the main kernel.
         num_stages: software-pipelining stages of the key loop (GPU only).
         block_m: (query, head) rows per program, a power of two >= 16; None = num_query * group padded.
+        fused_reduce: with several splits, the last split of each (request, KV head) tile to finish combines
+            the partials itself (an atomic counter per tile) instead of a second launch; None = the
+            FSPEC_ATTN_FUSED_REDUCE switch (off unless "1": not yet measured on the GPU).
     """
 
     block_n: int = 64
@@ -65,6 +71,7 @@ class AttentionConfig:
     num_warps: int = 4
     num_stages: int = 2
     block_m: int | None = None
+    fused_reduce: bool | None = None
 
 
 # (max head_dim, max num_query, block_n, num_warps, num_stages); the first row that fits wins. Starting
@@ -81,6 +88,8 @@ _TILE_TABLE = (
 # save), at most MAX_PARTITION (many short programs balance the SMs, no half-empty last wave, for partials of
 # 4 * (D + 2) bytes per head and split: under 1% of the K/V bytes of these shapes).
 MIN_PARTITION, MAX_PARTITION = 256, 2048
+# Tiles (request x query tile x KV head) the fused reduction can count: one int32 counter each, per device.
+COUNTER_SLOTS = 1 << 16
 MAX_BLOCK_M = 64  # (query, head) rows per program; more rows go to further programs (prefill-sized num_query)
 PROGRAMS_PER_SM = 4  # split until the grid has about this many programs per SM (memory-level parallelism)
 
@@ -111,10 +120,38 @@ def default_config(
     if partition is None:
         programs = batch * triton.cdiv(num_query * group, block_m) * kv_heads
         want = max(1, triton.cdiv(PROGRAMS_PER_SM * num_sms, programs))
-        splits = max(1, min(want, capacity // MIN_PARTITION), triton.cdiv(capacity, MAX_PARTITION))
+        splits = max(1, min(want, capacity // min_partition()), triton.cdiv(capacity, MAX_PARTITION))
         partition = triton.cdiv(capacity, splits)
     partition = max(cfg.block_n, triton.cdiv(partition, cfg.block_n) * cfg.block_n)
-    return dataclasses.replace(cfg, block_m=block_m, partition=partition)
+    fused = cfg.fused_reduce
+    if fused is None:
+        fused = os.environ.get("FSPEC_ATTN_FUSED_REDUCE") == "1"
+    return dataclasses.replace(cfg, block_m=block_m, partition=partition, fused_reduce=fused)
+
+
+def min_partition() -> int:
+    """Smallest split of the heuristic: FSPEC_ATTN_MIN_PARTITION (a positive multiple of 16, for
+    benchmarking shorter splits), else MIN_PARTITION."""
+    env = os.environ.get("FSPEC_ATTN_MIN_PARTITION")
+    if env is None:
+        return MIN_PARTITION
+    if not env.isdigit() or int(env) < 16 or int(env) % 16:
+        raise ValueError(f"FSPEC_ATTN_MIN_PARTITION: expected a positive multiple of 16, got {env!r}")
+    return int(env)
+
+
+_COUNTERS: dict[torch.device, Tensor] = {}
+
+
+def tile_counters(device: torch.device) -> Tensor | None:
+    """The fused reduction's zeroed int32 counters on `device` (allocated once; each launch leaves them at
+    zero again), or None while a CUDA graph is being captured before they exist (no allocation there)."""
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return counters
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -135,6 +172,7 @@ def _paged_attention_kernel(
     part_m_ptr,  # [S, T, N] float32 out (splits): running max of the base-2 scores, -inf = no key
     part_l_ptr,  # [S, T, N] float32 out (splits): sum of exp2(score - max)
     part_acc_ptr,  # [S, T, N, D] float32 out (splits): unnormalised sum of exp2(score - max) * v
+    counter_ptr,  # [>= B * M_TILES * Nkv] int32, zero (FUSED_REDUCE): splits of each tile finished so far
     stride_qt,  # elements between consecutive tokens of q
     stride_qn,  # elements between consecutive heads of q
     stride_ot,  # elements between consecutive tokens of out
@@ -142,6 +180,7 @@ def _paged_attention_kernel(
     stride_bt,  # elements between consecutive rows of block_table
     T,  # query tokens (rows of q); indexes the partial buffers
     partition,  # context tokens per split (a multiple of BLOCK_N)
+    num_splits,  # S
     scale_log2,  # softmax scale * log2(e)
     NUM_QUERY: tl.constexpr,  # static bound on query rows per request
     GROUP: tl.constexpr,  # query heads per KV head
@@ -149,6 +188,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,  # D
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     SPLIT: tl.constexpr,  # write partials for the reduce kernel (False: write out directly)
+    FUSED_REDUCE: tl.constexpr,  # (SPLIT) the tile's last split to finish combines the partials itself
     BLOCK_M: tl.constexpr,  # (query, head) rows per program, a power of two
     BLOCK_N: tl.constexpr,  # keys per loop iteration, a power of two
     BLOCK_D: tl.constexpr,  # next power of two >= max(D, 16)
@@ -218,6 +258,43 @@ def _paged_attention_kernel(
         tl.store(
             part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=live[:, None] & d_ok[None, :]
         )
+        if FUSED_REDUCE:
+            # Every thread's stores above happen before the count (barrier, then a release at GPU scope);
+            # the program that sees count S - 1 acquires them all and combines the S partials as the reduce
+            # kernel does, then zeroes the counter for the next launch.
+            tile = tl.program_id(0) * KV_HEADS + kvh
+            tl.debug_barrier()
+            done = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if done == num_splits - 1:
+                tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
+                m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                for s_i in range(0, num_splits):
+                    ps = (s_i * T + tok) * (KV_HEADS * GROUP) + head
+                    m_s = tl.load(part_m_ptr + ps, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                    m_max = tl.maximum(m_max, m_s)
+                m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+                num = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+                den = tl.zeros([BLOCK_M], dtype=tl.float32)
+                for s_i in range(0, num_splits):
+                    ps = (s_i * T + tok) * (KV_HEADS * GROUP) + head
+                    m_s = tl.load(part_m_ptr + ps, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                    l_s = tl.load(part_l_ptr + ps, mask=row_ok, other=0.0, cache_modifier=".cg")
+                    w = tl.exp2(m_s - m_ref)  # 0 for splits without keys
+                    live_s = row_ok & (m_s > float("-inf"))
+                    acc_s = tl.load(
+                        part_acc_ptr + ps[:, None] * HEAD_DIM + d[None, :],
+                        mask=live_s[:, None] & d_ok[None, :],
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    num += acc_s * w[:, None]
+                    den += tl.where(live_s, l_s * w, 0.0)
+                o = num / tl.where(den > 0, den, 1.0)[:, None]  # a row that saw no key (padding) -> 0
+                tl.store(
+                    out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_on + d[None, :],
+                    o.to(out_ptr.dtype.element_ty),
+                    mask=row_ok[:, None] & d_ok[None, :],
+                )
     else:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
@@ -320,20 +397,25 @@ def paged_attention(
     part_m = torch.empty((splits, t, n), **f32) if splits > 1 else out
     part_l = torch.empty((splits, t, n), **f32) if splits > 1 else out
     part_acc = torch.empty((splits, t, n, d), **f32) if splits > 1 else out
+    m_tiles = triton.cdiv(num_query * group, cfg.block_m)
+    counters = None
+    if splits > 1 and cfg.fused_reduce and b * m_tiles * nkv <= COUNTER_SLOTS:
+        counters = tile_counters(q.device)  # None while capturing before they exist: two launches
     # tl.dot needs one input dtype; the interpreter's bf16 arithmetic is garbage
     interpreted = isinstance(_paged_attention_kernel, InterpretedFunction)
     upcast = interpreted or q.dtype != kc.dtype or torch.float32 in (q.dtype, kc.dtype, vc.dtype)
-    m_tiles = triton.cdiv(num_query * group, cfg.block_m)
     block_d = max(16, triton.next_power_of_2(d))  # tl.dot needs K >= 16: small heads pad (masked) to 16
     _paged_attention_kernel[(b * m_tiles, nkv, splits)](
         q, kc, vc, block_table, seq_lens, positions, query_start_loc, out, part_m, part_l, part_acc,
+        seq_lens if counters is None else counters,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        t, cfg.partition, scale * LOG2E,
+        t, cfg.partition, splits, scale * LOG2E,
         NUM_QUERY=num_query, GROUP=group, KV_HEADS=nkv, HEAD_DIM=d, BLOCK_SIZE=block_size, SPLIT=splits > 1,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, UPCAST=upcast,
+        FUSED_REDUCE=counters is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+        UPCAST=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if splits > 1:
+    if splits > 1 and counters is None:
         _paged_attention_reduce_kernel[(t, n)](
             part_m, part_l, part_acc, out, out.stride(0), out.stride(1), t, splits,
             NUM_HEADS=n, HEAD_DIM=d, SPLITS_POW2=triton.next_power_of_2(splits), BLOCK_D=block_d,

@@ -36,6 +36,8 @@ CONFIGS = {
     "one_split": AttentionConfig(block_n=16, partition=32),
     "split_bn4": AttentionConfig(block_n=4, partition=8),
     "split_bn8": AttentionConfig(block_n=8, partition=8),
+    # the same splits combined in the main launch by each tile's last split (no reduce kernel)
+    "split_bn4_fused": AttentionConfig(block_n=4, partition=8, fused_reduce=True),
 }
 # seq_lens per request (0 = padding request) and live query tokens of each (the rest of num_query rows are
 # padding, positions -1): contexts of 1 token, ending on a block boundary (4, 20 = full table), crossing one.
@@ -131,6 +133,47 @@ def test_split_configs_really_split():
     assert _num_splits(CONFIGS["one_split"], num_query=3) == 1
     assert _num_splits(CONFIGS["split_bn4"], num_query=3) == 3
     assert _num_splits(CONFIGS["split_bn8"], num_query=1) == 3
+    assert _num_splits(CONFIGS["split_bn4_fused"], num_query=3) == 3
+
+
+def test_attention_switches_of_the_environment(monkeypatch):
+    """FSPEC_ATTN_FUSED_REDUCE=1 turns the fused reduction on where the config leaves it open;
+    FSPEC_ATTN_MIN_PARTITION shortens the heuristic's partitions and refuses what is not a multiple of 16."""
+    from fspec.kernels import paged_attention as pa
+
+    sizes = dict(batch=1, kv_heads=8, group=4, num_query=1, head_dim=64, capacity=2304)
+    assert pa.default_config(**sizes).fused_reduce is False
+    assert pa.default_config(**sizes).partition == 256  # 9 splits of the 2304-token capacity
+    monkeypatch.setenv("FSPEC_ATTN_FUSED_REDUCE", "1")
+    monkeypatch.setenv("FSPEC_ATTN_MIN_PARTITION", "64")
+    cfg = pa.default_config(**sizes)
+    assert cfg.fused_reduce is True and cfg.partition == 64
+    assert pa.default_config(**sizes, override=AttentionConfig(fused_reduce=False)).fused_reduce is False
+    for bad in ("40", "0", "x"):
+        monkeypatch.setenv("FSPEC_ATTN_MIN_PARTITION", bad)
+        with pytest.raises(ValueError, match="FSPEC_ATTN_MIN_PARTITION"):
+            pa.default_config(**sizes)
+
+
+def test_fused_reduce_launches_no_reduce_kernel_and_leaves_the_counters_at_zero(monkeypatch):
+    """With fused_reduce the last split of each tile combines the partials: the reduce kernel is never
+    launched, the result equals the two-launch one, and every tile counter is back at zero for the next
+    launch (three calls in a row, the same counters)."""
+    from fspec.kernels import paged_attention as pa
+
+    q, kc, vc, table, seq, positions, qsl = _case("ragged", 3, torch.float32)
+    args = (q, kc, vc, table, seq, positions, qsl)
+    two = paged_attention(*args, scale=0.3, num_query=3, config=CONFIGS["split_bn4"])
+
+    class Refuse:
+        def __getitem__(self, grid):
+            raise AssertionError("the reduce kernel was launched")
+
+    monkeypatch.setattr(pa, "_paged_attention_reduce_kernel", Refuse())
+    for _ in range(3):
+        one = paged_attention(*args, scale=0.3, num_query=3, config=CONFIGS["split_bn4_fused"])
+        torch.testing.assert_close(one, two, rtol=1e-6, atol=1e-6)
+        assert (pa.tile_counters(q.device) == 0).all()
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -372,17 +415,20 @@ def _compile_kernels_for_h200() -> None:
 
     ptrs = dict(block_table_ptr="*i32", seq_lens_ptr="*i32", positions_ptr="*i64", query_start_loc_ptr="*i32")
     ptrs |= dict(part_m_ptr="*fp32", part_l_ptr="*fp32", part_acc_ptr="*fp32", scale_log2="fp32")
-    # (dtype, num_query, group, head_dim, split): decode and K+1 rows, split-K and not, an unpadded head dim
-    for dtype, nq, group, d, split in (
-        ("bf16", 1, 4, 128, True), ("bf16", 4, 4, 128, False), ("fp16", 1, 4, 128, False),
-        ("fp32", 4, 4, 128, True), ("bf16", 3, 1, 24, True),
+    ptrs |= dict(counter_ptr="*i32")
+    # (dtype, num_query, group, head_dim, split, fused): decode and K+1 rows, split-K (with the reduce kernel
+    # or fused) and not, an unpadded head dim
+    for dtype, nq, group, d, split, fused in (
+        ("bf16", 1, 4, 128, True, False), ("bf16", 4, 4, 128, False, False),
+        ("fp16", 1, 4, 128, False, False), ("fp32", 4, 4, 128, True, False),
+        ("bf16", 3, 1, 24, True, False), ("bf16", 1, 4, 128, True, True),
     ):  # fmt: skip
         cfg = pa.default_config(batch=8, kv_heads=8, group=group, num_query=nq, head_dim=d, capacity=4096)
         types = dict(
             ptrs, q_ptr=f"*{dtype}", k_cache_ptr=f"*{dtype}", v_cache_ptr=f"*{dtype}", out_ptr=f"*{dtype}"
         )
         consts = dict(
-            NUM_QUERY=nq, GROUP=group, KV_HEADS=8, HEAD_DIM=d, BLOCK_SIZE=16, SPLIT=split,
+            NUM_QUERY=nq, GROUP=group, KV_HEADS=8, HEAD_DIM=d, BLOCK_SIZE=16, SPLIT=split, FUSED_REDUCE=fused,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=triton_next_pow2(d), UPCAST=dtype == "fp32",
         )  # fmt: skip
         ptx = _ptx_for_h200(
@@ -392,6 +438,8 @@ def _compile_kernels_for_h200() -> None:
         if dtype != "fp32" and d == 128:
             # K/V tiles move as 16-byte cp.async copies (pipelined), never 2-byte scalar loads
             assert "cp.async.cg.shared.global" in ptx and not any(x.endswith("16") for x in loads), loads
+        if fused:  # the count is an acquire-release atomic at GPU scope, after a barrier
+            assert "atom.global.gpu.acq_rel.add" in ptx and "bar.sync" in ptx
     reduce_consts = dict(NUM_HEADS=32, HEAD_DIM=128, SPLITS_POW2=16, BLOCK_D=128)
     reduce_types = dict(part_m_ptr="*fp32", part_l_ptr="*fp32", part_acc_ptr="*fp32", out_ptr="*bf16")
     _ptx_for_h200(pa._paged_attention_reduce_kernel, reduce_types, reduce_consts, num_warps=4)
@@ -446,6 +494,10 @@ def _gpu_matches_reference() -> None:
             None,
             AttentionConfig(block_n=64, partition=4096),
             AttentionConfig(block_n=32, partition=512),
+            # the last split to finish combines: on a GPU programs finish in any order (the interpreter
+            # runs them in grid order, where combining early and re-combining later also comes out right)
+            AttentionConfig(block_n=32, partition=512, fused_reduce=True),
+            AttentionConfig(block_n=64, partition=64, fused_reduce=True),
         ):
             out = paged_attention(*args, scale=scale, num_query=num_query, config=cfg)
             torch.testing.assert_close(
