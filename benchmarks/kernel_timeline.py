@@ -59,8 +59,8 @@ def _write(path: Path, title: str, events: list[tuple[float, float, str]], media
         idle += gap
         end = max(end, start + dur)
     lines.append(
-        f"activities {len(events)}  busy {busy:.1f} us  idle {idle:.1f} us  span {end - t0:.1f} us  "
-        f"(profiled); median call {median_us:.1f} us (not profiled)"
+        f"{path.stem}: activities {len(events)}  busy {busy:.1f} us  idle {idle:.1f} us  "
+        f"span {end - t0:.1f} us (profiled); median call {median_us:.1f} us (not profiled)"
     )
     path.write_text("\n".join(lines) + "\n")
     print(lines[-1])
@@ -116,18 +116,19 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--min-partition", type=int, help="paged attention's MIN_PARTITION")
+    p.add_argument("--tag", default="", help="suffix of the output files' names")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel_timeline.py needs a CUDA device; nothing to do here.")
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = ""
+    tag = f"_{args.tag}" if args.tag else ""
     if args.min_partition:
         from fspec.kernels import paged_attention
 
         paged_attention.MIN_PARTITION = args.min_partition
-        tag = f"_p{args.min_partition}"
+        tag = tag or f"_p{args.min_partition}"
     if "draft" in args.what:
         draft(out, args.k, args.batch, tag)
     if "decode" in args.what:
