@@ -73,3 +73,49 @@ def test_sampling_kernels_compile_for_sm90_with_and_without_the_fast_log(fast):
     for name, sass in json.loads(run.stdout).items():
         assert ("MUFU.LG2" in sass) == fast, name
         assert "IMAD.WIDE.U32" in sass, name  # Philox rounds: 32 x 32 -> 64-bit multiplies (philox.py)
+
+
+# The step kernels (metadata, RoPE tables, rejection's decide / finalize programs): they compile for sm_90
+# with the pointer types their launchers pass, in every constexpr variant the launchers use.
+STEP_PROBE = """
+import inspect
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fspec.kernels.rejection import _rejection_decide_kernel, _rejection_finalize_kernel
+from fspec.kernels.rope_cos_sin import _rope_cos_sin_kernel
+from fspec.kernels.step_metadata import _step_metadata_kernel
+
+def compile_sm90(kernel, types, constexprs):
+    names = list(inspect.signature(kernel.fn).parameters)
+    def kind(n):
+        if n in constexprs:
+            return "constexpr"
+        return types.get(n, "*fp32" if n.endswith("_ptr") else "i32")
+    sig = {n: kind(n) for n in names}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+i64 = {n: "*i64" for n in ("seed_ptr", "positions_ptr", "draft_tokens_ptr", "block_token_ptr", "greedy_ptr",
+                           "tokens_ptr", "num_accepted_ptr", "res_token_ptr", "p_token_ptr")}
+for has_q in (True, False):
+    compile_sm90(_rejection_decide_kernel, i64, {"HAS_Q": has_q, "K1_POW2": 8, "NB_POW2": 64})
+compile_sm90(_rejection_finalize_kernel, i64, {"NB_POW2": 64})
+meta = {"start_ptr": "*i64", "count_ptr": "*i64", "block_table_ptr": "*i32", "positions_ptr": "*i64",
+        "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "slot_mapping_ptr": "*i64"}
+for mode, q in ((0, 1), (1, 1), (2, 6)):
+    consts = {"Q": q, "Q_POW2": 8 if q > 1 else 1, "MODE": mode, "BLOCK": 128}
+    compile_sm90(_step_metadata_kernel, meta, consts)
+for dtype in ("bf16", "fp32"):
+    rope = {"positions_ptr": "*i64", "inv_freq_ptr": "*fp32", "cos_ptr": f"*{dtype}", "sin_ptr": f"*{dtype}"}
+    compile_sm90(_rope_cos_sin_kernel, rope, {"HALF": 32, "HALF_POW2": 32, "BLOCK": 16})
+print("ok")
+"""
+
+
+def test_step_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", STEP_PROBE], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
