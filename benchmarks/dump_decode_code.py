@@ -5,7 +5,7 @@
 Llama-3.2-1B shape (random weights, bf16, fused projections), B = 1, context 150: writes
 OUT_DIR/decode_kernels.txt with the Triton kernels whose names mention paged_attention and the graph's `call`
 body, where one sees which kernels run in front of each layer's custom ops (this is how the per-layer
-recomputation of the step metadata was found; `fspec::realize` in fspec/metadata.py is the fix).
+recomputation of the step metadata was found; `fspec::step_metadata`, kernels/step_metadata.py, is the fix).
 """
 
 from __future__ import annotations

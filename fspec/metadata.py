@@ -15,35 +15,8 @@ from __future__ import annotations
 import torch
 
 from fspec.kernels.ops import call
-from fspec.kernels.step_metadata import MODE_AFTER, MODE_DECODE, MODE_FIRST
+from fspec.kernels.step_metadata import MODE_ADVANCE, MODE_AFTER, MODE_DECODE, MODE_FIRST
 from fspec.state import AttnMetadata, check_positive_int
-
-
-@torch.library.custom_op("fspec::realize", mutates_args=())
-def _realize(x: torch.Tensor) -> torch.Tensor:
-    """A copy of x, opaque to torch.compile.
-
-    Why: every layer hands the step's metadata (positions, seq_lens, query_start_loc, slot mapping) to the
-    custom attention ops, and Inductor, which sees these as cheap pointwise expressions of the step's inputs,
-    recomputed them in front of each op: three ~1 µs kernels per layer of a 1B decode step on an H200 (its
-    generated code, 2026-11-29). Computed once into an opaque op's output, they are one buffer each that
-    every layer reads. Only `advance` (public, on no hot path of the engine) still copies through it; the
-    decode, first-step and after-verification builders get all four fields from one `fspec::step_metadata`
-    launch.
-    """
-    return x.clone()
-
-
-@_realize.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-def _realize_vmap(info, in_dims, x):
-    return x.clone(), in_dims[0]
-
-
-_realize.register_vmap(_realize_vmap)
 
 
 def _from_kernel(
@@ -56,9 +29,14 @@ def _from_kernel(
     max_model_len: int,
     mode: int,
 ) -> AttnMetadata:
-    """`AttnMetadata` whose derived fields come from one `fspec::step_metadata` launch
-    (kernels/step_metadata.py: one kernel instead of four small Inductor kernels and four copies through
-    `_realize`); the block table is passed through."""
+    """`AttnMetadata` whose derived fields come from one `fspec::step_metadata` launch; the block table is
+    passed through.
+
+    Why an op: every layer hands the step's metadata to the custom attention ops, and Inductor, which sees
+    the fields as cheap pointwise expressions of the step's inputs, recomputed them in front of each op
+    (three ~1 µs kernels per layer of a 1B decode step on an H200, read off its generated code). Materialised
+    through opaque copies they cost four small kernels and four copies per step; one kernel writes all four
+    (kernels/step_metadata.py)."""
     positions, query_start_loc, seq_lens, slots = call(
         "step_metadata", start, count, block_table, num_query, block_size, max_model_len, mode
     )
@@ -68,23 +46,6 @@ def _from_kernel(
         seq_lens=seq_lens,
         block_table=block_table,
         slot_mapping=slots,
-    )
-
-
-def _built(
-    positions: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> AttnMetadata:
-    """`AttnMetadata` whose derived fields are materialised once (`_realize`); the block table is an input."""
-    return AttnMetadata(
-        positions=_realize(positions),
-        query_start_loc=_realize(query_start_loc),
-        seq_lens=_realize(seq_lens),
-        block_table=block_table,
-        slot_mapping=_realize(slot_mapping),
     )
 
 
@@ -283,17 +244,16 @@ def advance(meta: AttnMetadata, *, block_size: int, max_model_len: int) -> AttnM
     """
     if not torch.compiler.is_compiling():
         _check_algebra_args(meta, block_size, max_model_len, decode=True)
-    pos = meta.positions
-    live = pos >= 0
-    new_pos = torch.where(live, (pos + 1).clamp(max=max_model_len - 1), pos)
-    new_lens = torch.where(live, (meta.seq_lens + 1).clamp(max=max_model_len), meta.seq_lens)
-    request = torch.arange(pos.shape[0], device=pos.device)
-    return _built(
-        positions=new_pos,
+    nxt = _from_kernel(
+        meta.positions, meta.seq_lens, meta.block_table, num_query=1, block_size=block_size,
+        max_model_len=max_model_len, mode=MODE_ADVANCE,
+    )  # fmt: skip
+    return AttnMetadata(  # query_start_loc is passed through, as the block table is
+        positions=nxt.positions.to(meta.positions.dtype),
         query_start_loc=meta.query_start_loc,
-        seq_lens=new_lens,
+        seq_lens=nxt.seq_lens.to(meta.seq_lens.dtype),
         block_table=meta.block_table,
-        slot_mapping=_slot_mapping(meta.block_table, new_pos, block_size, request),
+        slot_mapping=nxt.slot_mapping,
     )
 
 

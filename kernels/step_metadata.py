@@ -13,6 +13,9 @@ is what `fspec.metadata` computed before this kernel existed):
   max_model_len - 1) where seq_lens > 0, else the row is padding (-1, seq_len 0).
 * MODE_FIRST: request b's `count[b]` tokens sit at start[b] + j, j < count[b]; its other rows of Q are
   padding; a request with start < 0 is a padding row (seq_len 0).
+* MODE_ADVANCE (Q = 1): `start` holds decode positions, `count` their seq_lens; live rows (position >= 0)
+  move one position on (clamped to max_model_len - 1) and one token longer (clamped to max_model_len);
+  padding rows keep both.
 
 query_start_loc = arange(B + 1) * Q. Slot of a token at position p of request b: block_table[b, p // bs] * bs
 + p % bs, or -1 where p < 0, p // bs is past the table, or the table's entry is negative (unallocated).
@@ -29,14 +32,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-MODE_DECODE, MODE_AFTER, MODE_FIRST = 0, 1, 2
+MODE_DECODE, MODE_AFTER, MODE_FIRST, MODE_ADVANCE = 0, 1, 2, 3
 BLOCK_B = 128  # requests per program
 
 
 @triton.jit
 def _step_metadata_kernel(
-    start_ptr,  # [B] int: positions (DECODE), previous seq_lens (AFTER) or first positions (FIRST)
-    count_ptr,  # [B] int: live tokens per request (FIRST only)
+    start_ptr,  # [B] int: positions (DECODE, ADVANCE), previous seq_lens (AFTER) or first positions (FIRST)
+    count_ptr,  # [B] int: live tokens per request (FIRST), seq_lens (ADVANCE); unread otherwise
     block_table_ptr,  # [B, max_blocks] int: cache block of each request's j-th block (-1 = unallocated)
     positions_ptr,  # [B * Q] int64 out
     query_start_loc_ptr,  # [B + 1] int32 out
@@ -46,10 +49,10 @@ def _step_metadata_kernel(
     max_blocks,  # columns of the block table
     stride_table,  # elements between rows of the block table
     block_size,  # tokens per cache block
-    max_model_len,  # AFTER: positions clamp at max_model_len - 1
-    Q: tl.constexpr,  # query rows per request (1 for DECODE and AFTER)
+    max_model_len,  # AFTER, ADVANCE: positions clamp at max_model_len - 1
+    Q: tl.constexpr,  # query rows per request (1 but for FIRST)
     Q_POW2: tl.constexpr,  # next power of two >= Q
-    MODE: tl.constexpr,  # MODE_DECODE, MODE_AFTER or MODE_FIRST
+    MODE: tl.constexpr,  # MODE_DECODE, MODE_AFTER, MODE_FIRST or MODE_ADVANCE
     BLOCK: tl.constexpr,  # requests per program
 ):
     b = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
@@ -65,6 +68,11 @@ def _step_metadata_kernel(
     elif MODE == 0:  # DECODE: x is the position, kept as given
         seq = tl.where(x >= 0, x + 1, 0)
         pos = x[:, None] + j[None, :]
+    elif MODE == 3:  # ADVANCE: x is the position, count the seq_len
+        lens = tl.load(count_ptr + b, mask=b_ok, other=0).to(tl.int64)
+        row_live = x >= 0
+        seq = tl.where(row_live, tl.minimum(lens + 1, max_model_len), lens)
+        pos = tl.where(row_live, tl.minimum(x + 1, max_model_len - 1), x)[:, None] + j[None, :]
     else:  # FIRST
         count = tl.load(count_ptr + b, mask=b_ok, other=0).to(tl.int64)
         row_live = x >= 0
@@ -105,7 +113,7 @@ def step_metadata(
     mode: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Launch the kernel: (positions, query_start_loc, seq_lens, slot_mapping). Inputs are assumed
-    validated (fspec.metadata checks them eagerly); `count` is read only in MODE_FIRST."""
+    validated (fspec.metadata checks them eagerly); `count` is read only in MODE_FIRST and MODE_ADVANCE."""
     b = start.shape[0]
     q = num_query if mode == MODE_FIRST else 1
     outs = _outputs(b, q, start.device)
@@ -141,6 +149,11 @@ def step_metadata_ref(
     elif mode == MODE_DECODE:
         seq = torch.where(x >= 0, x + 1, 0)
         positions = x[:, None].clone()  # an op's output never aliases its input
+    elif mode == MODE_ADVANCE:
+        lens = count.to(torch.int64)
+        live = x >= 0
+        seq = torch.where(live, (lens + 1).clamp(max=max_model_len), lens)
+        positions = torch.where(live, (x + 1).clamp(max=max_model_len - 1), x)[:, None]
     else:
         n = count.to(torch.int64)
         row_live = x >= 0

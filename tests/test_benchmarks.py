@@ -1,5 +1,5 @@
 """The benchmark scripts' CPU smoke modes: they run end to end and write what BENCHMARKS.md's tables read,
-so a GPU session does not spend its time discovering a broken script. Each also asserts its own invariant."""
+so a GPU run does not spend its time discovering a broken script. Each also asserts its own invariant."""
 
 from __future__ import annotations
 

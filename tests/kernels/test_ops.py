@@ -41,7 +41,7 @@ def test_ops_pass_torch_library_opcheck():
 def test_metadata_and_rope_ops_pass_opcheck():
     """The one-launch step metadata (every mode, with and without `count`) and RoPE tables ops: schemas,
     fake implementations (shapes, dtypes) and the no-aliasing rule, in eager (interpreted kernel) and fake."""
-    from fspec.kernels.step_metadata import MODE_AFTER, MODE_DECODE, MODE_FIRST
+    from fspec.kernels.step_metadata import MODE_ADVANCE, MODE_AFTER, MODE_DECODE, MODE_FIRST
 
     table = torch.tensor([[3, 1, -1], [0, 2, 4]], dtype=torch.int32)
     start, count = torch.tensor([5, -1]), torch.tensor([2, 0])
@@ -49,6 +49,7 @@ def test_metadata_and_rope_ops_pass_opcheck():
     torch.library.opcheck(op, (start, None, table, 1, 4, 12, MODE_DECODE))
     torch.library.opcheck(op, (torch.tensor([6, 0], dtype=torch.int32), None, table, 1, 4, 12, MODE_AFTER))
     torch.library.opcheck(op, (start, count, table, 3, 4, 12, MODE_FIRST))
+    torch.library.opcheck(op, (start, torch.tensor([6, 0], dtype=torch.int32), table, 1, 4, 12, MODE_ADVANCE))
     inv_freq = torch.tensor([1.0, 0.25, 0.01])
     for dtype in (torch.float32, torch.bfloat16):
         torch.library.opcheck(

@@ -103,7 +103,7 @@ for has_q in (True, False):
 compile_sm90(_rejection_finalize_kernel, i64, {"NB_POW2": 64})
 meta = {"start_ptr": "*i64", "count_ptr": "*i64", "block_table_ptr": "*i32", "positions_ptr": "*i64",
         "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "slot_mapping_ptr": "*i64"}
-for mode, q in ((0, 1), (1, 1), (2, 6)):
+for mode, q in ((0, 1), (1, 1), (2, 6), (3, 1)):
     consts = {"Q": q, "Q_POW2": 8 if q > 1 else 1, "MODE": mode, "BLOCK": 128}
     compile_sm90(_step_metadata_kernel, meta, consts)
 for dtype in ("bf16", "fp32"):

@@ -11,6 +11,7 @@ import torch
 
 from fspec.kernels import ops
 from fspec.kernels.step_metadata import (
+    MODE_ADVANCE,
     MODE_AFTER,
     MODE_DECODE,
     MODE_FIRST,
@@ -33,11 +34,15 @@ def _inputs(b: int, q: int, seed: int):
 
 
 @pytest.mark.parametrize("b", [0, 1, 3, 37, 130, 257])
-@pytest.mark.parametrize("mode,q", [(MODE_DECODE, 1), (MODE_AFTER, 1), (MODE_FIRST, 1), (MODE_FIRST, 6)])
+@pytest.mark.parametrize(
+    "mode,q", [(MODE_DECODE, 1), (MODE_AFTER, 1), (MODE_FIRST, 1), (MODE_FIRST, 6), (MODE_ADVANCE, 1)]
+)
 def test_kernel_equals_reference(b, mode, q):
     assert ops.kernels_interpreted() or torch.cuda.is_available()
     start, count, table = _inputs(b, q, seed=b * 10 + mode + q)
-    args = (start, count if mode == MODE_FIRST else None, table)
+    if mode == MODE_ADVANCE:  # count holds seq_lens: at and past max_model_len too
+        count = torch.randint(0, MAX_LEN + 3, (b,), generator=torch.Generator().manual_seed(b))
+    args = (start, count if mode in (MODE_FIRST, MODE_ADVANCE) else None, table)
     kw = dict(num_query=q, block_size=BLOCK_SIZE, max_model_len=MAX_LEN, mode=mode)
     got = step_metadata(*args, **kw)
     want = step_metadata_ref(*args, **kw)
@@ -57,12 +62,14 @@ def test_reference_equals_the_algebra_written_out():
     b, q = 37, 6
     start, count, table = _inputs(b, q, seed=5)
     start[:4] = torch.tensor([17, 18, 25, 0])  # at, past max_model_len - 1 (AFTER clamps), past the table
-    for mode in (MODE_DECODE, MODE_AFTER, MODE_FIRST):
+    seq_lens = torch.randint(0, MAX_LEN + 3, (b,), generator=torch.Generator().manual_seed(7))
+    seq_lens[:2] = torch.tensor([MAX_LEN - 1, MAX_LEN])  # one below and at max_model_len
+    for mode in (MODE_DECODE, MODE_AFTER, MODE_FIRST, MODE_ADVANCE):
         qq = q if mode == MODE_FIRST else 1
+        second = {MODE_FIRST: count, MODE_ADVANCE: seq_lens}.get(mode)
         pos, qsl, lens, slots = step_metadata_ref(
-            start, count if mode == MODE_FIRST else None, table, num_query=qq, block_size=BLOCK_SIZE,
-            max_model_len=MAX_LEN, mode=mode,
-        )  # fmt: skip
+            start, second, table, num_query=qq, block_size=BLOCK_SIZE, max_model_len=MAX_LEN, mode=mode
+        )
         assert qsl.tolist() == [i * qq for i in range(b + 1)]
         for r in range(b):
             s = int(start[r])
@@ -71,6 +78,10 @@ def test_reference_equals_the_algebra_written_out():
             elif mode == MODE_AFTER:  # s is the previous seq_len
                 p = min(s, MAX_LEN - 1) if s > 0 else -1
                 want_pos, want_len = [p], (p + 1 if s > 0 else 0)
+            elif mode == MODE_ADVANCE:  # s is the position, seq_lens[r] its seq_len
+                n = int(seq_lens[r])
+                want_pos = [min(s + 1, MAX_LEN - 1) if s >= 0 else s]
+                want_len = min(n + 1, MAX_LEN) if s >= 0 else n
             else:
                 n = int(count[r])
                 want_pos = [s + j if s >= 0 and j < n else -1 for j in range(q)]
