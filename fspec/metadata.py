@@ -16,6 +16,7 @@ import torch
 
 from fspec.kernels.ops import call
 from fspec.kernels.step_metadata import MODE_ADVANCE, MODE_AFTER, MODE_DECODE, MODE_FIRST
+from fspec.kernels.step_metadata import slot_mapping_ref as _slot_mapping  # the one slot algebra
 from fspec.state import AttnMetadata, check_positive_int
 
 
@@ -47,24 +48,6 @@ def _from_kernel(
         block_table=block_table,
         slot_mapping=slots,
     )
-
-
-def _slot_mapping(
-    block_table: torch.Tensor, positions: torch.Tensor, block_size: int, request: torch.Tensor
-) -> torch.Tensor:
-    """Branch-free slots of `positions` (any shape) of requests `request` (same shape).
-
-    -1 where the position is < 0, lies past the table, or its block entry is < 0 (unallocated).
-    """
-    pos = positions.clamp(min=0)
-    col = pos // block_size
-    beyond = col >= block_table.shape[1]
-    # Clamping keeps the gather in bounds for padding and out-of-table tokens; their slot becomes -1 below.
-    block = block_table[request.long(), col.clamp(max=block_table.shape[1] - 1)]  # same shape as positions
-    slot = block.long() * block_size + pos % block_size
-    # An unallocated block (-1) or a position past the table never yields a slot: writing there would
-    # corrupt another request's K/V.
-    return torch.where((positions < 0) | beyond | (block < 0), torch.full_like(slot, -1), slot)
 
 
 def token_requests(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:

@@ -160,14 +160,24 @@ def step_metadata_ref(
         seq = torch.where(row_live, x + n, 0)
         live = row_live[:, None] & (j[None, :] < n[:, None])
         positions = torch.where(live, x[:, None] + j[None, :], -1)  # [B, Q]
-    p = positions.clamp(min=0)
-    col = p // block_size
-    beyond = col >= block_table.shape[1]
     request = torch.arange(b, device=x.device)[:, None].expand(b, q)
-    if block_table.shape[1] > 0:
-        blk = block_table[request, col.clamp(max=block_table.shape[1] - 1)].to(torch.int64)
-    else:
-        blk = torch.full_like(positions, -1)
-    slot = torch.where((positions < 0) | beyond | (blk < 0), -1, blk * block_size + p % block_size)
+    slot = slot_mapping_ref(block_table, positions, block_size, request)
     qsl = (torch.arange(b + 1, device=x.device) * q).to(torch.int32)
     return positions.reshape(-1), qsl, seq.to(torch.int32), slot.reshape(-1)
+
+
+def slot_mapping_ref(block_table: Tensor, positions: Tensor, block_size: int, request: Tensor) -> Tensor:
+    """Branch-free int64 slots of `positions` (any shape) of requests `request` (same shape): -1 where the
+    position is < 0, lies past the table, or its block entry is < 0 (unallocated). fspec.metadata's algebra
+    and checks use it too (as `_slot_mapping`)."""
+    pos = positions.clamp(min=0)
+    col = pos // block_size
+    beyond = col >= block_table.shape[1]
+    if block_table.shape[1] == 0:
+        return torch.full_like(positions, -1, dtype=torch.int64)
+    # Clamping keeps the gather in bounds for padding and out-of-table tokens; their slot becomes -1 below.
+    block = block_table[request.long(), col.clamp(max=block_table.shape[1] - 1)].long()
+    slot = block * block_size + pos % block_size
+    # An unallocated block (-1) or a position past the table never yields a slot: writing there would
+    # corrupt another request's K/V.
+    return torch.where((positions < 0) | beyond | (block < 0), torch.full_like(slot, -1), slot)
