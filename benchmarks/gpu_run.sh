@@ -16,9 +16,10 @@
 #                excluded: capture cannot allocate with the allocator off)
 #   racecheck    compute-sanitizer racecheck over the same tests
 #   ncu-sampling Nsight Compute speed-of-light of the Gumbel block kernel at B = 256, V = 128256
-#   attn-split   kernel_timeline.py (1B draft loop, K = 3, and decode step) under the paged-attention switches:
-#                default, FSPEC_ATTN_MIN_PARTITION=64, and 64 / 32 with FSPEC_ATTN_FUSED_REDUCE=1; the
-#                timelines stay in $WORK/attn-split, the summary lines go to tails.log
+#   timelines    kernel_timeline.py (1B draft loop, K = 3, and decode step) once per "TAG:VAR=VALUE,..."
+#                argument (environment switches; default: the paged-attention switches FSPEC_ATTN_MIN_PARTITION
+#                and FSPEC_ATTN_FUSED_REDUCE); the timelines stay in $WORK/timelines, the summary lines go to
+#                tails.log
 #   ttt          benchmarks/bench_ttt_memory.py --cuda (TTT loss: dense vs lean, time and peak memory)
 #   heads        build the default model once per "TAG:ARGS" argument, all at once on the one GPU (ARGS:
 #                fspec.default_model options, "+" for spaces), then score each with bench_acceptance.py
@@ -53,12 +54,14 @@ case "$stage" in
       --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
       python3 benchmarks/bench_sampling.py --batch 256 --vocab 128256 --rep 20 --out "$WORK/ncu.json" \
       > "$log" 2>&1 ;;
-  attn-split)
-    for v in default:_ p64:FSPEC_ATTN_MIN_PARTITION=64 \
+  timelines)
+    # each argument "TAG:VAR=VALUE,VAR=VALUE" ("TAG:_" for none); the default compares the attention switches
+    [ $# -gt 0 ] || set -- default:_ p64:FSPEC_ATTN_MIN_PARTITION=64 \
         p64f:FSPEC_ATTN_MIN_PARTITION=64,FSPEC_ATTN_FUSED_REDUCE=1 \
-        p32f:FSPEC_ATTN_MIN_PARTITION=32,FSPEC_ATTN_FUSED_REDUCE=1; do
+        p32f:FSPEC_ATTN_MIN_PARTITION=32,FSPEC_ATTN_FUSED_REDUCE=1
+    for v in "$@"; do
       tag=${v%%:*}; vars=${v#*:}; [ "$vars" = _ ] && vars=""
-      env ${vars//,/ } timeout 150 python3 benchmarks/kernel_timeline.py "$WORK/attn-split" --k 3 --tag "$tag"
+      env ${vars//,/ } timeout 150 python3 benchmarks/kernel_timeline.py "$WORK/timelines" --k 3 --tag "$tag"
     done > "$log" 2>&1 ;;
   ttt) timeout 400 python3 benchmarks/bench_ttt_memory.py --cuda --out "$OUT/ttt_memory.json" "$@" > "$log" 2>&1 ;;
   heads)

@@ -190,6 +190,22 @@ def ttt_memory(d: dict) -> list[str]:
     return out
 
 
+def switches(d: dict) -> list[str]:
+    out = [
+        "| run | variant | switches | 8B head µs/step (floor) | 8B / floor | 1B head µs/step (floor) | 1B / floor "
+        "| full acceptance tok/s | target-only tok/s |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in d["rows"]:
+        env = ", ".join(f"{k}={v}" for k, v in r["env"].items()) or "none"
+        out.append(
+            f"| {r['run']} | {r['variant']} | {env} | {_f(r['8b_back_to_back_us'])} ({_f(r['8b_floor_us'])}) "
+            f"| {r['8b_back_to_back_over_floor']:.3f} | {_f(r['1b_back_to_back_us'])} ({_f(r['1b_floor_us'])}) "
+            f"| {r['1b_back_to_back_over_floor']:.3f} | {r['forced_tokens_per_s']:.0f} | {r['target_tokens_per_s']:.0f} |"
+        )
+    return out
+
+
 def main(names: list[str]) -> int:
     for name in names or [
         "attention",
@@ -198,6 +214,7 @@ def main(names: list[str]) -> int:
         "generate",
         "call_overhead",
         "skinny_linear",
+        "switches",
         "dispatch",
         "acceptance",
         "acceptance_h200",

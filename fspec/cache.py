@@ -63,9 +63,14 @@ class KVCache:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"dtype: expected a floating-point torch.dtype for K/V, got {dtype!r}")
         shape = (cfg.num_hidden_layers, num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        return cls(
-            k=torch.zeros(shape, dtype=dtype, device=device), v=torch.zeros(shape, dtype=dtype, device=device)
-        )
+        k, v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+        if k.is_cuda:
+            # paged attention's fused-reduction counters: allocated now, outside any CUDA-graph memory pool (a
+            # first allocation during a compiled graph's warm-up would land in the graph's pool)
+            from fspec.kernels.paged_attention import tile_counters
+
+            tile_counters(k.device)
+        return cls(k=k, v=v)
 
 
 def check_cache(

@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import pdl
+from .pdl import pdl_enter
 from .philox import philox_gumbel_ref, philox_gumbel_tile
 from .salts import SALT_DRAFT
 
@@ -139,7 +141,9 @@ def _gumbel_block_kernel(
     WITH_STATS: tl.constexpr,  # also write softmax statistics for the probability write
     BLOCK: tl.constexpr,  # tokens per program, a power of two >= 4
     FAST_LOG: tl.constexpr,  # GPU launch: approximate logs (philox_gumbel_tile), NaN masked by max.f32
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1).to(tl.int64)
     GROUPS: tl.constexpr = BLOCK // 4
@@ -190,7 +194,9 @@ def _gumbel_reduce_kernel(
     K,  # columns of out_tokens
     WITH_STATS: tl.constexpr,  # write out_tokens[:, col] and the row softmax statistics
     NB_POW2: tl.constexpr,  # next power of two >= NB
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     nb = tl.arange(0, NB_POW2)
     in_row = nb < NB
@@ -229,7 +235,9 @@ def _gumbel_probs_kernel(
     V,  # vocabulary size
     K,  # columns of out_probs
     BLOCK: tl.constexpr,  # tokens per program
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     token = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = token < V
@@ -288,16 +296,19 @@ def gumbel_sample(
     _gumbel_block_kernel[(n, nb)](
         logits, logits.stride(0), temperature, seed, positions, block_key, block_token, block_max,
         block_sum, block_hot, v, nb, SALT=salt, WITH_STATS=into, BLOCK=block, FAST_LOG=logits.is_cuda,
+        **pdl.options(logits),
     )  # fmt: skip
     _gumbel_reduce_kernel[(n,)](
         block_key, block_token, block_max, block_sum, block_hot, tokens,
         out_tokens if into else tokens, col if into else tokens, row_max, row_sum, v, nb, k,
         WITH_STATS=into, NB_POW2=triton.next_power_of_2(nb),
+        **pdl.options(logits),
     )  # fmt: skip
     if into:
         _gumbel_probs_kernel[(n, nb)](
-            logits, logits.stride(0), temperature, tokens, row_max, row_sum, out_probs, col, v, k, BLOCK=block
-        )
+            logits, logits.stride(0), temperature, tokens, row_max, row_sum, out_probs, col, v, k,
+            BLOCK=block, **pdl.options(logits),
+        )  # fmt: skip
     return tokens
 
 

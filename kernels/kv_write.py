@@ -14,6 +14,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import pdl
+from .pdl import pdl_enter
+
 
 @triton.jit
 def _kv_write_kernel(
@@ -30,7 +33,9 @@ def _kv_write_kernel(
     HEAD_DIM: tl.constexpr,  # D
     BLOCK_H: tl.constexpr,  # next power of two >= Nkv
     BLOCK_D: tl.constexpr,  # next power of two >= D
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + t)
     h = tl.arange(0, BLOCK_H)
@@ -82,6 +87,7 @@ def kv_write(
     _kv_write_kernel[(t,)](
         k, v, kc, vc, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         KV_HEADS=nkv, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(nkv), BLOCK_D=triton.next_power_of_2(d),
+        **pdl.options(kc),
     )  # fmt: skip
 
 

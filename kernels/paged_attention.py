@@ -42,7 +42,9 @@ from einops import rearrange
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
+from . import pdl
 from .kv_write import layer_view
+from .pdl import pdl_enter
 
 LOG2E = 1.4426950408889634
 
@@ -145,7 +147,10 @@ _COUNTERS: dict[torch.device, Tensor] = {}
 
 def tile_counters(device: torch.device) -> Tensor | None:
     """The fused reduction's zeroed int32 counters on `device` (allocated once; each launch leaves them at
-    zero again), or None while a CUDA graph is being captured before they exist (no allocation there)."""
+    zero again), or None while a CUDA graph is being captured before they exist (no allocation there).
+    `KVCache.create` allocates them with a CUDA cache: a first allocation inside a compiled function's
+    CUDA-graph warm-up would come from the graph's memory pool, which CUDA-graph trees reject as an untracked
+    live tensor."""
     counters = _COUNTERS.get(device)
     if counters is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -193,7 +198,9 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # keys per loop iteration, a power of two
     BLOCK_D: tl.constexpr,  # next power of two >= max(D, 16)
     UPCAST: tl.constexpr,  # cast loaded q/K/V to float32 (interpreter, or float32 caches)
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_enter(PDL)
     M_TILES: tl.constexpr = (NUM_QUERY * GROUP + BLOCK_M - 1) // BLOCK_M
     b = tl.program_id(0) // M_TILES
     kvh = tl.program_id(1)
@@ -318,7 +325,9 @@ def _paged_attention_reduce_kernel(
     HEAD_DIM: tl.constexpr,  # D
     SPLITS_POW2: tl.constexpr,  # next power of two >= S
     BLOCK_D: tl.constexpr,  # next power of two >= max(D, 16)
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_POW2)
@@ -414,12 +423,14 @@ def paged_attention(
         FUSED_REDUCE=counters is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         UPCAST=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl.options(q),
     )  # fmt: skip
     if splits > 1 and counters is None:
         _paged_attention_reduce_kernel[(t, n)](
             part_m, part_l, part_acc, out, out.stride(0), out.stride(1), t, splits,
             NUM_HEADS=n, HEAD_DIM=d, SPLITS_POW2=triton.next_power_of_2(splits), BLOCK_D=block_d,
             num_warps=4,
+            **pdl.options(q),
         )  # fmt: skip
     return out
 

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import pdl
 from .gumbel import (
     block_argmax_offset,
     clean_logits_ref,
@@ -40,6 +41,7 @@ from .gumbel import (
     softmax_shift,
     tile_offsets,
 )
+from .pdl import pdl_enter
 from .philox import log_abs, philox_gumbel_ref, philox_gumbel_tile, philox_offset, philox_uniform_ref
 from .salts import SALT_ACCEPT, SALT_BONUS, SALT_RESIDUAL
 
@@ -75,7 +77,9 @@ def _rejection_stats_kernel(
     NB,  # vocabulary blocks, cdiv(V, BLOCK)
     K1,  # K + 1 slots per request
     BLOCK: tl.constexpr,  # tokens per program
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1).to(tl.int64)
     b = row // K1
@@ -120,7 +124,9 @@ def _rejection_residual_kernel(
     HAS_Q: tl.constexpr,  # draft_probs given (sampled drafts)
     BLOCK: tl.constexpr,  # tokens per program, a power of two >= 4
     FAST_LOG: tl.constexpr,  # GPU launch: approximate logs where only absolute error matters, NaN by max.f32
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1).to(tl.int64)
     # Only slot n = the first rejection (or K: the bonus) is ever emitted, so only its row is read: one
@@ -190,7 +196,9 @@ def _rejection_decide_kernel(
     HAS_Q: tl.constexpr,  # draft_probs given (sampled drafts)
     K1_POW2: tl.constexpr,  # next power of two >= K + 1
     NB_POW2: tl.constexpr,  # next power of two >= NB
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     kk = tl.arange(0, K1_POW2).to(tl.int64)  # slot index k
     in_row = kk < K + 1
@@ -251,7 +259,9 @@ def _rejection_finalize_kernel(
     NB,  # vocabulary blocks
     K,  # draft tokens per request
     NB_POW2: tl.constexpr,  # next power of two >= NB
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     n = tl.load(num_accepted_ptr + b)
     row = b * (K + 1) + n
@@ -314,20 +324,24 @@ def rejection_sample(
     _rejection_stats_kernel[(r, nb)](
         target_logits, sb, sk, temperature, block_max, block_sum, block_token, block_raw, v, nb, k1,
         BLOCK=block,
+        **pdl.options(target_logits),
     )  # fmt: skip
     _rejection_decide_kernel[(b,)](
         target_logits, sb, sk, draft_tokens, draft_probs, temperature, seed, positions, block_max, block_sum,
         block_token, block_raw, row_max, row_sum, greedy, tokens, num_accepted, v, nb, k, HAS_Q=has_q,
         K1_POW2=triton.next_power_of_2(k1), NB_POW2=triton.next_power_of_2(nb),
+        **pdl.options(target_logits),
     )  # fmt: skip
     _rejection_residual_kernel[(b, nb)](
         target_logits, sb, sk, draft_tokens, draft_probs, temperature, seed, positions, row_max, row_sum,
         num_accepted, res_key, res_token, res_mass, p_key, p_token, v, nb, k, HAS_Q=has_q, BLOCK=block,
         FAST_LOG=target_logits.is_cuda,
+        **pdl.options(target_logits),
     )  # fmt: skip
     _rejection_finalize_kernel[(b,)](
         temperature, row_max, greedy, res_key, res_token, res_mass, p_key, p_token, tokens, num_accepted,
         v, nb, k, NB_POW2=triton.next_power_of_2(nb),
+        **pdl.options(target_logits),
     )  # fmt: skip
     return tokens, num_accepted
 

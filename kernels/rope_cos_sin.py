@@ -17,6 +17,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import pdl
+from .pdl import pdl_enter
+
 BLOCK_T = 16  # positions per program
 
 
@@ -30,7 +33,9 @@ def _rope_cos_sin_kernel(
     HALF: tl.constexpr,  # D / 2
     HALF_POW2: tl.constexpr,  # next power of two >= HALF
     BLOCK: tl.constexpr,  # positions per program
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     f = tl.arange(0, HALF_POW2)  # [HALF_POW2]
     t_ok = t < T
@@ -59,6 +64,7 @@ def rope_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tup
     _rope_cos_sin_kernel[(triton.cdiv(t, BLOCK_T),)](
         positions.reshape(-1).contiguous(), inv_freq.contiguous(), cos, sin, t, HALF=half,
         HALF_POW2=triton.next_power_of_2(half), BLOCK=BLOCK_T,
+        **pdl.options(positions),
     )  # fmt: skip
     return cos, sin
 

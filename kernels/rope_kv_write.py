@@ -27,7 +27,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import pdl
 from .kv_write import kv_write_ref, layer_view
+from .pdl import pdl_enter
 
 
 @triton.jit
@@ -53,7 +55,9 @@ def _rope_kv_write_kernel(
     KV_HEADS: tl.constexpr,  # Nkv
     HALF: tl.constexpr,  # D / 2
     BLOCK_HALF: tl.constexpr,  # next power of two >= D / 2
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_enter(PDL)
     # grid (T, N + Nkv): program (t, h) rotates query head h (h < N) or rotates KV head h - N and writes it
     # and its value to the cache. One head per program: at decode T is the batch, and T * (N + Nkv) programs
     # keep every SM busy where one program per token would leave most of them idle.
@@ -150,6 +154,7 @@ def rope_kv_write(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         sin.stride(0),
         NUM_HEADS=n, KV_HEADS=nkv, HALF=d // 2, BLOCK_HALF=triton.next_power_of_2(d // 2), num_warps=1,
+        **pdl.options(q),
     )  # fmt: skip
     return q_out
 

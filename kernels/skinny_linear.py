@@ -27,6 +27,9 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
+from . import pdl
+from .pdl import pdl_enter
+
 MAX_ROWS = 16  # rows of x one program handles (one tl.dot tile); callers fall back to F.linear above it
 
 
@@ -41,12 +44,13 @@ class SkinnyConfig:
 
 
 def default_config(n: int, k: int) -> SkinnyConfig:
-    """A starting point from the shapes alone (to be tuned on the GPU with bench_skinny_linear.py): 16 columns
-    per program while that gives at least ~128 programs, wider tiles for wide outputs; BLOCK_K at most K's
-    next power of two."""
-    block_n = 16 if n <= 4096 else 32 if n <= 16384 else 64
-    block_k = min(512, max(16, triton.next_power_of_2(k)))
-    return SkinnyConfig(block_n=block_n, block_k=block_k)
+    """Launch parameters from the shapes alone, from the sweep on the H200 (`bench_skinny_linear.py --sweep`,
+    benchmarks/results/skinny_linear.json): 16 output columns per program up to N = 2048, 32 up to 4096, 64
+    beyond; BLOCK_K 512 up to N = 4096, 256 up to 8192, 128 beyond (at most K's next power of two); four
+    pipeline stages."""
+    block_n = 16 if n <= 2048 else 32 if n <= 4096 else 64
+    block_k = min(512 if n <= 4096 else 256 if n <= 8192 else 128, max(16, triton.next_power_of_2(k)))
+    return SkinnyConfig(block_n=block_n, block_k=block_k, num_stages=4)
 
 
 @triton.jit
@@ -64,28 +68,40 @@ def _skinny_linear_kernel(
     BLOCK_N: tl.constexpr,  # output columns per program, a power of two >= 16
     BLOCK_K: tl.constexpr,  # reduction depth per tile, a power of two >= 16
     UPCAST: tl.constexpr,  # cast loads to float32 (interpreter, or float32 inputs: exact "ieee" dots)
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, M_PAD)
     n_ok = n < N
     m_ok = m < M
-    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
+    # the first weight tile is read before waiting on the kernel ahead (weights are constant): under PDL that
+    # load overlaps the previous kernel's tail
+    k = tl.arange(0, BLOCK_K)
+    w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+    pdl_enter(PDL)
+    x_rows = x_ptr + m[:, None] * stride_xm
+    x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+    acc = _tile_dot(tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32), x, w, UPCAST)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
-        x_tile = x_ptr + m[:, None] * stride_xm + k[None, :]
-        x = tl.load(x_tile, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w_tile = w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :]
-        w = tl.load(w_tile, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if UPCAST:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = _tile_dot(acc, x, w, UPCAST)
     tl.store(
         y_ptr + m[:, None] * stride_ym + n[None, :],
         acc.to(y_ptr.dtype.element_ty),
         mask=m_ok[:, None] & n_ok[None, :],
     )
+
+
+@triton.jit
+def _tile_dot(acc, x, w, UPCAST: tl.constexpr):
+    """acc + x [M_PAD, BLOCK_K] @ w [BLOCK_N, BLOCK_K].T on the tensor cores (fp32 "ieee" when UPCAST)."""
+    if UPCAST:
+        return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    return acc + tl.dot(x, tl.trans(w))
 
 
 def check_args(x: Tensor, w: Tensor) -> None:
@@ -118,7 +134,7 @@ def skinny_linear(x: Tensor, w: Tensor, *, config: SkinnyConfig | None = None) -
     _skinny_linear_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
         M_PAD=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=upcast,
-        **launch,
+        **launch, **pdl.options(x),
     )  # fmt: skip
     return y
 

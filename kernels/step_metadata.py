@@ -32,6 +32,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import pdl
+from .pdl import pdl_enter
+
 MODE_DECODE, MODE_AFTER, MODE_FIRST, MODE_ADVANCE = 0, 1, 2, 3
 BLOCK_B = 128  # requests per program
 
@@ -54,7 +57,9 @@ def _step_metadata_kernel(
     Q_POW2: tl.constexpr,  # next power of two >= Q
     MODE: tl.constexpr,  # MODE_DECODE, MODE_AFTER, MODE_FIRST or MODE_ADVANCE
     BLOCK: tl.constexpr,  # requests per program
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     b_ok = b < B
     x = tl.load(start_ptr + b, mask=b_ok, other=-1).to(tl.int64)
@@ -122,6 +127,7 @@ def step_metadata(
     _step_metadata_kernel[(triton.cdiv(b + 1, BLOCK_B),)](
         start, count, block_table, *outs, b, block_table.shape[1], block_table.stride(0), block_size,
         max_model_len, Q=q, Q_POW2=triton.next_power_of_2(q), MODE=mode, BLOCK=BLOCK_B,
+        **pdl.options(start),
     )  # fmt: skip
     return outs
 

@@ -95,3 +95,21 @@ def test_dispatch_smoke_times_every_op_both_ways_with_equal_results(tmp_path):
     names = ["gumbel_sample", "gumbel_sample_into", "rejection_sample", "kv_write", "rope_kv_write"]
     assert [r["op"] for r in d["rows"]] == [*names, "paged_attention"]
     assert all(r["same_result"] and r["dispatcher_us"] > 0 and r["direct_us"] > 0 for r in d["rows"])
+
+
+def test_switches_table_is_rebuilt_from_its_committed_sources():
+    """benchmarks/results/switches.json: every row follows from the two benchmark files it names."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("switches", ROOT / "benchmarks" / "switches.py")
+    switches = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(switches)
+    committed = json.loads((ROOT / "benchmarks/results/switches.json").read_text())
+    assert committed["rows"]
+    for row in committed["rows"]:
+        draft, overhead = (ROOT / p for p in row["sources"])
+        env = ",".join(f"{k}={v}" for k, v in row["env"].items()) or "-"
+        rebuilt = switches.build(row["run"], row["variant"], env, draft, overhead)
+        rebuilt["sources"] = [str(p) for p in row["sources"]]
+        assert rebuilt == row
+        assert row["1b_back_to_back_over_floor"] == round(row["1b_back_to_back_us"] / row["1b_floor_us"], 3)

@@ -88,11 +88,14 @@ def test_bad_shapes_dtypes_and_devices_are_refused_naming_the_argument():
                 fn(a, b)
 
 
-def test_default_config_spreads_columns_and_caps_the_tile_depth():
-    """16 columns per program up to 4096 outputs (>= 128 programs for a 2048-wide projection), wider above;
-    BLOCK_K never past K's next power of two."""
-    assert default_config(2048, 2048) == SkinnyConfig(block_n=16, block_k=512)
-    assert default_config(16384, 2048).block_n == 32 and default_config(128256, 2048).block_n == 64
+def test_default_config_follows_the_h200_sweep_and_caps_the_tile_depth():
+    """The sweep's best configs for the decode projections (benchmarks/results/skinny_linear.json); BLOCK_K
+    never past K's next power of two."""
+    assert default_config(2048, 2048) == SkinnyConfig(block_n=16, block_k=512, num_stages=4)  # 1B o
+    assert default_config(2048, 8192) == SkinnyConfig(block_n=16, block_k=512, num_stages=4)  # 1B down
+    assert default_config(4096, 4096) == SkinnyConfig(block_n=32, block_k=512, num_stages=4)  # 8B o, down
+    assert default_config(6144, 8192) == SkinnyConfig(block_n=64, block_k=256, num_stages=4)  # 8B q/k/v
+    assert default_config(28672, 4096) == SkinnyConfig(block_n=64, block_k=128, num_stages=4)  # 8B gate/up
     assert default_config(100, 40).block_k == 64
 
 

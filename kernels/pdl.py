@@ -1,0 +1,57 @@
+"""Programmatic dependent launch (PDL) for fspec's kernels: on by default on Hopper, FSPEC_PDL=0 turns it off.
+
+A kernel launched with the PDL attribute may be scheduled before the kernel ahead of it in the stream has
+finished: once every program of the earlier kernel has executed `griddepcontrol.launch_dependents` (or
+exited). It then waits in `griddepcontrol.wait` until that kernel has completed and its writes are visible.
+What overlaps is the launch latency, the program start-up and whatever a program does before its wait;
+in a CUDA graph of a decode step (~25 launches of 1-30 us with ~0.5 us idle gaps between them) that is the
+fixed cost per launch that the bytes-over-bandwidth floor does not see.
+
+The contract every fspec kernel keeps when it takes `PDL: tl.constexpr`: `pdl_enter(PDL)` comes before its
+first read of anything another kernel writes and before its first write. Then no kernel of the chain can
+finish before the one ahead of it has, so the ordering is transitive: a PDL kernel that starts early never
+sees a write of any earlier kernel still in flight. Reads of weights (constant during a forward) may come
+before it; `skinny_linear` loads its first weight tile there. Kernels launched without the attribute (cuBLAS,
+Inductor's kernels unless TORCHINDUCTOR_ENABLE_PDL=1) keep plain stream order.
+
+    options(t) -> {"PDL": True, "launch_pdl": True} or {}      keyword arguments for a launch
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+ENV = "FSPEC_PDL"
+
+
+@functools.cache
+def _hopper_or_later(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def enabled(t: Tensor) -> bool:
+    """`t` on a CUDA device of compute capability 9.0 or later (never the interpreter: its tensors are on
+    the CPU), unless FSPEC_PDL=0."""
+    env = os.environ.get(ENV)
+    if env not in (None, "0", "1"):
+        raise ValueError(f"{ENV}: expected '0' or '1', got {env!r}")
+    return env != "0" and t.is_cuda and _hopper_or_later(t.device.index or 0)
+
+
+def options(t: Tensor) -> dict:
+    """The launch keywords of a kernel taking `PDL: tl.constexpr`: its constexpr and Triton's launch flag."""
+    return {"PDL": True, "launch_pdl": True} if enabled(t) else {}
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """Wait for the kernel ahead in the stream, then let the next one launch (both no-ops unless PDL)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

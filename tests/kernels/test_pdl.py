@@ -1,0 +1,139 @@
+"""Programmatic dependent launch (kernels/pdl.py): the switch, the contract every kernel keeps, sm_90 code.
+
+The contract that makes an early start safe is that a kernel waits on the one ahead of it before reading
+anything another kernel wrote and before writing: checked on every kernel's source (the wait is the first
+statement; skinny_linear may load a weight tile first), and on the PTX of compiled kernels.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fspec.kernels import (
+    gumbel,
+    kv_write,
+    paged_attention,
+    pdl,
+    rejection,
+    rope_cos_sin,
+    rope_kv_write,
+    skinny_linear,
+    step_metadata,
+)
+
+MODULES = (
+    gumbel,
+    kv_write,
+    paged_attention,
+    rejection,
+    rope_cos_sin,
+    rope_kv_write,
+    skinny_linear,
+    step_metadata,
+)
+
+
+def _kernels():
+    for module in MODULES:
+        for name, obj in vars(module).items():
+            if name.startswith("_") and name.endswith("_kernel") and hasattr(obj, "fn"):
+                yield f"{module.__name__}.{name}", obj.fn
+
+
+def test_every_kernel_takes_pdl_and_waits_before_touching_other_kernels_data():
+    seen = 0
+    for name, fn in _kernels():
+        params = inspect.signature(fn).parameters
+        assert "PDL" in params and params["PDL"].default is False, name
+        body = ast.parse(inspect.getsource(fn)).body[0].body
+        calls = [
+            i
+            for i, stmt in enumerate(body)
+            if isinstance(stmt, ast.Expr)
+            and isinstance(stmt.value, ast.Call)
+            and getattr(stmt.value.func, "id", None) == "pdl_enter"
+        ]
+        assert len(calls) == 1, name
+        before = body[: calls[0]]
+        if name.endswith("_skinny_linear_kernel"):
+            # index arithmetic and one load, of w (constant weights) only
+            loads = [
+                n
+                for s in before
+                for n in ast.walk(s)
+                if isinstance(n, ast.Call) and ast.unparse(n.func) == "tl.load"
+            ]
+            assert len(loads) == 1 and ast.unparse(loads[0].args[0]).startswith("w_rows"), name
+        else:
+            assert calls[0] == 0, name
+        seen += 1
+    # gumbel 3, rejection 4, attention 2, kv_write, rope_kv_write, rope tables, metadata, linear
+    assert seen == 14
+
+
+def test_options_are_empty_off_the_gpu_and_the_switch_is_checked(monkeypatch):
+    x = torch.zeros(3)
+    monkeypatch.setenv(pdl.ENV, "1")
+    assert pdl.options(x) == {}  # CPU tensors: the interpreter, no launch attribute
+    monkeypatch.setenv(pdl.ENV, "yes")
+    with pytest.raises(ValueError, match="FSPEC_PDL.*'0' or '1'.*'yes'"):
+        pdl.options(x)
+    monkeypatch.delenv(pdl.ENV)
+    assert pdl.options(x) == {}
+
+
+PROBE = """
+import inspect, json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fspec.kernels.skinny_linear import _skinny_linear_kernel
+from fspec.kernels.step_metadata import _step_metadata_kernel
+
+def ptx(kernel, types, constexprs):
+    names = list(inspect.signature(kernel.fn).parameters)
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "*fp32" if n.endswith("_ptr") else "i32")
+           for n in names}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+
+bf16 = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16"}
+meta = {"start_ptr": "*i64", "count_ptr": "*i64", "block_table_ptr": "*i32", "positions_ptr": "*i64",
+        "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "slot_mapping_ptr": "*i64"}
+out = {}
+for on in (False, True):
+    out[f"linear{int(on)}"] = ptx(_skinny_linear_kernel, bf16,
+        {"M_PAD": 16, "BLOCK_N": 16, "BLOCK_K": 256, "UPCAST": False, "PDL": on})
+    out[f"meta{int(on)}"] = ptx(_step_metadata_kernel, meta,
+        {"Q": 1, "Q_POW2": 1, "MODE": 3, "BLOCK": 128, "PDL": on})
+print(json.dumps(out))
+"""
+
+
+def test_pdl_kernels_compile_for_sm90_with_the_wait_after_the_first_weight_load():
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    for name in ("linear", "meta"):
+        assert "griddepcontrol" not in out[f"{name}0"], name
+        on = out[f"{name}1"]
+        assert on.count("griddepcontrol.wait") == 1 and on.count("griddepcontrol.launch_dependents") == 1, (
+            name
+        )
+        assert on.index("griddepcontrol.wait") < on.index("griddepcontrol.launch_dependents"), name
+    on = out["linear1"]
+    wait = on.index("griddepcontrol.wait")
+    assert "ld.global" in on[:wait]  # the first weight tile is in flight before the wait ...
+    assert "st.global" not in on[:wait]  # ... and nothing is written before it
+    meta = out["meta1"]
+    assert "ld.global" not in meta[: meta.index("griddepcontrol.wait")]
