@@ -201,7 +201,8 @@ def switches(d: dict) -> list[str]:
         out.append(
             f"| {r['run']} | {r['variant']} | {env} | {_f(r['8b_back_to_back_us'])} ({_f(r['8b_floor_us'])}) "
             f"| {r['8b_back_to_back_over_floor']:.3f} | {_f(r['1b_back_to_back_us'])} ({_f(r['1b_floor_us'])}) "
-            f"| {r['1b_back_to_back_over_floor']:.3f} | {r['forced_tokens_per_s']:.0f} | {r['target_tokens_per_s']:.0f} |"
+            f"| {r['1b_back_to_back_over_floor']:.3f} | {_f(r.get('forced_tokens_per_s'), '{:.0f}')} "
+            f"| {_f(r.get('target_tokens_per_s'), '{:.0f}')} |"
         )
     return out
 

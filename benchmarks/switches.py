@@ -3,7 +3,8 @@
     python benchmarks/switches.py --out benchmarks/results/switches.json \
         RUN:TAG:ENV:DRAFT_JSON:OVERHEAD_JSON ...
 
-ENV is the switches the two benchmarks ran under ("VAR=VALUE,VAR=VALUE", "-" for none). Only rows of one RUN
+ENV is the switches the two benchmarks ran under ("VAR=VALUE,VAR=VALUE", "-" for none); OVERHEAD_JSON "-"
+when that benchmark did not run. Only rows of one RUN
 (one GPU-host call: the same machine, the same minutes) compare with each other. Per row: the draft loop's
 time per step issued back to back over its floor (8B- and 1B-shaped EAGLE-3 heads, B = 1, K = 5, context 2k)
 and the tokens/s of warm generate calls (bench_call_overhead.py: forced full acceptance at K = 5 and
@@ -18,7 +19,8 @@ from pathlib import Path
 
 
 def build(run: str, tag: str, env: str, draft_path: Path, overhead_path: Path) -> dict:
-    draft, overhead = json.loads(draft_path.read_text()), json.loads(overhead_path.read_text())
+    draft = json.loads(draft_path.read_text())
+    overhead = {"rows": []} if str(overhead_path) == "-" else json.loads(overhead_path.read_text())
     switches = {} if env == "-" else dict(kv.split("=") for kv in env.split(","))
     out = {"run": run, "variant": tag, "env": switches}
     out["date"], out["machine"] = draft["date"], draft["machine"]
@@ -51,7 +53,8 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     for r in rows:
         ratios = r["8b_back_to_back_over_floor"], r["1b_back_to_back_over_floor"]
-        print(r["run"], r["variant"], r["env"], *ratios, r["forced_tokens_per_s"], r["target_tokens_per_s"])
+        rates = r.get("forced_tokens_per_s"), r.get("target_tokens_per_s")
+        print(r["run"], r["variant"], r["env"], *ratios, *rates)
 
 
 if __name__ == "__main__":

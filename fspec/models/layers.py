@@ -24,19 +24,24 @@ from fspec.config import ModelConfig
 from fspec.kernels.ops import call
 
 SKINNY_ROWS = 16  # fspec::skinny_linear's row limit (kernels/skinny_linear.py MAX_ROWS)
+# widest weight (output features) routed to it: wider ones (gate/up, LM heads) cuBLAS reads within 1-12% of
+# the floor, where the sweep's best skinny config is no faster (benchmarks/results/skinny_linear.json)
+SKINNY_MAX_OUT = 8192
 
 
 def use_skinny_linear(x: torch.Tensor, w: torch.Tensor, *, cuda: bool | None = None) -> bool:
     """Whether `linear` routes x @ w.T to `fspec::skinny_linear`: opt-in (FSPEC_SKINNY_LINEAR=1), on CUDA,
-    for at most 16 rows of x (decode, verification and draft steps at small batch), same floating dtype, and
-    no autograd through it (training keeps F.linear). Decided when a graph is traced."""
+    for at most 16 rows of x (decode, verification and draft steps at small batch) and at most
+    SKINNY_MAX_OUT output features, same floating dtype, and no autograd through it (training keeps
+    F.linear). Decided when a graph is traced."""
     if os.environ.get("FSPEC_SKINNY_LINEAR") != "1":
         return False
     cuda = x.is_cuda if cuda is None else cuda
     rows = math.prod(x.shape[:-1])
     grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    return cuda and 0 < rows <= SKINNY_ROWS and w.dim() == 2 and x.dtype == w.dtype in dtypes and not grad
+    narrow = w.dim() == 2 and w.shape[0] <= SKINNY_MAX_OUT
+    return cuda and 0 < rows <= SKINNY_ROWS and narrow and x.dtype == w.dtype in dtypes and not grad
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

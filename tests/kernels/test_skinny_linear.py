@@ -51,9 +51,9 @@ def test_op_matches_reference_and_traces_under_compile():
 
 
 def test_linear_routes_only_small_inference_products_on_cuda_when_asked(monkeypatch):
-    """use_skinny_linear: off unless FSPEC_SKINNY_LINEAR=1; then only on CUDA, for 1..16 rows, matching
-    float dtypes, and never where autograd would need the product's gradient. `linear` itself equals
-    F.linear (on CPU it never routes)."""
+    """use_skinny_linear: off unless FSPEC_SKINNY_LINEAR=1; then only on CUDA, for 1..16 rows, at most
+    SKINNY_MAX_OUT outputs, matching float dtypes, and never where autograd would need the product's
+    gradient. `linear` itself equals F.linear (on CPU it never routes)."""
     x, w = torch.randn(2, 3, 8), torch.randn(5, 8)
     monkeypatch.delenv("FSPEC_SKINNY_LINEAR", raising=False)
     assert not layers.use_skinny_linear(x, w, cuda=True)
@@ -61,6 +61,9 @@ def test_linear_routes_only_small_inference_products_on_cuda_when_asked(monkeypa
     assert layers.use_skinny_linear(x, w, cuda=True)  # 6 rows
     assert not layers.use_skinny_linear(x, w, cuda=False)
     assert not layers.use_skinny_linear(torch.randn(17, 8), w, cuda=True)
+    assert layers.use_skinny_linear(x, torch.randn(layers.SKINNY_MAX_OUT, 8), cuda=True)
+    wide = torch.randn(layers.SKINNY_MAX_OUT + 1, 8)  # gate/up, LM heads
+    assert not layers.use_skinny_linear(x, wide, cuda=True)
     assert not layers.use_skinny_linear(x.double(), w.double(), cuda=True)
     assert not layers.use_skinny_linear(x.bfloat16(), w, cuda=True)
     assert not layers.use_skinny_linear(x, w.requires_grad_(), cuda=True)
