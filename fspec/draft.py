@@ -83,9 +83,13 @@ def _step(
     hidden = hidden_all.index_select(0, rows)  # [B, H]
     # 4. sample into column `step`: the column comes from the tensor, never from a Python int.
     position = attn.seq_lens.to(torch.int64) + 1  # position of the token being sampled
+    d2t = params["d2t"] if cfg.kind == "eagle3" else None  # reduced draft vocabulary: emit TARGET ids
     if cfg.greedy_drafts:
         tokens = logits.float().nan_to_num(nan=float("-inf")).argmax(-1)  # q is one-hot: nothing to store
-    else:
+        if d2t is not None:
+            tokens = _draft_to_target(tokens, d2t)
+        _write_column(state.draft_tokens, state.step, tokens)
+    else:  # the sampling kernels write the (mapped) ids into column `step` themselves
         tokens = gumbel_sample(
             logits,
             state.temperature,
@@ -95,10 +99,8 @@ def _step(
             out_tokens=state.draft_tokens,
             out_probs=state.draft_probs,
             col=state.step,
+            d2t=d2t,
         )
-    if cfg.kind == "eagle3":  # reduced draft vocabulary: store and feed TARGET ids
-        tokens = _draft_to_target(tokens, params["d2t"])
-    _write_column(state.draft_tokens, state.step, tokens)
     # 5. the next state; its metadata is a pure function of this step's.
     nxt = decode_after(attn, block_size=cfg.block_size, max_model_len=cfg.max_model_len)
     return replace(state, input_ids=tokens, hidden=hidden, attn=nxt, step=state.step + 1), cache

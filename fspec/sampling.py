@@ -128,7 +128,9 @@ def unit_stride(*tensors: Tensor) -> tuple[Tensor, ...]:
     return tuple(t.contiguous() for t in tensors)
 
 
-def _validate_gumbel(logits, temperature, seed, positions, salt, out_tokens, out_probs, col) -> None:
+def _validate_gumbel(
+    logits, temperature, seed, positions, salt, out_tokens, out_probs, col, d2t=None
+) -> None:
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
     n, v = logits.shape
     if not 1 <= v < MAX_VOCAB:
@@ -148,8 +150,21 @@ def _validate_gumbel(logits, temperature, seed, positions, salt, out_tokens, out
         (positions_flag(positions, span=0), lambda: check_positions(positions, span=0)),
     ]
     if out_tokens is None:
+        if d2t is not None:
+            raise argument_error("d2t", "None unless out_tokens, out_probs and col are given", "a tensor")
         check_values(*checks)
         return
+    if d2t is not None:
+        check_tensor("d2t", d2t, shape=(v,), dtypes=(torch.int32, torch.int64), device=dev)
+        emitted = torch.arange(v, device=dev) + d2t
+
+        def check_d2t() -> None:
+            first = int((emitted < 0).nonzero()[0, 0])
+            raise argument_error(
+                "d2t", "offsets with t + d2t[t] >= 0 for every t", f"d2t[{first}] = {int(d2t[first])}"
+            )
+
+        checks.append(((emitted < 0).any(), check_d2t))
     check_tensor("out_tokens", out_tokens, ndim=2, dtypes=(torch.int64,), device=dev, contiguous=True)
     k = out_tokens.shape[1]
     check_tensor("out_tokens", out_tokens, shape=(n, k))
@@ -175,6 +190,7 @@ def gumbel_sample(
     out_tokens: Tensor | None = None,
     out_probs: Tensor | None = None,
     col: Tensor | None = None,
+    d2t: Tensor | None = None,
 ) -> Tensor:
     """Sample one token per row: argmax(logits / T + Gumbel noise), or argmax(logits) where T = 0.
 
@@ -194,6 +210,9 @@ def gumbel_sample(
             T = 0 or no logit is finite) in column `col`. No other column is touched.
         col: 0-d int64 tensor on the logits' device, in [0, K); read on the device, so a step counter in the
             state can drive it without recompiling or syncing.
+        d2t: [V] int32 / int64 id offsets (EAGLE-3's draft-to-target map), only with the out buffers: the
+            returned ids and out_tokens' column are t + d2t[t] for the sampled t, each >= 0; out_probs stays
+            over the sampled vocabulary. One launch fewer than mapping the ids afterwards.
 
     Returns:
         tokens [N] int64 (a fresh tensor); N = 0 gives an empty one.
@@ -202,8 +221,9 @@ def gumbel_sample(
         ValueError naming the argument (eager calls only; skipped under torch.compile).
     """
     if not torch.compiler.is_compiling():
-        _validate_gumbel(logits, temperature, seed, positions, salt, out_tokens, out_probs, col)
+        _validate_gumbel(logits, temperature, seed, positions, salt, out_tokens, out_probs, col, d2t)
     temperature, seed, positions = unit_stride(temperature, seed, positions)
     if out_tokens is None:
         return call("gumbel_sample", logits, temperature, seed, positions, salt)
-    return call("gumbel_sample_into", logits, temperature, seed, positions, salt, out_tokens, out_probs, col)
+    args = (logits, temperature, seed, positions, salt, out_tokens, out_probs, col)
+    return call("gumbel_sample_into", *args, d2t)

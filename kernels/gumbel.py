@@ -189,10 +189,13 @@ def _gumbel_reduce_kernel(
     col_ptr,  # [] int64 (WITH_STATS): the column, loaded here, never a Python int
     row_max_ptr,  # [N] float32 out (WITH_STATS): max of logits / T over the row
     row_sum_ptr,  # [N] float32 out (WITH_STATS): sum of exp(logits / T - row max)
+    d2t_ptr,  # [V] int32/int64 (MAP): id offsets; the emitted id of token t is t + d2t[t]
+    mapped_ptr,  # [N] int64 out (MAP): the emitted ids
     V,  # vocabulary size (sentinel token id)
     NB,  # number of vocabulary blocks
     K,  # columns of out_tokens
     WITH_STATS: tl.constexpr,  # write out_tokens[:, col] and the row softmax statistics
+    MAP: tl.constexpr,  # emit t + d2t[t] (EAGLE-3's draft-to-target ids) to mapped and out_tokens
     NB_POW2: tl.constexpr,  # next power of two >= NB
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
@@ -211,9 +214,13 @@ def _gumbel_reduce_kernel(
     hot_token = tl.min(tl.where(in_row & (hot == hot_best), tok, V), axis=0)
     token = tl.where(hot_best > float("-inf"), hot_token, token)
     tl.store(tokens_ptr + row, token)
+    emitted = token
+    if MAP:
+        emitted = token + tl.load(d2t_ptr + token).to(tl.int64)
+        tl.store(mapped_ptr + row, emitted)
     if WITH_STATS:
         col = tl.load(col_ptr)
-        tl.store(out_tokens_ptr + row * K + col, token)
+        tl.store(out_tokens_ptr + row * K + col, emitted)
         bmax = tl.load(block_max_ptr + row * NB + nb, mask=in_row, other=float("-inf"))
         bsum = tl.load(block_sum_ptr + row * NB + nb, mask=in_row, other=0.0)
         m = tl.max(bmax, axis=0)
@@ -266,12 +273,15 @@ def gumbel_sample(
     out_tokens: Tensor | None = None,
     out_probs: Tensor | None = None,
     col: Tensor | None = None,
+    d2t: Tensor | None = None,
     block: int | None = None,
 ) -> Tensor:
     """Launch the Gumbel kernels; returns tokens [N] int64 and, with out buffers, writes column `col`.
 
     Inputs are assumed validated (fspec.sampling.gumbel_sample checks them); out_tokens [N, K] and
-    out_probs [N, K, V] must be contiguous. `block` is a power of two >= 4 (None: `launch_block`).
+    out_probs [N, K, V] must be contiguous. With `d2t` [V] (int offsets) the returned ids and out_tokens'
+    column are t + d2t[t] (EAGLE-3's target ids; out_probs stays over the sampled vocabulary). `block` is a
+    power of two >= 4 (None: `launch_block`).
     """
     block = launch_block(block)
     n, v = logits.shape
@@ -282,8 +292,9 @@ def gumbel_sample(
     into = out_tokens is not None
     nb = triton.cdiv(v, block)
     tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
+    mapped = tokens if d2t is None else torch.empty_like(tokens)
     if n == 0:
-        return tokens
+        return mapped
     (block_token,) = scratch(torch.int64, logits.device, (n, nb))
     if into:
         block_key, block_hot, block_max, block_sum, row_max, row_sum = scratch(
@@ -300,8 +311,9 @@ def gumbel_sample(
     )  # fmt: skip
     _gumbel_reduce_kernel[(n,)](
         block_key, block_token, block_max, block_sum, block_hot, tokens,
-        out_tokens if into else tokens, col if into else tokens, row_max, row_sum, v, nb, k,
-        WITH_STATS=into, NB_POW2=triton.next_power_of_2(nb),
+        out_tokens if into else tokens, col if into else tokens, row_max, row_sum,
+        tokens if d2t is None else d2t.contiguous(), mapped, v, nb, k,
+        WITH_STATS=into, MAP=d2t is not None, NB_POW2=triton.next_power_of_2(nb),
         **pdl.options(logits),
     )  # fmt: skip
     if into:
@@ -309,7 +321,7 @@ def gumbel_sample(
             logits, logits.stride(0), temperature, tokens, row_max, row_sum, out_probs, col, v, k,
             BLOCK=block, **pdl.options(logits),
         )  # fmt: skip
-    return tokens
+    return mapped
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -354,18 +366,20 @@ def gumbel_sample_ref(
     out_tokens: Tensor | None = None,
     out_probs: Tensor | None = None,
     col: Tensor | None = None,
+    d2t: Tensor | None = None,
 ) -> Tensor:
-    """Plain-PyTorch twin of `gumbel_sample` (same noise, ties, NaN handling and column write)."""
+    """Plain-PyTorch twin of `gumbel_sample` (same noise, ties, NaN handling, id map and column write)."""
     x = clean_logits_ref(logits)  # [N, V]
     scaled = x * inv_temperature_ref(temperature)[:, None]
     # rows whose logits / T reach +inf are decided greedily, by the raw logits (the T -> 0 limit)
     sampled = ((temperature > 0) & (scaled.amax(-1) < float("inf")))[:, None]  # [N, 1]
     noise = philox_gumbel_ref(seed, positions, x.shape[-1], salt)  # [N, V]
     tokens = first_argmax_ref(torch.where(sampled, scaled + noise, x))  # [N]
+    emitted = tokens if d2t is None else tokens + d2t[tokens].to(torch.int64)
     if out_tokens is not None:
         probs, m, _ = softmax_ref(scaled)
         one_hot = torch.nn.functional.one_hot(tokens, x.shape[-1]).float()
         probs = torch.where(sampled & (m > float("-inf"))[:, None], probs, one_hot)  # [N, V]
-        out_tokens.index_copy_(1, col.view(1), tokens[:, None])
+        out_tokens.index_copy_(1, col.view(1), emitted[:, None])
         out_probs.index_copy_(1, col.view(1), probs[:, None, :])
-    return tokens
+    return emitted

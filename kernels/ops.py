@@ -10,7 +10,7 @@ Ops never return an alias of an input (custom ops cannot), and `mutates_args` na
 kernel writes; callers pass whole buffers plus the column tensor, never views (pytorch#198031).
 
     fspec::gumbel_sample        (logits, temperature, seed, positions, salt) -> tokens [N]
-    fspec::gumbel_sample_into   (... , out_tokens!, out_probs!, col) -> tokens [N] (fresh tensor)
+    fspec::gumbel_sample_into   (... , out_tokens!, out_probs!, col, d2t?) -> tokens [N] (fresh tensor)
     fspec::rejection_sample     (target_logits, draft_tokens, draft_probs?, temperature, seed, positions)
                                 -> (tokens [B, K+1], num_accepted [B])
     fspec::skinny_linear        (x [M, K], w [N, K]) -> x @ w.T [M, N], M <= 16 (kernels/skinny_linear.py)
@@ -58,12 +58,15 @@ def gumbel_sample_into(
     out_tokens: Tensor,
     out_probs: Tensor,
     col: Tensor,
+    d2t: Tensor | None = None,
 ) -> Tensor:
-    """Gumbel-max sample, also written to out_tokens[:, col] and out_probs[:, col, :]; fresh tokens [N]."""
+    """Gumbel-max sample, also written to out_tokens[:, col] and out_probs[:, col, :]; fresh tokens [N]
+    (with d2t: ids t + d2t[t], in the return value and out_tokens)."""
     impl = gumbel.gumbel_sample if _use_triton(logits) else gumbel.gumbel_sample_ref
     return impl(
-        logits, temperature, seed, positions, salt=salt, out_tokens=out_tokens, out_probs=out_probs, col=col
-    )
+        logits, temperature, seed, positions, salt=salt, out_tokens=out_tokens, out_probs=out_probs, col=col,
+        d2t=d2t,
+    )  # fmt: skip
 
 
 @gumbel_sample_into.register_fake
@@ -76,6 +79,7 @@ def _(
     out_tokens: Tensor,
     out_probs: Tensor,
     col: Tensor,
+    d2t: Tensor | None = None,
 ) -> Tensor:
     return logits.new_empty(logits.shape[0], dtype=torch.int64)
 

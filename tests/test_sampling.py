@@ -166,6 +166,9 @@ BAD_GUMBEL_ARGS = [
     ("out_probs", lambda a: torch.zeros(4, 3, 11)),
     ("out_probs", lambda a: torch.zeros(4, 3, 10, dtype=torch.bfloat16)),
     ("out_probs", lambda a: torch.zeros(4, 10, 3).transpose(1, 2)),
+    ("d2t", lambda a: torch.zeros(9, dtype=torch.int64)),
+    ("d2t", lambda a: torch.zeros(10)),
+    ("d2t", lambda a: torch.tensor([0] * 9 + [-10])),  # token 9 would map to id -1
 ]
 
 
@@ -180,11 +183,16 @@ def test_gumbel_sample_rejects_bad_input_naming_the_argument(name, make_bad):
 
 
 def test_gumbel_sample_requires_all_or_none_of_the_out_arguments():
-    """out_tokens, out_probs and col come together."""
+    """out_tokens, out_probs and col come together; d2t only with them."""
     args = _valid_gumbel_args()
     del args["out_probs"]
     with pytest.raises(ValueError, match="out_tokens, out_probs, col: expected all three or none"):
         gumbel_sample(**args)
+    args = _valid_gumbel_args()
+    for name in ("out_tokens", "out_probs", "col"):
+        del args[name]
+    with pytest.raises(ValueError, match="^d2t: expected None unless out_tokens, out_probs and col"):
+        gumbel_sample(**args, d2t=torch.zeros(10, dtype=torch.int64))
 
 
 def test_valid_eager_calls_read_the_device_once(monkeypatch):
@@ -200,6 +208,9 @@ def test_valid_eager_calls_read_the_device_once(monkeypatch):
 
         monkeypatch.setattr(torch.Tensor, name, spy)
     gumbel_sample(**_valid_gumbel_args())
+    assert len(reads) == 1, reads
+    reads.clear()
+    gumbel_sample(**_valid_gumbel_args(), d2t=torch.arange(10) % 3)  # the id-map check joins the same read
     assert len(reads) == 1, reads
     reads.clear()
     b, k, v = 3, 2, 11

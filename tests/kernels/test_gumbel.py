@@ -65,6 +65,40 @@ def test_gumbel_kernel_matches_reference_and_writes_only_col(n, v, block, dtype)
     assert not torch.equal(tokens[~greedy], x[~greedy].argmax(-1))
 
 
+@pytest.mark.parametrize("map_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("n, v, block", [(7, 401, 128), (3, 1031, 256)])
+def test_gumbel_kernel_maps_ids_through_d2t_into_the_return_and_the_column(n, v, block, map_dtype):
+    """With d2t, the returned ids and out_tokens' column are t + d2t[t] (EAGLE-3's target ids), equal to the
+    reference; out_probs stays over the sampled vocabulary (one-hot at the draft id t for greedy rows)."""
+    logits, temperature, seeds, positions = _inputs(n, v, torch.float32, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    d2t = torch.randint(0, 5000, (v,), generator=gen).to(map_dtype)  # irregular offsets, all ids >= 0
+    k, col = 3, torch.tensor(1)
+    out_tokens, out_probs = _buffers(n, k, v)
+    got = gumbel_sample(
+        logits, temperature, seeds, positions, out_tokens=out_tokens, out_probs=out_probs, col=col, d2t=d2t,
+        block=block,
+    )  # fmt: skip
+    ref_tokens, ref_probs = _buffers(n, k, v)
+    expected = gumbel_sample_ref(
+        logits, temperature, seeds, positions, out_tokens=ref_tokens, out_probs=ref_probs, col=col, d2t=d2t
+    )
+    assert got.dtype == torch.int64 and torch.equal(got, expected)
+    assert torch.equal(out_tokens, ref_tokens) and torch.equal(out_tokens[:, 1], got)
+    torch.testing.assert_close(out_probs, ref_probs, rtol=1e-5, atol=PROB_TOL[torch.float32])
+    # independently: the same draws without the map, then mapped by hand
+    plain_tokens, plain_probs = _buffers(n, k, v)
+    plain = gumbel_sample(
+        logits, temperature, seeds, positions, out_tokens=plain_tokens, out_probs=plain_probs, col=col,
+        block=block,
+    )  # fmt: skip
+    assert torch.equal(got, plain + d2t[plain].long())
+    greedy = temperature == 0
+    one_hot = torch.nn.functional.one_hot(plain[greedy], v).float()
+    assert torch.equal(out_probs[greedy, 1], one_hot)  # the draft id's one-hot, not the mapped id's
+    assert bool((got != plain).any())  # the map really moved some ids
+
+
 def test_gumbel_kernel_without_out_buffers_matches_reference_and_salt_matters():
     """The tokens-only launch equals the reference; another salt draws different tokens."""
     logits, temperature, seeds, positions = _inputs(7, 401, torch.float32, seed=1)

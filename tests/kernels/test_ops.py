@@ -33,6 +33,11 @@ def test_ops_pass_torch_library_opcheck():
         torch.ops.fspec.gumbel_sample_into.default,
         (logits, t, seeds, positions, 0, out_tokens, out_probs, torch.tensor(3)),
     )
+    d2t = torch.arange(37) % 5  # EAGLE-3's id offsets
+    torch.library.opcheck(
+        torch.ops.fspec.gumbel_sample_into.default,
+        (logits, t, seeds, positions, 0, out_tokens, out_probs, torch.tensor(1), d2t),
+    )
     args = _rejection_args()
     torch.library.opcheck(torch.ops.fspec.rejection_sample.default, args)
     torch.library.opcheck(torch.ops.fspec.rejection_sample.default, (*args[:2], None, *args[3:]))

@@ -75,13 +75,15 @@ def test_sampling_kernels_compile_for_sm90_with_and_without_the_fast_log(fast):
         assert "IMAD.WIDE.U32" in sass, name  # Philox rounds: 32 x 32 -> 64-bit multiplies (philox.py)
 
 
-# The step kernels (metadata, RoPE tables, rejection's decide / finalize programs): they compile for sm_90
+# The step kernels (metadata, RoPE tables, rejection's decide / finalize programs, the Gumbel reduction with
+# and without its id map): they compile for sm_90
 # with the pointer types their launchers pass, in every constexpr variant the launchers use.
 STEP_PROBE = """
 import inspect
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from fspec.kernels.gumbel import _gumbel_reduce_kernel
 from fspec.kernels.rejection import _rejection_decide_kernel, _rejection_finalize_kernel
 from fspec.kernels.rope_cos_sin import _rope_cos_sin_kernel
 from fspec.kernels.step_metadata import _step_metadata_kernel
@@ -101,6 +103,10 @@ i64 = {n: "*i64" for n in ("seed_ptr", "positions_ptr", "draft_tokens_ptr", "blo
 for has_q in (True, False):
     compile_sm90(_rejection_decide_kernel, i64, {"HAS_Q": has_q, "K1_POW2": 8, "NB_POW2": 64})
 compile_sm90(_rejection_finalize_kernel, i64, {"NB_POW2": 64})
+reduce_types = {"block_token_ptr": "*i64", "tokens_ptr": "*i64", "out_tokens_ptr": "*i64", "col_ptr": "*i64",
+                "d2t_ptr": "*i64", "mapped_ptr": "*i64"}
+for stats, mapped in ((True, True), (True, False), (False, False)):
+    compile_sm90(_gumbel_reduce_kernel, reduce_types, {"WITH_STATS": stats, "MAP": mapped, "NB_POW2": 32})
 meta = {"start_ptr": "*i64", "count_ptr": "*i64", "block_table_ptr": "*i32", "positions_ptr": "*i64",
         "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "slot_mapping_ptr": "*i64"}
 for mode, q in ((0, 1), (1, 1), (2, 6), (3, 1)):
