@@ -217,6 +217,8 @@ def main(argv=None) -> int:
         return 0
     import triton
 
+    from fspec.config import env_switches
+
     torch._dynamo.config.cache_size_limit = 64
     if args.quick:
         args.heads, args.k, args.batch = ["8b"], [5], [1, 32]
@@ -229,6 +231,7 @@ def main(argv=None) -> int:
         "date": datetime.date.today().isoformat(),
         "command": "python benchmarks/bench_draft_loop.py "
         + " ".join(sys.argv[1:] if argv is None else argv),
+        "env": env_switches(),
         "copy_bandwidth_TBps": round(bw, 3),
         "ctx": args.ctx,
         "fused_projections": args.fuse,

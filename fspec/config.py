@@ -361,9 +361,10 @@ class DraftConfig:
 
 
 def env_switches() -> dict[str, str]:
-    """The FSPEC_* environment switches of this process (FSPEC_PIPELINE, FSPEC_COMPILE_PREFILL,
-    FSPEC_SKINNY_LINEAR, FSPEC_SAMPLING_BLOCK, ...), sorted: benchmarks record them beside their results."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("FSPEC_")}
+    """The environment switches of this process that change what runs: fspec's (FSPEC_PIPELINE, FSPEC_PDL,
+    FSPEC_SKINNY_LINEAR, FSPEC_SAMPLING_BLOCK, ...) and Inductor's (TORCHINDUCTOR_ENABLE_PDL, ...), sorted:
+    benchmarks record them beside their results."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(("FSPEC_", "TORCHINDUCTOR_"))}
 
 
 def size_bucket(n: int) -> int:

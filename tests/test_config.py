@@ -149,14 +149,17 @@ def test_bucket_for_pads_to_the_next_bucket():
             fspec.bucket_for(bad)
 
 
-def test_env_switches_are_exactly_the_fspec_variables_sorted(monkeypatch):
-    """What benchmarks record beside their results: every FSPEC_* variable, nothing else, in name order."""
+def test_env_switches_are_exactly_the_fspec_and_inductor_variables_sorted(monkeypatch):
+    """What benchmarks record beside their results: every FSPEC_* and TORCHINDUCTOR_* variable, nothing
+    else, in name order."""
     from fspec.config import env_switches
 
-    for k in [k for k in __import__("os").environ if k.startswith("FSPEC_")]:
+    for k in [k for k in __import__("os").environ if k.startswith(("FSPEC_", "TORCHINDUCTOR_"))]:
         monkeypatch.delenv(k)
     monkeypatch.setenv("FSPEC_SKINNY_LINEAR", "1")
     monkeypatch.setenv("FSPEC_PIPELINE", "0")
+    monkeypatch.setenv("TORCHINDUCTOR_ENABLE_PDL", "1")
     monkeypatch.setenv("NOT_FSPEC_X", "1")
-    assert env_switches() == {"FSPEC_PIPELINE": "0", "FSPEC_SKINNY_LINEAR": "1"}
-    assert list(env_switches()) == ["FSPEC_PIPELINE", "FSPEC_SKINNY_LINEAR"]
+    monkeypatch.setenv("TORCH_LOGS", "graph")
+    want = {"FSPEC_PIPELINE": "0", "FSPEC_SKINNY_LINEAR": "1", "TORCHINDUCTOR_ENABLE_PDL": "1"}
+    assert env_switches() == want and list(env_switches()) == list(want)
