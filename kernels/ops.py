@@ -13,7 +13,8 @@ kernel writes; callers pass whole buffers plus the column tensor, never views (p
     fspec::gumbel_sample_into   (... , out_tokens!, out_probs!, col, d2t?) -> tokens [N] (fresh tensor)
     fspec::rejection_sample     (target_logits, draft_tokens, draft_probs?, temperature, seed, positions)
                                 -> (tokens [B, K+1], num_accepted [B])
-    fspec::skinny_linear        (x [M, K], w [N, K]) -> x @ w.T [M, N], M <= 16 (kernels/skinny_linear.py)
+    fspec::skinny_linear        (x [M, K], w [N, K], norm_weight?, eps, silu_mul, residual?) -> [M, N]:
+                                x @ w.T for M <= 16, RMSNorm / SiLU * up first, + residual (skinny_linear.py)
     fspec::step_metadata        (start, count?, block_table, num_query, block_size, max_model_len, mode)
                                 -> (positions, query_start_loc, seq_lens, slot_mapping)
                                 (kernels/step_metadata.py)
@@ -122,15 +123,30 @@ def _(
 
 
 @register("fspec::skinny_linear", mutates_args=())
-def skinny_linear(x: Tensor, w: Tensor) -> Tensor:
-    """x [M, K] @ w [N, K].T -> [M, N] in x's dtype (M <= 16; fspec.models.layers.linear routes to it)."""
+def skinny_linear(
+    x: Tensor,
+    w: Tensor,
+    norm_weight: Tensor | None = None,
+    eps: float = 1e-6,
+    silu_mul: bool = False,
+    residual: Tensor | None = None,
+) -> Tensor:
+    """x [M, K] @ w [N, K].T -> [M, N] in x's dtype (M <= 16; fspec.models.layers.linear routes to it), with
+    the optional RMSNorm / SiLU * up prologue and residual epilogue of kernels/skinny_linear.py."""
     impl = _sl.skinny_linear if _use_triton(x) else _sl.skinny_linear_ref
-    return impl(x, w)
+    return impl(x, w, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=residual)
 
 
 @skinny_linear.register_fake
-def _(x: Tensor, w: Tensor) -> Tensor:
-    _sl.check_args(x, w)
+def _(
+    x: Tensor,
+    w: Tensor,
+    norm_weight: Tensor | None = None,
+    eps: float = 1e-6,
+    silu_mul: bool = False,
+    residual: Tensor | None = None,
+) -> Tensor:
+    _sl.check_args(x, w, norm_weight=norm_weight, silu_mul=silu_mul, residual=residual)
     return x.new_empty((x.shape[0], w.shape[0]))
 
 

@@ -1,6 +1,9 @@
 """Skinny linear layer: y = x @ w.T for a few rows of x (decode, verification, draft steps), reading w once.
 
     skinny_linear(x [M, K], w [N, K]) -> y [M, N]      M <= MAX_ROWS, y in x's dtype, fp32 accumulation
+    skinny_linear(x, w, norm_weight=g, eps=e)           RMSNorm(x) * g first (a layer's input norm)
+    skinny_linear([gate | up], w, silu_mul=True)        silu(gate) * up first (SwiGLU's down projection)
+    skinny_linear(x, w, residual=r)                     r + y (the residual add after o / down)
 
 Why: at batch 1 a projection is a matrix-vector product bound by reading w. On the H200 cuBLAS picks tiles of
 64 output columns for the decode-step projections of a 1B-shaped model (q/k/v: 3072 x 2048, o: 2048 x 2048),
@@ -15,6 +18,11 @@ weight over 128 programs; a large BLOCK_K (512) keeps 16 KB of w per pipeline st
 which is what a memory-bound stream needs per SM. No split-K: its second (reduce) launch would cost as much
 as it saves at these sizes. Launch parameters depend on static shapes only (CUDA-graph safe). Under the
 Triton interpreter everything is cast to float32 after loading (its bf16 arithmetic is not IEEE).
+
+The fusions exist for the decode step of a Llama layer, where each of RMSNorm, SiLU * up and the residual add
+is otherwise a launch of its own (~1.5 us plus a gap on the H200) around a GEMV: the prologue is applied to
+each x tile as it is loaded (RMSNorm needs the row's RMS first: one more pass over the M rows of x, from L2),
+the residual is added before the store. Each step rounds to x's dtype where the unfused ops would.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from . import pdl
 from .pdl import pdl_enter
 
 MAX_ROWS = 16  # rows of x one program handles (one tl.dot tile); callers fall back to F.linear above it
+SILU_MAX_BLOCK_K = 256  # BLOCK_K cap with silu_mul (sm_90 compile: 512 spills registers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,19 +64,26 @@ def default_config(n: int, k: int) -> SkinnyConfig:
 
 @triton.jit
 def _skinny_linear_kernel(
-    x_ptr,  # [M, K] rows of the input, K-stride 1
+    x_ptr,  # [M, K] rows of the input, K-stride 1 ([M, 2K]: gate | up when SILU)
     w_ptr,  # [N, K] weight (nn.Linear layout), K-stride 1
     y_ptr,  # [M, N] out, N-stride 1
+    norm_ptr,  # [K] (NORM): RMSNorm weight applied to x first
+    res_ptr,  # [M, N] (RESIDUAL): added to the product, N-stride 1
     M,  # rows (<= M_PAD)
     N,  # output features
-    K,  # input features
+    K,  # input features (of the product)
+    eps,  # (NORM) RMSNorm epsilon
     stride_xm,  # elements between rows of x
     stride_wn,  # elements between rows of w
     stride_ym,  # elements between rows of y
+    stride_rm,  # (RESIDUAL) elements between rows of the residual
     M_PAD: tl.constexpr,  # rows per tile, a power of two >= 16
     BLOCK_N: tl.constexpr,  # output columns per program, a power of two >= 16
     BLOCK_K: tl.constexpr,  # reduction depth per tile, a power of two >= 16
     UPCAST: tl.constexpr,  # cast loads to float32 (interpreter, or float32 inputs: exact "ieee" dots)
+    NORM: tl.constexpr = False,  # prologue: x <- RMSNorm(x) * norm weight (fspec.models.layers.rms_norm)
+    SILU: tl.constexpr = False,  # prologue: x <- silu(x[:, :K]) * x[:, K:] (SwiGLU's down-projection input)
+    RESIDUAL: tl.constexpr = False,  # epilogue: y <- residual + y
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -81,19 +97,46 @@ def _skinny_linear_kernel(
     w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
     pdl_enter(PDL)
     x_rows = x_ptr + m[:, None] * stride_xm
-    x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+    rstd = tl.zeros([M_PAD], dtype=tl.float32)
+    if NORM:  # every program reads the M rows of x once more for their RMS (K values each, from L2)
+        ss = tl.zeros([M_PAD], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            xs = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
+            xs = xs.to(tl.float32)
+            ss += tl.sum(xs * xs, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+    x = _x_tile(x_rows, norm_ptr, k, m_ok, K, rstd, NORM, SILU)
     acc = _tile_dot(tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32), x, w, UPCAST)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = _x_tile(x_rows, norm_ptr, k, m_ok, K, rstd, NORM, SILU)
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
         acc = _tile_dot(acc, x, w, UPCAST)
-    tl.store(
-        y_ptr + m[:, None] * stride_ym + n[None, :],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=m_ok[:, None] & n_ok[None, :],
-    )
+    out_ok = m_ok[:, None] & n_ok[None, :]
+    y = acc.to(y_ptr.dtype.element_ty)
+    if RESIDUAL:  # as `residual + linear(...)`: the product rounded to the output dtype, then the sum
+        r = tl.load(res_ptr + m[:, None] * stride_rm + n[None, :], mask=out_ok, other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], y, mask=out_ok)
+
+
+@triton.jit
+def _x_tile(x_rows, norm_ptr, k, m_ok, K, rstd, NORM: tl.constexpr, SILU: tl.constexpr):
+    """The [M_PAD, BLOCK_K] tile of the product's input at columns k, after the prologue, in x's dtype; each
+    step rounds to that dtype where the unfused PyTorch ops would (their results are tensors of it)."""
+    mask = m_ok[:, None] & (k < K)[None, :]
+    x = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
+    if SILU:
+        up = tl.load(x_rows + K + k[None, :], mask=mask, other=0.0)
+        g = x.to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(x.dtype)
+        x = (silu.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+    if NORM:
+        weight = tl.load(norm_ptr + k, mask=k < K, other=0.0)
+        normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
+        x = (weight[None, :].to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+    return x
 
 
 @triton.jit
@@ -104,42 +147,97 @@ def _tile_dot(acc, x, w, UPCAST: tl.constexpr):
     return acc + tl.dot(x, tl.trans(w))
 
 
-def check_args(x: Tensor, w: Tensor) -> None:
-    """ValueError unless x is [M, K] with 1 <= M <= MAX_ROWS, w is [N, K], both of one floating dtype on one
-    device (a mismatched K would make the kernel read past x's rows)."""
+def check_args(
+    x: Tensor,
+    w: Tensor,
+    *,
+    norm_weight: Tensor | None = None,
+    silu_mul: bool = False,
+    residual: Tensor | None = None,
+) -> None:
+    """ValueError unless x is [M, K] ([M, 2K] with silu_mul) with 1 <= M <= MAX_ROWS, w is [N, K], the
+    norm weight [K] and the residual [M, N], all of one floating dtype on one device (a mismatched K would
+    make the kernel read past x's rows)."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x: expected a [M, K] tensor with 1 <= M <= {MAX_ROWS}, got shape {tuple(x.shape)}")
-    if w.dim() != 2 or w.shape[1] != x.shape[1]:
-        raise ValueError(f"w: expected a [N, {x.shape[1]}] tensor (x's K), got shape {tuple(w.shape)}")
+    if silu_mul and x.shape[1] % 2:
+        raise ValueError(f"x: expected [M, 2K] (gate | up) with silu_mul, got shape {tuple(x.shape)}")
+    k = x.shape[1] // 2 if silu_mul else x.shape[1]
+    if w.dim() != 2 or w.shape[1] != k:
+        raise ValueError(f"w: expected a [N, {k}] tensor (x's K), got shape {tuple(w.shape)}")
     if w.dtype != x.dtype or not x.dtype.is_floating_point:
         raise ValueError(f"w: expected x's floating dtype {x.dtype}, got {w.dtype}")
     if w.device != x.device:
         raise ValueError(f"w: expected x's device {x.device}, got {w.device}")
+    for name, t, shape in (
+        ("norm_weight", norm_weight, (k,)),
+        ("residual", residual, (x.shape[0], w.shape[0])),
+    ):
+        if t is not None and (tuple(t.shape) != shape or t.dtype != x.dtype or t.device != x.device):
+            raise ValueError(
+                f"{name}: expected a {list(shape)} tensor of x's dtype {x.dtype} on {x.device}, got "
+                f"{tuple(t.shape)} {t.dtype} on {t.device}"
+            )
+    if norm_weight is not None and silu_mul:
+        raise ValueError("norm_weight: expected None with silu_mul (one prologue per launch), got a tensor")
 
 
-def skinny_linear(x: Tensor, w: Tensor, *, config: SkinnyConfig | None = None) -> Tensor:
-    """x [M, K] @ w [N, K].T -> [M, N] in x's dtype, M <= MAX_ROWS (`check_args`)."""
-    check_args(x, w)
-    m, k = x.shape
-    n = w.shape[0]
+def skinny_linear(
+    x: Tensor,
+    w: Tensor,
+    *,
+    norm_weight: Tensor | None = None,
+    eps: float = 1e-6,
+    silu_mul: bool = False,
+    residual: Tensor | None = None,
+    config: SkinnyConfig | None = None,
+) -> Tensor:
+    """x [M, K] @ w [N, K].T -> [M, N] in x's dtype, M <= MAX_ROWS (`check_args`), with optional fusions:
+    `norm_weight` applies RMSNorm (eps) to x first, `silu_mul` takes x = [gate | up] [M, 2K] and multiplies
+    by silu(gate) * up, `residual` [M, N] is added to the result (see `skinny_linear_ref`)."""
+    check_args(x, w, norm_weight=norm_weight, silu_mul=silu_mul, residual=residual)
+    m = x.shape[0]
+    n, k = w.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0:
         return y
+    norm = norm_weight.contiguous() if norm_weight is not None else x
+    res = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
     cfg = config or default_config(n, k)
+    if silu_mul and config is None:  # gate and up tiles both live in registers: at 512 columns they spill
+        cfg = dataclasses.replace(cfg, block_k=min(cfg.block_k, SILU_MAX_BLOCK_K))
     interpreted = isinstance(_skinny_linear_kernel, InterpretedFunction)
     upcast = interpreted or x.dtype == torch.float32
     launch = {} if interpreted else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     _skinny_linear_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
+        x, w, y, norm, y if res is None else res, m, n, k, float(eps), x.stride(0), w.stride(0), y.stride(0),
+        0 if res is None else res.stride(0),
         M_PAD=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=upcast,
+        NORM=norm_weight is not None, SILU=silu_mul, RESIDUAL=res is not None,
         **launch, **pdl.options(x),
     )  # fmt: skip
     return y
 
 
-def skinny_linear_ref(x: Tensor, w: Tensor) -> Tensor:
-    """The reference: float32 accumulation of x @ w.T, cast to x's dtype."""
-    check_args(x, w)
-    return (x.float() @ w.float().T).to(x.dtype)
+def skinny_linear_ref(
+    x: Tensor,
+    w: Tensor,
+    *,
+    norm_weight: Tensor | None = None,
+    eps: float = 1e-6,
+    silu_mul: bool = False,
+    residual: Tensor | None = None,
+) -> Tensor:
+    """The reference: the unfused PyTorch ops of a Llama layer (`F.silu(gate) * up`; RMSNorm in float32 as
+    fspec.models.layers.rms_norm; float32 accumulation of x @ w.T cast to x's dtype; `residual + y`)."""
+    check_args(x, w, norm_weight=norm_weight, silu_mul=silu_mul, residual=residual)
+    if silu_mul:
+        gate, up = x.chunk(2, dim=-1)
+        x = torch.nn.functional.silu(gate) * up
+    if norm_weight is not None:
+        x32 = x.float()
+        x = norm_weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    y = (x.float() @ w.float().T).to(x.dtype)
+    return y if residual is None else residual + y

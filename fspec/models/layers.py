@@ -270,6 +270,49 @@ def decoder_layer(
     return h + mlp(p, rms_norm(h, p["post_norm"], cfg.rms_norm_eps))
 
 
+def use_fused_layer(p: dict, x: torch.Tensor, cfg: ModelConfig, *, cuda: bool | None = None) -> bool:
+    """Whether a pre-norm layer runs as `fused_decoder_layer`: opt-in (FSPEC_FUSED_LAYER=1), a layer with
+    fused projections ("qkv", "gate_up"), no biases and no q/k norm, and the conditions of
+    `use_skinny_linear` for x (CUDA, 1..16 rows, inference), wide weights included. Decided when a graph
+    is traced."""
+    if os.environ.get("FSPEC_FUSED_LAYER") != "1":
+        return False
+    if "qkv" not in p or "gate_up" not in p or "qkv_bias" in p or "o_bias" in p or cfg.qk_norm:
+        return False
+    cuda = x.is_cuda if cuda is None else cuda
+    rows = math.prod(x.shape[:-1])
+    grad = torch.is_grad_enabled() and (x.requires_grad or p["qkv"].requires_grad)
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    return cuda and 0 < rows <= SKINNY_ROWS and x.dtype == p["qkv"].dtype in dtypes and not grad
+
+
+def fused_decoder_layer(
+    p: dict,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    attend: Attend,
+    *,
+    cfg: ModelConfig,
+    layer: int,
+) -> torch.Tensor:
+    """`decoder_layer(p, rms_norm(x, p["input_norm"]), x, ...)` in four `fspec::skinny_linear` launches
+    around the attention: the input norm in the q/k/v projection's prologue, the residual add in o's
+    epilogue, the post-attention norm in gate/up's prologue, SiLU * up in down's prologue and the second
+    residual add in its epilogue (on the H200 each of those is otherwise a launch of ~1.5 µs plus a gap
+    in a decode step). For a layer with fused projections, no biases, no q/k norm (`use_fused_layer`)."""
+    lead, hidden = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, hidden)
+    eps = cfg.rms_norm_eps
+    qkv = call("skinny_linear", rows, p["qkv"], p["input_norm"], eps, False, None)
+    q, k, v = (rearrange(t, "t (n d) -> t n d", d=cfg.head_dim) for t in qkv.split(qkv_sizes(cfg), dim=-1))
+    shape = lambda t: t.reshape(*lead, *t.shape[1:])  # noqa: E731
+    out = rearrange(attend(shape(q), shape(k), shape(v), layer, cos, sin), "... n d -> ... (n d)")
+    h = call("skinny_linear", out.reshape(rows.shape[0], -1), p["o"], None, eps, False, rows)
+    gate_up = call("skinny_linear", h, p["gate_up"], p["post_norm"], eps, False, None)
+    return call("skinny_linear", gate_up, p["down"], None, eps, True, h).reshape(*lead, hidden)
+
+
 # --- initialization ---------------------------------------------------------------------------------------
 
 

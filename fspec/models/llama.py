@@ -97,6 +97,9 @@ def _body(
     for i, p in enumerate(params["layers"]):
         if i in aux_layer_ids:
             captured[i] = x
+        if L.use_fused_layer(p, x, cfg):
+            x = L.fused_decoder_layer(p, x, cos, sin, attend, cfg=cfg, layer=i)
+            continue
         attn_in = L.rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
         x = L.decoder_layer(p, attn_in, x, cos, sin, attend, cfg=cfg, layer=i)
     last = L.rms_norm(x, params["norm"], cfg.rms_norm_eps)

@@ -103,8 +103,8 @@ def test_default_config_follows_the_h200_sweep_and_caps_the_tile_depth():
 
 
 def _compile_for_sm90_body():
-    """Compile the kernel for sm_90 (bf16 weights, one decode row) and look for tensor-core MMAs and the
-    absence of register spills."""
+    """Compile the kernel for sm_90 (bf16 weights, one decode row), plain and with each fusion the fused
+    layer uses, and look for tensor-core MMAs and the absence of register spills."""
     import subprocess
     import tempfile
     from pathlib import Path
@@ -115,22 +115,28 @@ def _compile_for_sm90_body():
 
     from fspec.kernels.skinny_linear import _skinny_linear_kernel
 
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32"}
-    sig.update(stride_xm="i32", stride_wn="i32", stride_ym="i32")
-    sig.update(M_PAD="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr", UPCAST="constexpr")
-    consts = {"M_PAD": 16, "BLOCK_N": 16, "BLOCK_K": 512, "UPCAST": False}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(9)}
-    src = ASTSource(fn=_skinny_linear_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    options = {"num_warps": 4, "num_stages": 3}
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "norm_ptr": "*bf16", "res_ptr": "*bf16"}
+    sig.update(M="i32", N="i32", K="i32", eps="fp32", stride_xm="i32", stride_wn="i32", stride_ym="i32")
+    sig.update(stride_rm="i32")
+    flags = ("M_PAD", "BLOCK_N", "BLOCK_K", "UPCAST", "NORM", "SILU", "RESIDUAL", "PDL")
+    sig.update({name: "constexpr" for name in flags})
     nvdisasm = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / "nvdisasm"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        run = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True)
-    sass = run.stdout
-    assert "HMMA" in sass or "HGMMA" in sass, "no tensor-core instruction in the skinny linear kernel"
-    assert "STL" not in sass, "the skinny linear kernel spills registers"
+    # plain; the input norm (q/k/v, gate/up); SiLU * up with the residual (down); the residual alone (o)
+    for norm, silu, residual in ((False, False, False), (True, False, False), (False, True, True), (0, 0, 1)):
+        block_k = 256 if silu else 512  # the launcher's cap with silu_mul: two x tiles per step
+        consts = {"M_PAD": 16, "BLOCK_N": 16, "BLOCK_K": block_k, "UPCAST": False, "NORM": bool(norm)}
+        consts.update(SILU=bool(silu), RESIDUAL=bool(residual), PDL=True)
+        attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)}
+        src = ASTSource(fn=_skinny_linear_kernel, signature=sig, constexprs=consts, attrs=attrs)
+        options = {"num_warps": 4, "num_stages": 3}
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            run = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True)
+        sass = run.stdout
+        assert "HMMA" in sass or "HGMMA" in sass, f"no tensor-core instruction ({consts})"
+        assert "STL" not in sass, f"the skinny linear kernel spills registers ({consts})"
 
 
 def test_kernel_compiles_for_sm90():
@@ -163,8 +169,86 @@ def _gpu_matches_reference_body():
             )
     finally:
         del os.environ["FSPEC_SKINNY_LINEAR"]
+    # the fusions at a 1B layer's shapes (bf16): input norm on q/k/v and gate/up, residual on o, SiLU * up and
+    # the residual on down; within two bf16 roundings of the reference (sum order, approximate exp / sqrt)
+    for n, k, kw in (
+        (3072, 2048, "norm"), (2048, 2048, "residual"), (16384, 2048, "norm"), (2048, 8192, "silu+residual"),
+    ):  # fmt: skip
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k**-0.5
+        for m in (1, 6):
+            width = 2 * k if "silu" in kw else k
+            x = torch.randn(m, width, device="cuda", dtype=torch.bfloat16, generator=gen)
+            args = {"silu_mul": "silu" in kw}
+            if "norm" in kw:
+                norm = torch.rand(k, device="cuda", generator=gen).bfloat16() + 0.5
+                args.update(norm_weight=norm, eps=1e-5)
+            if "residual" in kw:
+                args.update(residual=torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=gen))
+            want = skinny_linear_ref(x, w, **args).float()
+            got = skinny_linear(x, w, **args).float()
+            torch.testing.assert_close(got, want, rtol=2**-6, atol=2**-6)
 
 
 @pytest.mark.gpu
 def test_kernel_gpu_matches_reference():
     in_fresh_process(__file__, globals(), "_gpu_matches_reference_body")
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize(("n", "k"), [(37, 200), (100, 513)])
+@pytest.mark.parametrize("fusion", ["norm", "silu", "residual", "norm+residual", "silu+residual"])
+def test_fused_prologues_and_residual_equal_the_unfused_ops(m, n, k, fusion):
+    """RMSNorm (a row's RMS over every K tile, the weight per column), SiLU * up (gate | up halves of a
+    [M, 2K] input) and the residual add give the reference's result, itself checked against the unfused
+    PyTorch ops of a Llama layer (fspec.models.layers.rms_norm, F.silu, residual + y)."""
+    gen = torch.Generator().manual_seed(m * 7 + n + k)
+    silu = "silu" in fusion
+    x = torch.randn(m, 2 * k if silu else k, generator=gen) * 3 + 0.5
+    w = torch.randn(n, k, generator=gen)
+    kw = {}
+    if "norm" in fusion:
+        kw.update(norm_weight=torch.rand(k, generator=gen) + 0.5, eps=1e-5)
+    if silu:
+        kw.update(silu_mul=True)
+    if "residual" in fusion:
+        kw.update(residual=torch.randn(m, n, generator=gen))
+    want = skinny_linear_ref(x, w, **kw)
+    # the reference is the unfused layer code
+    h = x
+    if silu:
+        h = F.silu(x[:, :k]) * x[:, k:]
+    if "norm" in fusion:
+        h = layers.rms_norm(h, kw["norm_weight"], kw["eps"])
+    unfused = F.linear(h, w) + (kw["residual"] if "residual" in fusion else 0)
+    torch.testing.assert_close(want, unfused, rtol=1e-5, atol=1e-4)
+    # fp32 sums of K products of magnitude up to ~30 (SiLU * up of x ~ 3) in another order: ~sqrt(K) * 30 ulps
+    tol = dict(rtol=1e-4, atol=1e-3)
+    for cfg in (None, SkinnyConfig(block_n=16, block_k=64)):  # one and several K tiles for the RMS pass
+        got = skinny_linear(x, w, config=cfg, **kw)
+        torch.testing.assert_close(got, want, **tol)
+    # the op, eager (interpreted kernel) and its fake
+    torch.testing.assert_close(torch.ops.fspec.skinny_linear(x, w, **kw), want, **tol)
+
+
+def test_fusions_reject_inconsistent_arguments():
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"^norm_weight: expected a \[8\] tensor"):
+        skinny_linear(x, w, norm_weight=torch.ones(7))
+    with pytest.raises(ValueError, match=r"^residual: expected a \[2, 4\] tensor"):
+        skinny_linear(x, w, residual=torch.ones(2, 5))
+    with pytest.raises(ValueError, match=r"^residual: expected .* dtype torch.float32"):
+        skinny_linear(x, w, residual=torch.ones(2, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"^x: expected \[M, 2K\] \(gate \| up\) with silu_mul"):
+        skinny_linear(torch.randn(2, 9), w, silu_mul=True)
+    with pytest.raises(ValueError, match=r"^w: expected a \[N, 4\] tensor"):
+        skinny_linear(x, w, silu_mul=True)  # K of the product is half of x's width
+    with pytest.raises(ValueError, match="^norm_weight: expected None with silu_mul"):
+        skinny_linear(torch.randn(2, 16), w, silu_mul=True, norm_weight=torch.ones(8))
+
+
+def test_fused_op_passes_opcheck():
+    gen = torch.Generator().manual_seed(11)
+    x, w, r = torch.randn(3, 40, generator=gen), torch.randn(24, 40, generator=gen), torch.randn(3, 24)
+    op = torch.ops.fspec.skinny_linear.default
+    torch.library.opcheck(op, (x, w, torch.rand(40, generator=gen), 1e-6, False, r))
+    torch.library.opcheck(op, (torch.randn(3, 80, generator=gen), w, None, 1e-6, True, None))

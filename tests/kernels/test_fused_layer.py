@@ -1,0 +1,107 @@
+"""The fused decode layer (fspec.models.layers.fused_decoder_layer: RMSNorm, SiLU * up and the residual
+adds folded into four `fspec::skinny_linear` launches) computes what the unfused layer does; the routing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fspec
+from fspec.models import layers as L
+from fspec.models import llama
+
+
+def _fused_target(model_type: str = "llama", seed: int = 0) -> fspec.Target:
+    cfg = fspec.ModelConfig(
+        vocab_size=53, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, model_type=model_type, qk_norm=model_type == "qwen3",
+        attention_bias=model_type == "qwen2", rms_norm_eps=1e-5,
+    )  # fmt: skip
+    params = llama.init(cfg, seed=seed)
+    for i, leaf in enumerate(fspec.tree.tree_leaves(params)):  # norms away from 1: the weights must matter
+        leaf.data.copy_(
+            torch.randn(leaf.shape, generator=torch.Generator().manual_seed(seed + i)) * 0.5 + 0.2
+        )
+    return fspec.Target(cfg, fspec.fuse_projections(params))
+
+
+def _attend(q, k, v, layer, cos, sin):
+    """A stand-in for attention that uses q, k, v and the layer (the plumbing is what is under test)."""
+    group = q.shape[-2] // k.shape[-2]
+    return q * (layer + 0.5) + (k * v).repeat_interleave(group, dim=-2)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_fused_layer_equals_norm_then_decoder_layer(rows):
+    target = _fused_target()
+    p, cfg = target.params["layers"][1], target.cfg
+    x = torch.randn(rows, cfg.hidden_size, generator=torch.Generator().manual_seed(rows)) * 2
+    cos = sin = torch.zeros(rows, cfg.head_dim)
+    want = L.decoder_layer(
+        p, L.rms_norm(x, p["input_norm"], cfg.rms_norm_eps), x, cos, sin, _attend, cfg=cfg, layer=1
+    )
+    got = L.fused_decoder_layer(p, x, cos, sin, _attend, cfg=cfg, layer=1)
+    assert got.shape == x.shape
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # leading dims are kept: [B, Q, H] in, [B, Q, H] out
+    got3 = L.fused_decoder_layer(p, x[None], cos[None], sin[None], _attend, cfg=cfg, layer=1)
+    torch.testing.assert_close(got3[0], got, rtol=0, atol=0)
+
+
+def test_model_through_fused_layers_gives_the_unfused_logits(monkeypatch):
+    """A whole forward (dense attention, 7 tokens) with every layer routed to the fused path (forced here:
+    on the CPU the routing says no) equals the unfused forward."""
+    target = _fused_target()
+    ids = torch.tensor([[3, 17, 5, 40, 2, 9, 33]])
+    want, want_h = llama.forward_dense(target.params, ids, cfg=target.cfg, aux_layer_ids=(0, 1))
+    routed = []
+    use = L.use_fused_layer
+
+    def forced(p, x, cfg, *, cuda=None):
+        routed.append(use(p, x, cfg, cuda=True))
+        return routed[-1]
+
+    monkeypatch.setattr(L, "use_fused_layer", forced)
+    monkeypatch.setenv("FSPEC_FUSED_LAYER", "1")
+    got, got_h = llama.forward_dense(target.params, ids, cfg=target.cfg, aux_layer_ids=(0, 1))
+    assert routed == [True, True]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_h.aux, want_h.aux, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_h.last, want_h.last, rtol=1e-4, atol=1e-4)
+
+
+def test_routing_needs_the_switch_fused_unbiased_layers_and_a_small_inference_batch(monkeypatch):
+    target, x = _fused_target(), torch.randn(4, 48)
+    p, cfg = target.params["layers"][0], target.cfg
+    monkeypatch.delenv("FSPEC_FUSED_LAYER", raising=False)
+    assert not L.use_fused_layer(p, x, cfg, cuda=True)
+    monkeypatch.setenv("FSPEC_FUSED_LAYER", "1")
+    assert L.use_fused_layer(p, x, cfg, cuda=True)
+    assert not L.use_fused_layer(p, x, cfg, cuda=False)
+    assert not L.use_fused_layer(p, torch.randn(17, 48), cfg, cuda=True)  # past skinny_linear's rows
+    assert not L.use_fused_layer(p, x.double(), cfg, cuda=True)
+    unfused = fspec.unfuse_projections(target.params, cfg)["layers"][0]
+    assert not L.use_fused_layer(unfused, x, cfg, cuda=True)
+    for model_type in ("qwen2", "qwen3"):  # q/k/v biases; per-head q/k norms
+        other = _fused_target(model_type)
+        assert not L.use_fused_layer(other.params["layers"][0], x, other.cfg, cuda=True)
+    with torch.enable_grad():
+        assert not L.use_fused_layer(p, x.requires_grad_(), cfg, cuda=True)
+
+
+@pytest.mark.gpu
+def test_fused_layers_on_gpu_give_the_unfused_logits_eager_and_compiled(monkeypatch):
+    """On CUDA the routing takes the fused path by itself (FSPEC_FUSED_LAYER=1): float32 logits equal the
+    unfused model's, eagerly and inside torch.compile (the op's optional tensors traced)."""
+    target = _fused_target()
+    params = fspec.tree.tree_map(lambda t: t.cuda(), target.params)
+    ids = torch.tensor([[3, 17, 5, 40, 2, 9, 33]], device="cuda")
+    with torch.no_grad():
+        want, _ = llama.forward_dense(params, ids, cfg=target.cfg)
+        monkeypatch.setenv("FSPEC_FUSED_LAYER", "1")
+        assert L.use_fused_layer(params["layers"][0], torch.zeros(7, 48, device="cuda"), target.cfg)
+        got, _ = llama.forward_dense(params, ids, cfg=target.cfg)
+        compiled = torch.compile(lambda p, i: llama.forward_dense(p, i, cfg=target.cfg)[0], fullgraph=True)
+        got_compiled = compiled(params, ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_compiled, want, rtol=1e-4, atol=1e-4)
