@@ -262,10 +262,13 @@ def decoder_layer(
     """One pre-norm Llama layer given its (already normalized) attention input.
 
     attn_in [..., Hin] feeds q/k/v (Hin = H for a target layer, 2H for an EAGLE-3 layer); residual [..., H] is
-    what the attention output is added to. Returns [..., H].
+    what the attention output is added to. Returns [..., H]. Where `use_fused_layer` says so, everything
+    after the attention runs as three fused `skinny_linear` launches (`fused_decoder_layer`).
     """
     q, k, v = project_qkv(p, attn_in, cfg=cfg)
     out = rearrange(attend(q, k, v, layer, cos, sin), "... n d -> ... (n d)")  # RoPE happens in attend
+    if use_fused_layer(p, residual, cfg):  # o, the post-attention norm, the MLP: three launches
+        return _fused_after_attention(p, out, residual, cfg=cfg)
     h = residual + linear(out, p["o"], p.get("o_bias"))
     return h + mlp(p, rms_norm(h, p["post_norm"], cfg.rms_norm_eps))
 
@@ -308,6 +311,15 @@ def fused_decoder_layer(
     q, k, v = (rearrange(t, "t (n d) -> t n d", d=cfg.head_dim) for t in qkv.split(qkv_sizes(cfg), dim=-1))
     shape = lambda t: t.reshape(*lead, *t.shape[1:])  # noqa: E731
     out = rearrange(attend(shape(q), shape(k), shape(v), layer, cos, sin), "... n d -> ... (n d)")
+    return _fused_after_attention(p, out, x, cfg=cfg)
+
+
+def _fused_after_attention(
+    p: dict, out: torch.Tensor, residual: torch.Tensor, *, cfg: ModelConfig
+) -> torch.Tensor:
+    """residual + o(out), then + down(silu * up of gate_up(rms_norm(h))): three `skinny_linear` launches."""
+    lead, hidden = residual.shape[:-1], residual.shape[-1]
+    rows, eps = residual.reshape(-1, hidden), cfg.rms_norm_eps
     h = call("skinny_linear", out.reshape(rows.shape[0], -1), p["o"], None, eps, False, rows)
     gate_up = call("skinny_linear", h, p["gate_up"], p["post_norm"], eps, False, None)
     return call("skinny_linear", gate_up, p["down"], None, eps, True, h).reshape(*lead, hidden)

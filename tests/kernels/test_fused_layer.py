@@ -3,6 +3,8 @@ adds folded into four `fspec::skinny_linear` launches) computes what the unfused
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -105,3 +107,46 @@ def test_fused_layers_on_gpu_give_the_unfused_logits_eager_and_compiled(monkeypa
         got_compiled = compiled(params, ids)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got_compiled, want, rtol=1e-4, atol=1e-4)
+
+
+def _force_routing(monkeypatch):
+    """Route as on CUDA (the CPU runs the interpreted kernels) and count the layers routed."""
+    routed, use = [], L.use_fused_layer
+
+    def forced(p, x, cfg, *, cuda=None):
+        routed.append(use(p, x, cfg, cuda=True))
+        return routed[-1]
+
+    monkeypatch.setattr(L, "use_fused_layer", forced)
+    monkeypatch.setenv("FSPEC_FUSED_LAYER", "1")
+    return routed
+
+
+def test_decoder_layer_fuses_what_follows_the_attention(monkeypatch):
+    """decoder_layer with its own normalized input (EAGLE-3 heads build it from two halves): o with the
+    residual, the post-attention norm and the MLP go through the fused launches, same result."""
+    target = _fused_target(seed=3)
+    p, cfg = target.params["layers"][0], target.cfg
+    x = torch.randn(6, cfg.hidden_size, generator=torch.Generator().manual_seed(9))
+    attn_in = torch.randn(6, cfg.hidden_size, generator=torch.Generator().manual_seed(10))
+    cos = sin = torch.zeros(6, cfg.head_dim)
+    want = L.decoder_layer(p, attn_in, x, cos, sin, _attend, cfg=cfg, layer=0)
+    routed = _force_routing(monkeypatch)
+    got = L.decoder_layer(p, attn_in, x, cos, sin, _attend, cfg=cfg, layer=0)
+    assert routed == [True]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_eagle3_head_proposes_what_the_naive_reference_does(monkeypatch):
+    """A whole EAGLE-3 draft loop with a fused-projection head routed through the fused launches."""
+    from draft_setup import naive_propose, scenario, tiny_draft, tiny_target
+
+    draft = tiny_draft(tiny_target(), kind="eagle3", k=3)
+    sc = scenario(draft, context_lens=[3, 9, 14], live=[1, 4, 2], temperature=[0.0, 1.0, 0.7], seed=5)
+    want_tokens, want_probs = naive_propose(sc)
+    fused = dataclasses.replace(draft, params={**draft.params, **fspec.fuse_projections(draft.params)})
+    routed = _force_routing(monkeypatch)
+    state, _ = fspec.propose(fused.params, sc.state, sc.cache, cfg=draft.cfg)
+    assert routed and all(routed)
+    assert torch.equal(state.draft_tokens, want_tokens)
+    torch.testing.assert_close(state.draft_probs, want_probs, rtol=1e-4, atol=1e-5)
