@@ -20,6 +20,9 @@
 #                argument (environment switches; default: the paged-attention switches FSPEC_ATTN_MIN_PARTITION
 #                and FSPEC_ATTN_FUSED_REDUCE); the timelines stay in $WORK/timelines, the summary lines go to
 #                tails.log
+#   variants     bench_draft_loop.py (8B / 1B heads, B = 1, K = 5) and bench_call_overhead.py once per
+#                "TAG:VAR=VALUE,..." argument, spread over the GPUs; $OUT/switches.json (switches.py) and
+#                $OUT/variants.tgz
 #   ttt          benchmarks/bench_ttt_memory.py --cuda (TTT loss: dense vs lean, time and peak memory)
 #   heads        build the default model once per "TAG:ARGS" argument, all at once on the one GPU (ARGS:
 #                fspec.default_model options, "+" for spaces), then score each with bench_acceptance.py
@@ -63,6 +66,25 @@ case "$stage" in
       tag=${v%%:*}; vars=${v#*:}; [ "$vars" = _ ] && vars=""
       env ${vars//,/ } timeout 150 python3 benchmarks/kernel_timeline.py "$WORK/timelines" --k 3 --tag "$tag"
     done > "$log" 2>&1 ;;
+  variants)
+    # each argument "TAG:VAR=VALUE,..." ("TAG:_" for none): bench_draft_loop.py (8B and 1B heads, B = 1,
+    # K = 5) and bench_call_overhead.py under those switches, variants spread over the visible GPUs; the
+    # JSONs go to $OUT/variants.tgz and switches.py's table of them to $OUT/switches.json
+    ngpu=$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))')
+    mkdir -p "$WORK/variants"; i=0; specs=()
+    for v in "$@"; do
+      tag=${v%%:*}; vars=${v#*:}; [ "$vars" = _ ] && vars=""; gpu=$((i % ngpu)); i=$((i + 1))
+      specs+=("run:$tag:${vars:--}:$WORK/variants/draft_$tag.json:$WORK/variants/co_$tag.json")
+      ( env CUDA_VISIBLE_DEVICES=$gpu ${vars//,/ } timeout 280 python3 benchmarks/bench_draft_loop.py \
+          --heads 8b 1b --batch 1 --k 5 --no-step --reps 20 --out "$WORK/variants/draft_$tag.json" &&
+        env CUDA_VISIBLE_DEVICES=$gpu ${vars//,/ } timeout 200 python3 benchmarks/bench_call_overhead.py \
+          --calls 5 --out "$WORK/variants/co_$tag.json" ) > "$WORK/variants/$tag.log" 2>&1 &
+      if [ $((i % ngpu)) -eq 0 ]; then wait; fi
+    done
+    wait
+    { for v in "$@"; do tail -5 "$WORK/variants/${v%%:*}.log"; done
+      python3 benchmarks/switches.py --out "$OUT/switches.json" "${specs[@]}"; } > "$log" 2>&1
+    tar czf "$OUT/variants.tgz" -C "$WORK" variants ;;
   ttt) timeout 400 python3 benchmarks/bench_ttt_memory.py --cuda --out "$OUT/ttt_memory.json" "$@" > "$log" 2>&1 ;;
   heads)
     pids=()
