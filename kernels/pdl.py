@@ -32,7 +32,9 @@ ENV = "FSPEC_PDL"
 
 @functools.cache
 def _hopper_or_later(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    """An NVIDIA GPU of compute capability 9.0 or later (ROCm devices report capabilities too, but have no
+    griddepcontrol)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def enabled(t: Tensor) -> bool:

@@ -137,3 +137,17 @@ def test_pdl_kernels_compile_for_sm90_with_the_wait_after_the_first_weight_load(
     assert "st.global" not in on[:wait]  # ... and nothing is written before it
     meta = out["meta1"]
     assert "ld.global" not in meta[: meta.index("griddepcontrol.wait")]
+
+
+def test_only_nvidia_hopper_or_later_launches_with_pdl(monkeypatch):
+    caps = {0: (9, 0), 1: (8, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: caps[i])
+    pdl._hopper_or_later.cache_clear()
+    try:
+        monkeypatch.setattr(torch.version, "hip", None)
+        assert pdl._hopper_or_later(0) and not pdl._hopper_or_later(1)
+        pdl._hopper_or_later.cache_clear()
+        monkeypatch.setattr(torch.version, "hip", "6.2")  # an MI300 reports (9, 4)
+        assert not pdl._hopper_or_later(0)
+    finally:
+        pdl._hopper_or_later.cache_clear()
