@@ -163,3 +163,16 @@ def test_env_switches_are_exactly_the_fspec_and_inductor_variables_sorted(monkey
     monkeypatch.setenv("TORCH_LOGS", "graph")
     want = {"FSPEC_PIPELINE": "0", "FSPEC_SKINNY_LINEAR": "1", "TORCHINDUCTOR_ENABLE_PDL": "1"}
     assert env_switches() == want and list(env_switches()) == list(want)
+
+
+def test_every_environment_switch_the_code_reads_is_documented():
+    """Each FSPEC_* variable named in fspec's code, kernels or benchmarks appears in DEVELOPERS.md."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    sources = [p for d in ("fspec", "kernels", "benchmarks") for p in (root / d).rglob("*.py")]
+    names = {n for p in sources for n in re.findall(r"FSPEC_[A-Z][A-Z_]*[A-Z]", p.read_text())}
+    assert {"FSPEC_PDL", "FSPEC_FUSED_LAYER", "FSPEC_SKINNY_LINEAR"} <= names  # the scan finds them
+    documented = (root / "DEVELOPERS.md").read_text()
+    assert sorted(n for n in names if n not in documented) == []
