@@ -32,9 +32,13 @@ ENV = "FSPEC_PDL"
 
 @functools.cache
 def _hopper_or_later(device_index: int) -> bool:
-    """An NVIDIA GPU of compute capability 9.0 or later (ROCm devices report capabilities too, but have no
+    """An NVIDIA GPU of compute capability 9.0 or later under CUDA 12.3 or later, whose CUDA graphs keep
+    programmatic launches as graph edges (ROCm devices report capabilities too, but have no
     griddepcontrol)."""
-    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
+    if torch.version.hip is not None or torch.version.cuda is None:
+        return False
+    cuda = tuple(int(v) for v in torch.version.cuda.split(".")[:2])
+    return cuda >= (12, 3) and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def enabled(t: Tensor) -> bool:

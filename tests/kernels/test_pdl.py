@@ -145,8 +145,13 @@ def test_only_nvidia_hopper_or_later_launches_with_pdl(monkeypatch):
     pdl._hopper_or_later.cache_clear()
     try:
         monkeypatch.setattr(torch.version, "hip", None)
+        monkeypatch.setattr(torch.version, "cuda", "13.0")
         assert pdl._hopper_or_later(0) and not pdl._hopper_or_later(1)
         pdl._hopper_or_later.cache_clear()
+        monkeypatch.setattr(torch.version, "cuda", "12.1")  # graphs without programmatic edges
+        assert not pdl._hopper_or_later(0)
+        pdl._hopper_or_later.cache_clear()
+        monkeypatch.setattr(torch.version, "cuda", "13.0")
         monkeypatch.setattr(torch.version, "hip", "6.2")  # an MI300 reports (9, 4)
         assert not pdl._hopper_or_later(0)
     finally:
