@@ -275,9 +275,9 @@ def decoder_layer(
 
 def use_fused_layer(p: dict, x: torch.Tensor, cfg: ModelConfig, *, cuda: bool | None = None) -> bool:
     """Whether a pre-norm layer runs as `fused_decoder_layer`: opt-in (FSPEC_FUSED_LAYER=1), a layer with
-    fused projections ("qkv", "gate_up"), no biases and no q/k norm, and the conditions of
-    `use_skinny_linear` for x (CUDA, 1..16 rows, inference), wide weights included. Decided when a graph
-    is traced."""
+    fused projections ("qkv", "gate_up"), no biases and no q/k norm, its weights and norms in x's dtype,
+    and the conditions of `use_skinny_linear` for x (CUDA, 1..16 rows, inference), wide weights included.
+    Decided when a graph is traced."""
     if os.environ.get("FSPEC_FUSED_LAYER") != "1":
         return False
     if "qkv" not in p or "gate_up" not in p or "qkv_bias" in p or "o_bias" in p or cfg.qk_norm:
@@ -286,7 +286,9 @@ def use_fused_layer(p: dict, x: torch.Tensor, cfg: ModelConfig, *, cuda: bool | 
     rows = math.prod(x.shape[:-1])
     grad = torch.is_grad_enabled() and (x.requires_grad or p["qkv"].requires_grad)
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    return cuda and 0 < rows <= SKINNY_ROWS and x.dtype == p["qkv"].dtype in dtypes and not grad
+    names = ("qkv", "o", "gate_up", "down", "input_norm", "post_norm")  # one dtype: the kernel's contract
+    same = all(p[n].dtype == x.dtype for n in names)
+    return cuda and 0 < rows <= SKINNY_ROWS and x.dtype in dtypes and same and not grad
 
 
 def fused_decoder_layer(

@@ -82,6 +82,8 @@ def test_routing_needs_the_switch_fused_unbiased_layers_and_a_small_inference_ba
     assert not L.use_fused_layer(p, x, cfg, cuda=False)
     assert not L.use_fused_layer(p, torch.randn(17, 48), cfg, cuda=True)  # past skinny_linear's rows
     assert not L.use_fused_layer(p, x.double(), cfg, cuda=True)
+    fp32_norms = {**p, "post_norm": p["post_norm"].double()}  # a checkpoint keeping norms in another dtype
+    assert not L.use_fused_layer(fp32_norms, x, cfg, cuda=True)
     unfused = fspec.unfuse_projections(target.params, cfg)["layers"][0]
     assert not L.use_fused_layer(unfused, x, cfg, cuda=True)
     for model_type in ("qwen2", "qwen3"):  # q/k/v biases; per-head q/k norms
