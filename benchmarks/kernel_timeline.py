@@ -50,8 +50,11 @@ def _timeline(fn, calls: int = 1) -> list[tuple[float, float, str]]:
 
 
 def _write(path: Path, title: str, events: list[tuple[float, float, str]], median_us: float) -> None:
+    from fspec.config import env_switches
+
     t0 = events[0][0]
-    lines, busy, idle, end = [title], 0.0, 0.0, t0
+    switches = " ".join(f"{k}={v}" for k, v in env_switches().items()) or "none"
+    lines, busy, idle, end = [title, f"switches: {switches}"], 0.0, 0.0, t0
     for start, dur, name in events:
         gap = max(0.0, start - end)
         lines.append(f"{start - t0:9.1f} {dur:8.2f} {gap:7.2f}  {name[:110]}")
