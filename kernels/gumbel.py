@@ -304,22 +304,23 @@ def gumbel_sample(
         block_key, block_hot = scratch(torch.float32, logits.device, (n, nb), (n, nb))
         block_max = block_sum = row_max = row_sum = block_key
     k = out_tokens.shape[1] if into else 0
+    launch = pdl.options(logits)  # one environment read for the call's launches
     _gumbel_block_kernel[(n, nb)](
         logits, logits.stride(0), temperature, seed, positions, block_key, block_token, block_max,
         block_sum, block_hot, v, nb, SALT=salt, WITH_STATS=into, BLOCK=block, FAST_LOG=logits.is_cuda,
-        **pdl.options(logits),
+        **launch,
     )  # fmt: skip
     _gumbel_reduce_kernel[(n,)](
         block_key, block_token, block_max, block_sum, block_hot, tokens,
         out_tokens if into else tokens, col if into else tokens, row_max, row_sum,
         tokens if d2t is None else d2t.contiguous(), mapped, v, nb, k,
         WITH_STATS=into, MAP=d2t is not None, NB_POW2=triton.next_power_of_2(nb),
-        **pdl.options(logits),
+        **launch,
     )  # fmt: skip
     if into:
         _gumbel_probs_kernel[(n, nb)](
             logits, logits.stride(0), temperature, tokens, row_max, row_sum, out_probs, col, v, k,
-            BLOCK=block, **pdl.options(logits),
+            BLOCK=block, **launch,
         )  # fmt: skip
     return mapped
 

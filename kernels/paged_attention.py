@@ -416,6 +416,7 @@ def paged_attention(
     interpreted = isinstance(_paged_attention_kernel, InterpretedFunction)
     upcast = interpreted or q.dtype != kc.dtype or torch.float32 in (q.dtype, kc.dtype, vc.dtype)
     block_d = max(16, triton.next_power_of_2(d))  # tl.dot needs K >= 16: small heads pad (masked) to 16
+    launch = pdl.options(q)  # one environment read for the call's launches
     _paged_attention_kernel[(b * m_tiles, nkv, splits)](
         q, kc, vc, block_table, seq_lens, positions, query_start_loc, out, part_m, part_l, part_acc,
         seq_lens if counters is None else counters,
@@ -425,14 +426,14 @@ def paged_attention(
         FUSED_REDUCE=counters is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         UPCAST=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl.options(q),
+        **launch,
     )  # fmt: skip
     if splits > 1 and counters is None:
         _paged_attention_reduce_kernel[(t, n)](
             part_m, part_l, part_acc, out, out.stride(0), out.stride(1), t, splits,
             NUM_HEADS=n, HEAD_DIM=d, SPLITS_POW2=triton.next_power_of_2(splits), BLOCK_D=block_d,
             num_warps=4,
-            **pdl.options(q),
+            **launch,
         )  # fmt: skip
     return out
 

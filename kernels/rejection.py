@@ -321,27 +321,28 @@ def rejection_sample(
     )
     block_token, res_token, p_token, greedy = scratch(torch.int64, dev, (r, nb), (b, nb), (b, nb), (r,))
     sb, sk = target_logits.stride(0), target_logits.stride(1)
+    launch = pdl.options(target_logits)  # one environment read for the call's launches
     _rejection_stats_kernel[(r, nb)](
         target_logits, sb, sk, temperature, block_max, block_sum, block_token, block_raw, v, nb, k1,
         BLOCK=block,
-        **pdl.options(target_logits),
+        **launch,
     )  # fmt: skip
     _rejection_decide_kernel[(b,)](
         target_logits, sb, sk, draft_tokens, draft_probs, temperature, seed, positions, block_max, block_sum,
         block_token, block_raw, row_max, row_sum, greedy, tokens, num_accepted, v, nb, k, HAS_Q=has_q,
         K1_POW2=triton.next_power_of_2(k1), NB_POW2=triton.next_power_of_2(nb),
-        **pdl.options(target_logits),
+        **launch,
     )  # fmt: skip
     _rejection_residual_kernel[(b, nb)](
         target_logits, sb, sk, draft_tokens, draft_probs, temperature, seed, positions, row_max, row_sum,
         num_accepted, res_key, res_token, res_mass, p_key, p_token, v, nb, k, HAS_Q=has_q, BLOCK=block,
         FAST_LOG=target_logits.is_cuda,
-        **pdl.options(target_logits),
+        **launch,
     )  # fmt: skip
     _rejection_finalize_kernel[(b,)](
         temperature, row_max, greedy, res_key, res_token, res_mass, p_key, p_token, tokens, num_accepted,
         v, nb, k, NB_POW2=triton.next_power_of_2(nb),
-        **pdl.options(target_logits),
+        **launch,
     )  # fmt: skip
     return tokens, num_accepted
 

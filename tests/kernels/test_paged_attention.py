@@ -591,3 +591,19 @@ def test_kv_write_gpu_writes_exactly_the_reference_slots():
     the cache bit-identical to the reference: live slots written, -1 skipped, nothing else touched. Outside
     a graph, so compute-sanitizer memcheck can run it with the caching allocator off."""
     _in_fresh_process("_gpu_kv_write")
+
+
+@pytest.mark.gpu
+def test_a_cuda_kv_cache_allocates_the_fused_reduction_counters_outside_any_graph(tiny_model_cfg):
+    """KVCache.create on CUDA leaves zeroed counters for its device, so a compiled function's CUDA-graph
+    warm-up never allocates them from the graph's pool (CUDA-graph trees reject such a live tensor)."""
+    import fspec
+    from fspec.kernels import paged_attention as pa
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    pa._COUNTERS.pop(device, None)
+    fspec.KVCache.create(tiny_model_cfg, num_blocks=4, block_size=4, device=device)
+    counters = pa._COUNTERS[device]
+    assert counters.shape == (pa.COUNTER_SLOTS,) and counters.dtype == torch.int32
+    assert not bool(counters.any())
+    assert pa.tile_counters(device) is counters
