@@ -1,6 +1,7 @@
 """fspec::skinny_linear against cuBLAS (F.linear) on the projections of a decode step, and the floor.
 
     python benchmarks/bench_skinny_linear.py [--sweep] [--rows 1 6 8 16] [--out PATH]
+    python benchmarks/bench_skinny_linear.py --fusions        # the fused layer's four calls, M = 1
     python benchmarks/bench_skinny_linear.py --cpu-smoke      # tiny shapes through the Triton interpreter
 
 Shapes (bf16, nn.Linear layout w [N, K]): the fused q/k/v, o, gate/up and down projections of a
@@ -8,6 +9,10 @@ Llama-3.2-1B-shaped target and of an EAGLE-3 head at Llama-3.1-8B shapes (its q/
 Each time is a CUDA-graph replay of calls that cycle through enough copies of the weight to exceed the L2
 cache (~50 MB on the H200), so every call reads its weight from HBM as in a real decode step; floor = (weight
 + x + y bytes) / measured copy bandwidth. --sweep also times a grid of launch configs at every shape.
+--fusions times the calls of fspec.models.layers.fused_decoder_layer (q/k/v with the input norm, o with the
+residual, gate/up with the post norm and SiLU * up, down with the residual) against the same product
+without its fusions (skinny and cuBLAS): what a fusion costs inside the GEMV, to set against the ~1.5 µs
+launch plus gap of the unfused op it replaces.
 """
 
 from __future__ import annotations
@@ -43,6 +48,16 @@ SHAPES = {  # name: (N, K)
     "8B head down": (4096, 14336),
 }
 SMOKE_SHAPES = {"tiny a": (48, 64), "tiny b": (20, 100)}
+FUSIONS = {  # shape: fusions of fused_decoder_layer's call on it
+    "1B q/k/v": "norm",
+    "1B o": "residual",
+    "1B gate/up": "norm+silu",
+    "1B down": "residual",
+    "8B head o": "residual",
+    "8B head gate/up": "norm+silu",
+    "8B head down": "residual",
+}
+SMOKE_FUSIONS = {"tiny a": "norm+silu", "tiny b": "residual"}
 L2_BYTES = 64 << 20  # weights cycled per timed call sequence exceed this (the H200's L2 is ~50 MB)
 
 
@@ -80,10 +95,51 @@ def time_per_call_us(call, weights: list[torch.Tensor], smoke: bool) -> float:
     return 1e3 * triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median") / len(weights)
 
 
+def fusion_rows(smoke: bool, bandwidth: float | None, gen: torch.Generator) -> list[dict]:
+    """Each fused call of the decode layer at M = 1 against the plain product on the same weight."""
+    dev, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
+    rows = []
+    for name, fusion in (SMOKE_FUSIONS if smoke else FUSIONS).items():
+        n, k = (SMOKE_SHAPES if smoke else SHAPES)[name]
+        nbytes = n * k * torch.finfo(dtype).bits // 8
+        copies = 1 if smoke else max(2, -(-2 * L2_BYTES // nbytes))
+        weights = [torch.randn(n, k, device=dev, dtype=dtype, generator=gen) * k**-0.5 for _ in range(copies)]
+        x = torch.randn(1, k, device=dev, dtype=dtype, generator=gen)
+        out = n // 2 if "silu" in fusion else n
+        kw = {"silu_mul": "silu" in fusion}
+        if "norm" in fusion:
+            kw.update(norm_weight=torch.rand(k, device=dev, generator=gen).to(dtype) + 0.5, eps=1e-5)
+        if "residual" in fusion:
+            kw.update(residual=torch.randn(1, out, device=dev, dtype=dtype, generator=gen))
+        row = {
+            "shape": name,
+            "fusion": fusion,
+            "N": n,
+            "K": k,
+            "M": 1,
+            "weight_copies": copies,
+            "fused_us": time_per_call_us(lambda w, x=x, kw=kw: skinny_linear(x, w, **kw), weights, smoke),
+            "skinny_us": time_per_call_us(lambda w, x=x: skinny_linear(x, w), weights, smoke),
+            "cublas_us": time_per_call_us(lambda w, x=x: F.linear(x, w), weights, smoke),
+        }
+        if bandwidth:
+            row["floor_us"] = (n * k + k + out) * torch.finfo(dtype).bits / 8 / (bandwidth * 1e12) * 1e6
+            row["fused_over_floor"] = row["fused_us"] / row["floor_us"]
+        rows.append(row)
+        print(
+            f"{name:>16} {fusion:>10}: fused {row['fused_us']:8.2f} us, plain skinny {row['skinny_us']:8.2f},"
+            f" cuBLAS {row['cublas_us']:8.2f}" + (f", floor {row['floor_us']:.2f} us" if bandwidth else ""),
+            flush=True,
+        )
+        del weights
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 6, 8, 16], help="rows M of x")
     p.add_argument("--sweep", action="store_true", help="also time a grid of launch configs")
+    p.add_argument("--fusions", action="store_true", help="only the fused layer's calls (M = 1)")
     p.add_argument(
         "--cpu-smoke", action="store_true", help="tiny shapes, Triton interpreter, no timing claims"
     )
@@ -95,8 +151,8 @@ def main(argv=None) -> int:
     dev, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
     bandwidth = None if smoke else copy_bandwidth_tbps()
     gen = torch.Generator(device=dev).manual_seed(0)
-    rows = []
-    for name, (n, k) in (SMOKE_SHAPES if smoke else SHAPES).items():
+    rows = fusion_rows(smoke, bandwidth, gen) if args.fusions else []
+    for name, (n, k) in {} if args.fusions else (SMOKE_SHAPES if smoke else SHAPES).items():
         nbytes = n * k * torch.finfo(dtype).bits // 8
         copies = 1 if smoke else max(2, -(-2 * L2_BYTES // nbytes))
         weights = [torch.randn(n, k, device=dev, dtype=dtype, generator=gen) * k**-0.5 for _ in range(copies)]

@@ -70,10 +70,12 @@ case "$stage" in
     # each argument "TAG:VAR=VALUE,..." ("TAG:_" for none): bench_draft_loop.py (8B and 1B heads, B = 1,
     # K = 5) and bench_call_overhead.py under those switches, variants spread over the visible GPUs; the
     # JSONs go to $OUT/variants.tgz and switches.py's table of them to $OUT/switches.json
+    # (the GPUs are those of CUDA_VISIBLE_DEVICES when it is set, so another stage can hold one meanwhile)
     ngpu=$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))')
+    IFS=, read -r -a gpus <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((ngpu - 1)))}"
     mkdir -p "$WORK/variants"; i=0; specs=()
     for v in "$@"; do
-      tag=${v%%:*}; vars=${v#*:}; [ "$vars" = _ ] && vars=""; gpu=$((i % ngpu)); i=$((i + 1))
+      tag=${v%%:*}; vars=${v#*:}; [ "$vars" = _ ] && vars=""; gpu=${gpus[$((i % ngpu))]}; i=$((i + 1))
       specs+=("run:$tag:${vars:--}:$WORK/variants/draft_$tag.json:$WORK/variants/co_$tag.json")
       ( env CUDA_VISIBLE_DEVICES=$gpu ${vars//,/ } timeout 280 python3 benchmarks/bench_draft_loop.py \
           --heads 8b 1b --batch 1 --k 5 --no-step --reps 20 --out "$WORK/variants/draft_$tag.json" &&

@@ -154,6 +154,20 @@ def skinny_linear(d: dict) -> list[str]:
     return out
 
 
+def skinny_fusions(d: dict) -> list[str]:
+    out = [
+        "| projection | fusions | N × K | floor µs | fused µs | plain skinny µs | cuBLAS µs | fused / floor |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in d["rows"]:
+        out.append(
+            f"| {r['shape']} | {r['fusion']} | {r['N']} × {r['K']} | {_f(r.get('floor_us'), '{:.2f}')} "
+            f"| {_f(r['fused_us'], '{:.2f}')} | {_f(r['skinny_us'], '{:.2f}')} | {_f(r['cublas_us'], '{:.2f}')} "
+            f"| {_f(r.get('fused_over_floor'), '{:.2f}')} |"
+        )
+    return out
+
+
 acceptance_h200 = acceptance  # the same sweep, run on the GPU host (its Python's held-out files)
 
 
@@ -215,6 +229,7 @@ def main(names: list[str]) -> int:
         "generate",
         "call_overhead",
         "skinny_linear",
+        "skinny_fusions",
         "switches",
         "dispatch",
         "acceptance",

@@ -132,7 +132,8 @@ def skinny_linear(
     residual: Tensor | None = None,
 ) -> Tensor:
     """x [M, K] @ w [N, K].T -> [M, N] in x's dtype (M <= 16; fspec.models.layers.linear routes to it), with
-    the optional RMSNorm / SiLU * up prologue and residual epilogue of kernels/skinny_linear.py."""
+    the optional RMSNorm prologue and SiLU * up (w = [w_gate; w_up] -> [M, N/2]) and residual epilogues of
+    kernels/skinny_linear.py."""
     impl = _sl.skinny_linear if _use_triton(x) else _sl.skinny_linear_ref
     return impl(x, w, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=residual)
 
@@ -147,7 +148,7 @@ def _(
     residual: Tensor | None = None,
 ) -> Tensor:
     _sl.check_args(x, w, norm_weight=norm_weight, silu_mul=silu_mul, residual=residual)
-    return x.new_empty((x.shape[0], w.shape[0]))
+    return x.new_empty((x.shape[0], w.shape[0] // 2 if silu_mul else w.shape[0]))
 
 
 # ----------------------------------------------------------------------------------------------------------

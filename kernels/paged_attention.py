@@ -88,10 +88,12 @@ _TILE_TABLE = (
     (128, 1 << 30, 64, 4, 2),
     (256, 1 << 30, 32, 4, 2),
 )
-# Context tokens per split: at least MIN_PARTITION (below it the partials and the reduce cost more than they
-# save), at most MAX_PARTITION (many short programs balance the SMs, no half-empty last wave, for partials of
-# 4 * (D + 2) bytes per head and split: under 1% of the K/V bytes of these shapes).
-MIN_PARTITION, MAX_PARTITION = 256, 2048
+# Context tokens per split: at least MIN_PARTITION (64: at B = 1 on the H200, 64-token splits beat 256-token
+# ones in the draft step at context 2k and in a short-context decode step, table `switches` run g; shorter
+# ones only add partials and reduce work), at most MAX_PARTITION (many short programs balance the SMs, no
+# half-empty last wave, for partials of 4 * (D + 2) bytes per head and split: under 1% of the K/V bytes of
+# these shapes).
+MIN_PARTITION, MAX_PARTITION = 64, 2048
 # Tiles (request x query tile x KV head) the fused reduction can count: one int32 counter each, per device.
 COUNTER_SLOTS = 1 << 16
 MAX_BLOCK_M = 64  # (query, head) rows per program; more rows go to further programs (prefill-sized num_query)
@@ -135,7 +137,7 @@ def default_config(
 
 def min_partition() -> int:
     """Smallest split of the heuristic: FSPEC_ATTN_MIN_PARTITION (a positive multiple of 16, for
-    benchmarking shorter splits), else MIN_PARTITION."""
+    benchmarking other splits), else MIN_PARTITION."""
     env = os.environ.get("FSPEC_ATTN_MIN_PARTITION")
     if env is None:
         return MIN_PARTITION

@@ -2,7 +2,7 @@
 
     skinny_linear(x [M, K], w [N, K]) -> y [M, N]      M <= MAX_ROWS, y in x's dtype, fp32 accumulation
     skinny_linear(x, w, norm_weight=g, eps=e)           RMSNorm(x) * g first (a layer's input norm)
-    skinny_linear([gate | up], w, silu_mul=True)        silu(gate) * up first (SwiGLU's down projection)
+    skinny_linear(x, [w_gate; w_up], silu_mul=True)     -> [M, N/2]: silu(x @ w_gate.T) * (x @ w_up.T)
     skinny_linear(x, w, residual=r)                     r + y (the residual add after o / down)
 
 Why: at batch 1 a projection is a matrix-vector product bound by reading w. On the H200 cuBLAS picks tiles of
@@ -20,9 +20,13 @@ as it saves at these sizes. Launch parameters depend on static shapes only (CUDA
 Triton interpreter everything is cast to float32 after loading (its bf16 arithmetic is not IEEE).
 
 The fusions exist for the decode step of a Llama layer, where each of RMSNorm, SiLU * up and the residual add
-is otherwise a launch of its own (~1.5 us plus a gap on the H200) around a GEMV: the prologue is applied to
-each x tile as it is loaded (RMSNorm needs the row's RMS first: one more pass over the M rows of x, from L2),
-the residual is added before the store. Each step rounds to x's dtype where the unfused ops would.
+is otherwise a launch of its own (~1.5 us plus a gap on the H200) around a GEMV: the norm is applied to each x
+tile as it is loaded (it needs the row's RMS first: one more pass over the M rows of x, from L2); SwiGLU is
+an epilogue: a program streams the rows n of the gate half and n + N/2 of the up half into two accumulators
+and writes silu(gate) * up, so the [M, N] gate/up product never leaves the registers; the residual is added
+before the store. Each step rounds to x's dtype where the unfused ops would. (SwiGLU as a prologue of the down
+projection, silu(gate) * up applied to each x tile as loaded, measured ~140 us instead of ~13 on the H200 at
+1B shapes: every program recomputed it over all of x, in registers replicated across its warps.)
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from . import pdl
 from .pdl import pdl_enter
 
 MAX_ROWS = 16  # rows of x one program handles (one tl.dot tile); callers fall back to F.linear above it
-SILU_MAX_BLOCK_K = 256  # BLOCK_K cap with silu_mul (sm_90 compile: 512 spills registers)
+NORM_MAX_BLOCK_K = 256  # BLOCK_K cap with the RMSNorm prologue (sm_90 compile: 512 spills registers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,13 +68,13 @@ def default_config(n: int, k: int) -> SkinnyConfig:
 
 @triton.jit
 def _skinny_linear_kernel(
-    x_ptr,  # [M, K] rows of the input, K-stride 1 ([M, 2K]: gate | up when SILU)
-    w_ptr,  # [N, K] weight (nn.Linear layout), K-stride 1
+    x_ptr,  # [M, K] rows of the input, K-stride 1
+    w_ptr,  # [N, K] weight (nn.Linear layout), K-stride 1 ([2N, K]: gate rows, then up rows, when SILU)
     y_ptr,  # [M, N] out, N-stride 1
     norm_ptr,  # [K] (NORM): RMSNorm weight applied to x first
     res_ptr,  # [M, N] (RESIDUAL): added to the product, N-stride 1
     M,  # rows (<= M_PAD)
-    N,  # output features
+    N,  # output features (SILU: of the product silu(gate) * up, half of w's rows)
     K,  # input features (of the product)
     eps,  # (NORM) RMSNorm epsilon
     stride_xm,  # elements between rows of x
@@ -82,7 +86,7 @@ def _skinny_linear_kernel(
     BLOCK_K: tl.constexpr,  # reduction depth per tile, a power of two >= 16
     UPCAST: tl.constexpr,  # cast loads to float32 (interpreter, or float32 inputs: exact "ieee" dots)
     NORM: tl.constexpr = False,  # prologue: x <- RMSNorm(x) * norm weight (fspec.models.layers.rms_norm)
-    SILU: tl.constexpr = False,  # prologue: x <- silu(x[:, :K]) * x[:, K:] (SwiGLU's down-projection input)
+    SILU: tl.constexpr = False,  # epilogue: y <- silu(x @ w[:N].T) * (x @ w[N:].T) (SwiGLU's gate and up)
     RESIDUAL: tl.constexpr = False,  # epilogue: y <- residual + y
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
@@ -94,7 +98,11 @@ def _skinny_linear_kernel(
     # the first weight tile is read before waiting on the kernel ahead (weights are constant): under PDL that
     # load overlaps the previous kernel's tail
     k = tl.arange(0, BLOCK_K)
-    w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+    w_ok = n_ok[:, None] & (k < K)[None, :]
+    w = tl.load(w_rows + k[None, :], mask=w_ok, other=0.0)
+    if SILU:
+        u_rows = w_rows + N.to(tl.int64) * stride_wn  # the up half's rows n
+        u = tl.load(u_rows + k[None, :], mask=w_ok, other=0.0)
     pdl_enter(PDL)
     x_rows = x_ptr + m[:, None] * stride_xm
     rstd = tl.zeros([M_PAD], dtype=tl.float32)
@@ -106,15 +114,26 @@ def _skinny_linear_kernel(
             xs = xs.to(tl.float32)
             ss += tl.sum(xs * xs, axis=1)
         rstd = 1.0 / tl.sqrt(ss / K + eps)
-    x = _x_tile(x_rows, norm_ptr, k, m_ok, K, rstd, NORM, SILU)
+    x = _x_tile(x_rows, norm_ptr, k, m_ok, K, rstd, NORM)
     acc = _tile_dot(tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32), x, w, UPCAST)
+    acc_up = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    if SILU:
+        acc_up = _tile_dot(acc_up, x, u, UPCAST)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        x = _x_tile(x_rows, norm_ptr, k, m_ok, K, rstd, NORM, SILU)
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+        x = _x_tile(x_rows, norm_ptr, k, m_ok, K, rstd, NORM)
+        w_ok = n_ok[:, None] & (k < K)[None, :]
+        w = tl.load(w_rows + k[None, :], mask=w_ok, other=0.0)
         acc = _tile_dot(acc, x, w, UPCAST)
+        if SILU:
+            u = tl.load(u_rows + k[None, :], mask=w_ok, other=0.0)
+            acc_up = _tile_dot(acc_up, x, u, UPCAST)
     out_ok = m_ok[:, None] & n_ok[None, :]
     y = acc.to(y_ptr.dtype.element_ty)
+    if SILU:  # as F.silu(gate) * up on the rounded gate and up: silu in float32, rounded, times up, rounded
+        g = y.to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(y.dtype)
+        y = (silu.to(tl.float32) * acc_up.to(y.dtype).to(tl.float32)).to(y.dtype)
     if RESIDUAL:  # as `residual + linear(...)`: the product rounded to the output dtype, then the sum
         r = tl.load(res_ptr + m[:, None] * stride_rm + n[None, :], mask=out_ok, other=0.0)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
@@ -122,16 +141,11 @@ def _skinny_linear_kernel(
 
 
 @triton.jit
-def _x_tile(x_rows, norm_ptr, k, m_ok, K, rstd, NORM: tl.constexpr, SILU: tl.constexpr):
-    """The [M_PAD, BLOCK_K] tile of the product's input at columns k, after the prologue, in x's dtype; each
+def _x_tile(x_rows, norm_ptr, k, m_ok, K, rstd, NORM: tl.constexpr):
+    """The [M_PAD, BLOCK_K] tile of the product's input at columns k, after the norm, in x's dtype; each
     step rounds to that dtype where the unfused PyTorch ops would (their results are tensors of it)."""
     mask = m_ok[:, None] & (k < K)[None, :]
     x = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
-    if SILU:
-        up = tl.load(x_rows + K + k[None, :], mask=mask, other=0.0)
-        g = x.to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(x.dtype)
-        x = (silu.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
     if NORM:
         weight = tl.load(norm_ptr + k, mask=k < K, other=0.0)
         normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
@@ -155,31 +169,32 @@ def check_args(
     silu_mul: bool = False,
     residual: Tensor | None = None,
 ) -> None:
-    """ValueError unless x is [M, K] ([M, 2K] with silu_mul) with 1 <= M <= MAX_ROWS, w is [N, K], the
-    norm weight [K] and the residual [M, N], all of one floating dtype on one device (a mismatched K would
-    make the kernel read past x's rows)."""
+    """ValueError unless x is [M, K] with 1 <= M <= MAX_ROWS, w is [N, K] ([2N, K], gate rows then up rows,
+    with silu_mul), the norm weight [K] and the residual [M, N], all of one floating dtype on one device (a
+    mismatched K would make the kernel read past x's rows)."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x: expected a [M, K] tensor with 1 <= M <= {MAX_ROWS}, got shape {tuple(x.shape)}")
-    if silu_mul and x.shape[1] % 2:
-        raise ValueError(f"x: expected [M, 2K] (gate | up) with silu_mul, got shape {tuple(x.shape)}")
-    k = x.shape[1] // 2 if silu_mul else x.shape[1]
+    k = x.shape[1]
     if w.dim() != 2 or w.shape[1] != k:
         raise ValueError(f"w: expected a [N, {k}] tensor (x's K), got shape {tuple(w.shape)}")
+    if silu_mul and w.shape[0] % 2:
+        raise ValueError(
+            f"w: expected [2N, K] (gate rows, then up rows) with silu_mul, got shape {tuple(w.shape)}"
+        )
+    n = w.shape[0] // 2 if silu_mul else w.shape[0]
     if w.dtype != x.dtype or not x.dtype.is_floating_point:
         raise ValueError(f"w: expected x's floating dtype {x.dtype}, got {w.dtype}")
     if w.device != x.device:
         raise ValueError(f"w: expected x's device {x.device}, got {w.device}")
     for name, t, shape in (
         ("norm_weight", norm_weight, (k,)),
-        ("residual", residual, (x.shape[0], w.shape[0])),
+        ("residual", residual, (x.shape[0], n)),
     ):
         if t is not None and (tuple(t.shape) != shape or t.dtype != x.dtype or t.device != x.device):
             raise ValueError(
                 f"{name}: expected a {list(shape)} tensor of x's dtype {x.dtype} on {x.device}, got "
                 f"{tuple(t.shape)} {t.dtype} on {t.device}"
             )
-    if norm_weight is not None and silu_mul:
-        raise ValueError("norm_weight: expected None with silu_mul (one prologue per launch), got a tensor")
 
 
 def skinny_linear(
@@ -193,11 +208,13 @@ def skinny_linear(
     config: SkinnyConfig | None = None,
 ) -> Tensor:
     """x [M, K] @ w [N, K].T -> [M, N] in x's dtype, M <= MAX_ROWS (`check_args`), with optional fusions:
-    `norm_weight` applies RMSNorm (eps) to x first, `silu_mul` takes x = [gate | up] [M, 2K] and multiplies
-    by silu(gate) * up, `residual` [M, N] is added to the result (see `skinny_linear_ref`)."""
+    `norm_weight` applies RMSNorm (eps) to x first, `silu_mul` takes w = [w_gate; w_up] [2N, K] and returns
+    silu(x @ w_gate.T) * (x @ w_up.T) [M, N], `residual` [M, N] is added to the result (see
+    `skinny_linear_ref`)."""
     check_args(x, w, norm_weight=norm_weight, silu_mul=silu_mul, residual=residual)
     m = x.shape[0]
-    n, k = w.shape
+    rows, k = w.shape
+    n = rows // 2 if silu_mul else rows
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -205,9 +222,11 @@ def skinny_linear(
         return y
     norm = norm_weight.contiguous() if norm_weight is not None else x
     res = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
-    cfg = config or default_config(n, k)
-    if silu_mul and config is None:  # gate and up tiles both live in registers: at 512 columns they spill
-        cfg = dataclasses.replace(cfg, block_k=min(cfg.block_k, SILU_MAX_BLOCK_K))
+    cfg = config or default_config(rows, k)
+    if silu_mul and config is None:  # a program reads block_n gate rows and block_n up rows
+        cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
+    if norm_weight is not None and config is None:  # the normalised x tile also lives in registers
+        cfg = dataclasses.replace(cfg, block_k=min(cfg.block_k, NORM_MAX_BLOCK_K))
     interpreted = isinstance(_skinny_linear_kernel, InterpretedFunction)
     upcast = interpreted or x.dtype == torch.float32
     launch = {} if interpreted else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
@@ -230,14 +249,15 @@ def skinny_linear_ref(
     silu_mul: bool = False,
     residual: Tensor | None = None,
 ) -> Tensor:
-    """The reference: the unfused PyTorch ops of a Llama layer (`F.silu(gate) * up`; RMSNorm in float32 as
-    fspec.models.layers.rms_norm; float32 accumulation of x @ w.T cast to x's dtype; `residual + y`)."""
+    """The reference: the unfused PyTorch ops of a Llama layer (RMSNorm in float32 as
+    fspec.models.layers.rms_norm; float32 accumulation of x @ w.T cast to x's dtype; `F.silu(gate) * up` of
+    its two halves; `residual + y`)."""
     check_args(x, w, norm_weight=norm_weight, silu_mul=silu_mul, residual=residual)
-    if silu_mul:
-        gate, up = x.chunk(2, dim=-1)
-        x = torch.nn.functional.silu(gate) * up
     if norm_weight is not None:
         x32 = x.float()
         x = norm_weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     y = (x.float() @ w.float().T).to(x.dtype)
+    if silu_mul:
+        gate, up = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(gate) * up
     return y if residual is None else residual + y

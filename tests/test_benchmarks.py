@@ -113,3 +113,10 @@ def test_switches_table_is_rebuilt_from_its_committed_sources():
         rebuilt["sources"] = [str(p) for p in row["sources"]]
         assert rebuilt == row
         assert row["1b_back_to_back_over_floor"] == round(row["1b_back_to_back_us"] / row["1b_floor_us"], 3)
+
+
+def test_skinny_linear_fusions_smoke_times_each_fused_call(tmp_path):
+    """--fusions: one row per fused call of the decode layer, timed fused, plain skinny and cuBLAS."""
+    d = _run("bench_skinny_linear.py", "--cpu-smoke", "--fusions", out=tmp_path / "skf.json")
+    assert [(r["shape"], r["fusion"]) for r in d["rows"]] == [("tiny a", "norm+silu"), ("tiny b", "residual")]
+    assert all(r["fused_us"] > 0 and r["skinny_us"] > 0 and r["cublas_us"] > 0 for r in d["rows"])

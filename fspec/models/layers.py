@@ -27,20 +27,25 @@ SKINNY_ROWS = 16  # fspec::skinny_linear's row limit (kernels/skinny_linear.py M
 # widest weight (output features) routed to it: wider ones (gate/up, LM heads) cuBLAS reads within 1-12% of
 # the floor, where the sweep's best skinny config is no faster (benchmarks/results/skinny_linear.json)
 SKINNY_MAX_OUT = 8192
+SKINNY_DEEP_K = 4096  # FSPEC_SKINNY_LINEAR=deep: shortest reduction routed
 
 
 def use_skinny_linear(x: torch.Tensor, w: torch.Tensor, *, cuda: bool | None = None) -> bool:
-    """Whether `linear` routes x @ w.T to `fspec::skinny_linear`: opt-in (FSPEC_SKINNY_LINEAR=1), on CUDA,
-    for at most 16 rows of x (decode, verification and draft steps at small batch) and at most
-    SKINNY_MAX_OUT output features, same floating dtype, and no autograd through it (training keeps
-    F.linear). Decided when a graph is traced."""
-    if os.environ.get("FSPEC_SKINNY_LINEAR") != "1":
+    """Whether `linear` routes x @ w.T to `fspec::skinny_linear`: opt-in (FSPEC_SKINNY_LINEAR=1: weights of
+    at most SKINNY_MAX_OUT output features; FSPEC_SKINNY_LINEAR=deep: of these, only long reductions, at
+    least SKINNY_DEEP_K input features and no fewer than output features: a 1B target's down projection, an
+    EAGLE-3 head's q/k/v, o (8B) and down, where the H200 sweep has it ahead of cuBLAS), on CUDA, for at
+    most 16 rows of x (decode, verification and draft steps at small batch), same floating dtype, and no
+    autograd through it (training keeps F.linear). Decided when a graph is traced."""
+    mode = os.environ.get("FSPEC_SKINNY_LINEAR")
+    if mode not in ("1", "deep"):
         return False
     cuda = x.is_cuda if cuda is None else cuda
     rows = math.prod(x.shape[:-1])
     grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    narrow = w.dim() == 2 and w.shape[0] <= SKINNY_MAX_OUT
+    deep = w.dim() == 2 and w.shape[1] >= max(SKINNY_DEEP_K, w.shape[0])
+    narrow = w.dim() == 2 and w.shape[0] <= SKINNY_MAX_OUT and (mode == "1" or deep)
     return cuda and 0 < rows <= SKINNY_ROWS and narrow and x.dtype == w.dtype in dtypes and not grad
 
 
@@ -303,8 +308,8 @@ def fused_decoder_layer(
 ) -> torch.Tensor:
     """`decoder_layer(p, rms_norm(x, p["input_norm"]), x, ...)` in four `fspec::skinny_linear` launches
     around the attention: the input norm in the q/k/v projection's prologue, the residual add in o's
-    epilogue, the post-attention norm in gate/up's prologue, SiLU * up in down's prologue and the second
-    residual add in its epilogue (on the H200 each of those is otherwise a launch of ~1.5 µs plus a gap
+    epilogue, the post-attention norm in gate/up's prologue and SiLU * up in its epilogue, the second
+    residual add in down's epilogue (on the H200 each of those is otherwise a launch of ~1.5 µs plus a gap
     in a decode step). For a layer with fused projections, no biases, no q/k norm (`use_fused_layer`)."""
     lead, hidden = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, hidden)
@@ -319,12 +324,12 @@ def fused_decoder_layer(
 def _fused_after_attention(
     p: dict, out: torch.Tensor, residual: torch.Tensor, *, cfg: ModelConfig
 ) -> torch.Tensor:
-    """residual + o(out), then + down(silu * up of gate_up(rms_norm(h))): three `skinny_linear` launches."""
+    """residual + o(out), then + down(silu(gate) * up of rms_norm(h)): three `skinny_linear` launches."""
     lead, hidden = residual.shape[:-1], residual.shape[-1]
     rows, eps = residual.reshape(-1, hidden), cfg.rms_norm_eps
     h = call("skinny_linear", out.reshape(rows.shape[0], -1), p["o"], None, eps, False, rows)
-    gate_up = call("skinny_linear", h, p["gate_up"], p["post_norm"], eps, False, None)
-    return call("skinny_linear", gate_up, p["down"], None, eps, True, h).reshape(*lead, hidden)
+    act = call("skinny_linear", h, p["gate_up"], p["post_norm"], eps, True, None)  # silu(gate) * up
+    return call("skinny_linear", act, p["down"], None, eps, False, h).reshape(*lead, hidden)
 
 
 # --- initialization ---------------------------------------------------------------------------------------

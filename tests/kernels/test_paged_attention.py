@@ -138,12 +138,15 @@ def test_split_configs_really_split():
 
 def test_attention_switches_of_the_environment(monkeypatch):
     """FSPEC_ATTN_FUSED_REDUCE=1 turns the fused reduction on where the config leaves it open;
-    FSPEC_ATTN_MIN_PARTITION shortens the heuristic's partitions and refuses what is not a multiple of 16."""
+    FSPEC_ATTN_MIN_PARTITION sets the heuristic's shortest partition and refuses what is not a multiple of
+    16."""
     from fspec.kernels import paged_attention as pa
 
     sizes = dict(batch=1, kv_heads=8, group=4, num_query=1, head_dim=64, capacity=2304)
     assert pa.default_config(**sizes).fused_reduce is False
-    assert pa.default_config(**sizes).partition == 256  # 9 splits of the 2304-token capacity
+    assert pa.default_config(**sizes).partition == 64  # 36 splits of the 2304-token capacity
+    monkeypatch.setenv("FSPEC_ATTN_MIN_PARTITION", "256")
+    assert pa.default_config(**sizes).partition == 256  # 9 splits
     monkeypatch.setenv("FSPEC_ATTN_FUSED_REDUCE", "1")
     monkeypatch.setenv("FSPEC_ATTN_MIN_PARTITION", "64")
     cfg = pa.default_config(**sizes)

@@ -63,14 +63,18 @@ def test_every_kernel_takes_pdl_and_waits_before_touching_other_kernels_data():
         assert len(calls) == 1, name
         before = body[: calls[0]]
         if name.endswith("_skinny_linear_kernel"):
-            # index arithmetic and one load, of w (constant weights) only
-            loads = [
-                n
-                for s in before
-                for n in ast.walk(s)
-                if isinstance(n, ast.Call) and ast.unparse(n.func) == "tl.load"
-            ]
-            assert len(loads) == 1 and ast.unparse(loads[0].args[0]).startswith("w_rows"), name
+            # index arithmetic and the first tile of w (constant weights: its gate rows and, for SiLU * up,
+            # its up rows, an offset of the same pointer), no other load and no store
+            nodes = [n for s in before for n in ast.walk(s) if isinstance(n, ast.Call)]
+            loads = [n for n in nodes if ast.unparse(n.func) == "tl.load"]
+            assert not [n for n in nodes if ast.unparse(n.func) in ("tl.store", "tl.atomic_add")], name
+            bases = sorted(ast.unparse(n.args[0]).split(" ")[0] for n in loads)
+            assert bases == ["u_rows", "w_rows"], (name, bases)
+            assigns = {ast.unparse(n.targets[0]): ast.unparse(n.value) for s in before for n in ast.walk(s)
+                       if isinstance(n, ast.Assign)}  # fmt: skip
+            assert assigns["w_rows"].startswith("w_ptr + ") and assigns["u_rows"].startswith("w_rows + "), (
+                name
+            )
         else:
             assert calls[0] == 0, name
         seen += 1
@@ -110,7 +114,8 @@ meta = {"start_ptr": "*i64", "count_ptr": "*i64", "block_table_ptr": "*i32", "po
 out = {}
 for on in (False, True):
     out[f"linear{int(on)}"] = ptx(_skinny_linear_kernel, bf16,
-        {"M_PAD": 16, "BLOCK_N": 16, "BLOCK_K": 256, "UPCAST": False, "PDL": on})
+        {"M_PAD": 16, "BLOCK_N": 16, "BLOCK_K": 256, "UPCAST": False, "NORM": False, "SILU": False,
+         "RESIDUAL": False, "PDL": on})
     out[f"meta{int(on)}"] = ptx(_step_metadata_kernel, meta,
         {"Q": 1, "Q_POW2": 1, "MODE": 3, "BLOCK": 128, "PDL": on})
 print(json.dumps(out))

@@ -9,7 +9,13 @@ import torch.nn.functional as F
 from fresh_process import in_fresh_process
 
 from fspec.kernels import ops  # noqa: F401  (registers torch.ops.fspec)
-from fspec.kernels.skinny_linear import SkinnyConfig, default_config, skinny_linear, skinny_linear_ref
+from fspec.kernels.skinny_linear import (
+    NORM_MAX_BLOCK_K,
+    SkinnyConfig,
+    default_config,
+    skinny_linear,
+    skinny_linear_ref,
+)
 from fspec.models import layers
 
 
@@ -71,6 +77,20 @@ def test_linear_routes_only_small_inference_products_on_cuda_when_asked(monkeypa
         assert layers.use_skinny_linear(x, w, cuda=True)
     b = torch.randn(5)
     torch.testing.assert_close(layers.linear(x, w.detach(), b), F.linear(x, w.detach(), b))
+    # "deep": only reductions of >= SKINNY_DEEP_K inputs and no fewer inputs than outputs
+    monkeypatch.setenv("FSPEC_SKINNY_LINEAR", "deep")
+    k = layers.SKINNY_DEEP_K
+    x = torch.randn(2, k)
+    assert layers.use_skinny_linear(x, torch.randn(k, k), cuda=True)  # o of an 8B head
+    assert layers.use_skinny_linear(x, torch.randn(16, k), cuda=True)  # down
+    assert not layers.use_skinny_linear(x, torch.randn(k + 1, k), cuda=True)  # q/k/v, gate/up of a target
+    x = torch.randn(2, k - 1)
+    assert not layers.use_skinny_linear(x, torch.randn(16, k - 1), cuda=True)  # a short reduction
+    x = torch.randn(2, k)
+    assert not layers.use_skinny_linear(x, torch.randn(k, k), cuda=False)
+    assert not layers.use_skinny_linear(torch.randn(17, k), torch.randn(k, k), cuda=True)
+    monkeypatch.setenv("FSPEC_SKINNY_LINEAR", "yes")  # neither mode
+    assert not layers.use_skinny_linear(x, torch.randn(k, k), cuda=True)
 
 
 def test_bad_shapes_dtypes_and_devices_are_refused_naming_the_argument():
@@ -121,14 +141,20 @@ def _compile_for_sm90_body():
     flags = ("M_PAD", "BLOCK_N", "BLOCK_K", "UPCAST", "NORM", "SILU", "RESIDUAL", "PDL")
     sig.update({name: "constexpr" for name in flags})
     nvdisasm = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / "nvdisasm"
-    # plain; the input norm (q/k/v, gate/up); SiLU * up with the residual (down); the residual alone (o)
-    for norm, silu, residual in ((False, False, False), (True, False, False), (False, True, True), (0, 0, 1)):
-        block_k = 256 if silu else 512  # the launcher's cap with silu_mul: two x tiles per step
-        consts = {"M_PAD": 16, "BLOCK_N": 16, "BLOCK_K": block_k, "UPCAST": False, "NORM": bool(norm)}
+    # at the launcher's configs of a 1B layer: plain; the input norm (q/k/v); the post norm and SiLU * up
+    # (gate/up: 32 gate and 32 up rows per program); the residual (o, down)
+    for norm, silu, residual, (n, k) in (
+        (0, 0, 0, (2048, 2048)), (1, 0, 0, (3072, 2048)), (1, 1, 0, (16384, 2048)), (0, 0, 1, (2048, 8192)),
+    ):  # fmt: skip
+        cfg = default_config(n, k)
+        block_n = cfg.block_n // 2 if silu else cfg.block_n
+        block_k = min(cfg.block_k, NORM_MAX_BLOCK_K) if norm else cfg.block_k
+        consts = {"M_PAD": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "UPCAST": False, "NORM": bool(norm)}
         consts.update(SILU=bool(silu), RESIDUAL=bool(residual), PDL=True)
-        attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)}
+        # as the launcher specialises these shapes: pointers, N, K and the strides divisible by 16
+        attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 7, 9, 10, 11, 12)}
         src = ASTSource(fn=_skinny_linear_kernel, signature=sig, constexprs=consts, attrs=attrs)
-        options = {"num_warps": 4, "num_stages": 3}
+        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
@@ -169,21 +195,21 @@ def _gpu_matches_reference_body():
             )
     finally:
         del os.environ["FSPEC_SKINNY_LINEAR"]
-    # the fusions at a 1B layer's shapes (bf16): input norm on q/k/v and gate/up, residual on o, SiLU * up and
-    # the residual on down; within two bf16 roundings of the reference (sum order, approximate exp / sqrt)
+    # the fusions at a 1B layer's shapes (bf16): input norm on q/k/v, residual on o and down, the post norm
+    # and SiLU * up on gate/up; within two bf16 roundings of the reference (sum order, approximate exp / sqrt)
     for n, k, kw in (
-        (3072, 2048, "norm"), (2048, 2048, "residual"), (16384, 2048, "norm"), (2048, 8192, "silu+residual"),
+        (3072, 2048, "norm"), (2048, 2048, "residual"), (16384, 2048, "norm+silu"), (2048, 8192, "residual"),
     ):  # fmt: skip
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k**-0.5
+        out = n // 2 if "silu" in kw else n
         for m in (1, 6):
-            width = 2 * k if "silu" in kw else k
-            x = torch.randn(m, width, device="cuda", dtype=torch.bfloat16, generator=gen)
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             args = {"silu_mul": "silu" in kw}
             if "norm" in kw:
                 norm = torch.rand(k, device="cuda", generator=gen).bfloat16() + 0.5
                 args.update(norm_weight=norm, eps=1e-5)
             if "residual" in kw:
-                args.update(residual=torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=gen))
+                args.update(residual=torch.randn(m, out, device="cuda", dtype=torch.bfloat16, generator=gen))
             want = skinny_linear_ref(x, w, **args).float()
             got = skinny_linear(x, w, **args).float()
             torch.testing.assert_close(got, want, rtol=2**-6, atol=2**-6)
@@ -194,17 +220,21 @@ def test_kernel_gpu_matches_reference():
     in_fresh_process(__file__, globals(), "_gpu_matches_reference_body")
 
 
+FUSIONS = ["norm", "silu", "residual", "norm+residual", "silu+residual", "norm+silu", "norm+silu+residual"]
+
+
 @pytest.mark.parametrize("m", [1, 5, 16])
 @pytest.mark.parametrize(("n", "k"), [(37, 200), (100, 513)])
-@pytest.mark.parametrize("fusion", ["norm", "silu", "residual", "norm+residual", "silu+residual"])
-def test_fused_prologues_and_residual_equal_the_unfused_ops(m, n, k, fusion):
-    """RMSNorm (a row's RMS over every K tile, the weight per column), SiLU * up (gate | up halves of a
-    [M, 2K] input) and the residual add give the reference's result, itself checked against the unfused
-    PyTorch ops of a Llama layer (fspec.models.layers.rms_norm, F.silu, residual + y)."""
+@pytest.mark.parametrize("fusion", FUSIONS)
+def test_fused_prologue_and_epilogues_equal_the_unfused_ops(m, n, k, fusion):
+    """RMSNorm (a row's RMS over every K tile, the weight per column), SiLU * up (w = [w_gate; w_up]: gate
+    rows n and up rows N + n in one program) and the residual add give the reference's result, itself
+    checked against the unfused PyTorch ops of a Llama layer (layers.rms_norm, layers.mlp's chunk and
+    F.silu, residual + y)."""
     gen = torch.Generator().manual_seed(m * 7 + n + k)
     silu = "silu" in fusion
-    x = torch.randn(m, 2 * k if silu else k, generator=gen) * 3 + 0.5
-    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(m, k, generator=gen) * 3 + 0.5
+    w = torch.randn(2 * n if silu else n, k, generator=gen) * k**-0.5 * 2
     kw = {}
     if "norm" in fusion:
         kw.update(norm_weight=torch.rand(k, generator=gen) + 0.5, eps=1e-5)
@@ -213,15 +243,16 @@ def test_fused_prologues_and_residual_equal_the_unfused_ops(m, n, k, fusion):
     if "residual" in fusion:
         kw.update(residual=torch.randn(m, n, generator=gen))
     want = skinny_linear_ref(x, w, **kw)
+    assert want.shape == (m, n)
     # the reference is the unfused layer code
-    h = x
+    h = layers.rms_norm(x, kw["norm_weight"], kw["eps"]) if "norm" in fusion else x
+    y = F.linear(h, w)
     if silu:
-        h = F.silu(x[:, :k]) * x[:, k:]
-    if "norm" in fusion:
-        h = layers.rms_norm(h, kw["norm_weight"], kw["eps"])
-    unfused = F.linear(h, w) + (kw["residual"] if "residual" in fusion else 0)
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    unfused = y + (kw["residual"] if "residual" in fusion else 0)
     torch.testing.assert_close(want, unfused, rtol=1e-5, atol=1e-4)
-    # fp32 sums of K products of magnitude up to ~30 (SiLU * up of x ~ 3) in another order: ~sqrt(K) * 30 ulps
+    # fp32 sums of K products of magnitude up to ~10 in another order, then SiLU * up: ~sqrt(K) * 30 ulps
     tol = dict(rtol=1e-4, atol=1e-3)
     for cfg in (None, SkinnyConfig(block_n=16, block_k=64)):  # one and several K tiles for the RMS pass
         got = skinny_linear(x, w, config=cfg, **kw)
@@ -238,12 +269,12 @@ def test_fusions_reject_inconsistent_arguments():
         skinny_linear(x, w, residual=torch.ones(2, 5))
     with pytest.raises(ValueError, match=r"^residual: expected .* dtype torch.float32"):
         skinny_linear(x, w, residual=torch.ones(2, 4, dtype=torch.float64))
-    with pytest.raises(ValueError, match=r"^x: expected \[M, 2K\] \(gate \| up\) with silu_mul"):
-        skinny_linear(torch.randn(2, 9), w, silu_mul=True)
-    with pytest.raises(ValueError, match=r"^w: expected a \[N, 4\] tensor"):
-        skinny_linear(x, w, silu_mul=True)  # K of the product is half of x's width
-    with pytest.raises(ValueError, match="^norm_weight: expected None with silu_mul"):
-        skinny_linear(torch.randn(2, 16), w, silu_mul=True, norm_weight=torch.ones(8))
+    with pytest.raises(ValueError, match=r"^w: expected \[2N, K\] \(gate rows, then up rows\) with silu"):
+        skinny_linear(x, torch.randn(5, 8), silu_mul=True)
+    with pytest.raises(ValueError, match=r"^residual: expected a \[2, 2\] tensor"):
+        skinny_linear(x, w, silu_mul=True, residual=torch.ones(2, 4))  # the output is half of w's rows
+    assert skinny_linear(x, w, silu_mul=True).shape == (2, 2)
+    assert torch.ops.fspec.skinny_linear(x, w, None, 1e-6, True, None).shape == (2, 2)
 
 
 def test_fused_op_passes_opcheck():
@@ -251,4 +282,4 @@ def test_fused_op_passes_opcheck():
     x, w, r = torch.randn(3, 40, generator=gen), torch.randn(24, 40, generator=gen), torch.randn(3, 24)
     op = torch.ops.fspec.skinny_linear.default
     torch.library.opcheck(op, (x, w, torch.rand(40, generator=gen), 1e-6, False, r))
-    torch.library.opcheck(op, (torch.randn(3, 80, generator=gen), w, None, 1e-6, True, None))
+    torch.library.opcheck(op, (x, w, torch.rand(40, generator=gen), 1e-6, True, r[:, :12]))
