@@ -11,6 +11,8 @@
 #   overhead     benchmarks/bench_call_overhead.py (warm generate calls, B = 1: forced full acceptance and
 #                target-only; FSPEC_* switches in the environment apply; a later --out names another file)
 #   linear       benchmarks/bench_skinny_linear.py (fspec::skinny_linear vs cuBLAS; --sweep for configs)
+#   host         benchmarks/bench_host_overhead.py (host µs of each piece of an eager sampling call; run it
+#                alone: a compile in another process inflates every figure)
 #   scaling      benchmarks/bench_distill_scaling.py (two GPUs)
 #   memcheck     compute-sanitizer memcheck over the kernel GPU tests (caching allocator off; graph tests
 #                excluded: capture cannot allocate with the allocator off)
@@ -45,6 +47,7 @@ case "$stage" in
   generate) timeout 560 python3 benchmarks/bench_generate.py --out "$OUT/generate.json" "$@" > "$log" 2>&1 ;;
   overhead) timeout 400 python3 benchmarks/bench_call_overhead.py --out "$OUT/call_overhead.json" "$@" \
       > "$log" 2>&1 ;;
+  host) timeout 200 python3 benchmarks/bench_host_overhead.py --out "$OUT/host_overhead.json" "$@" > "$log" 2>&1 ;;
   linear) timeout 500 python3 benchmarks/bench_skinny_linear.py --out "$OUT/skinny_linear.json" "$@" \
       > "$log" 2>&1 ;;
   scaling) timeout 300 python3 benchmarks/bench_distill_scaling.py --out "$OUT/distill_scaling.json" "$@" \

@@ -168,6 +168,15 @@ def skinny_fusions(d: dict) -> list[str]:
     return out
 
 
+def host_overhead(d: dict) -> list[str]:
+    names = ["empty", "scratch", "launch_block", "launch_reduce", "launch_probs", "launcher", "call", "op"]
+    names += ["validate", "public"]
+    out = ["| B | V | " + " | ".join(f"{n} µs" for n in names) + " |", "|---:|---:|" + "---:|" * len(names)]
+    for r in d["rows"]:
+        out.append(f"| {r['B']} | {r['V']} | " + " | ".join(_f(r[f"{n}_us"]) for n in names) + " |")
+    return out
+
+
 acceptance_h200 = acceptance  # the same sweep, run on the GPU host (its Python's held-out files)
 
 
@@ -230,6 +239,7 @@ def main(names: list[str]) -> int:
         "call_overhead",
         "skinny_linear",
         "skinny_fusions",
+        "host_overhead",
         "switches",
         "dispatch",
         "acceptance",

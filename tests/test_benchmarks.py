@@ -120,3 +120,15 @@ def test_skinny_linear_fusions_smoke_times_each_fused_call(tmp_path):
     d = _run("bench_skinny_linear.py", "--cpu-smoke", "--fusions", out=tmp_path / "skf.json")
     assert [(r["shape"], r["fusion"]) for r in d["rows"]] == [("tiny a", "norm+silu"), ("tiny b", "residual")]
     assert all(r["fused_us"] > 0 and r["skinny_us"] > 0 and r["cublas_us"] > 0 for r in d["rows"])
+
+
+def test_host_overhead_smoke_times_every_piece_of_an_eager_sampling_call(tmp_path):
+    """Every piece of an eager gumbel_sample_into (allocations, each launch, launcher, dispatch, validation,
+    public function) gets a host time per call and one with the drain, on every shape."""
+    d = _run("bench_host_overhead.py", "--cpu-smoke", out=tmp_path / "ho.json")
+    pieces = ["empty", "scratch", "launch_block", "launch_reduce", "launch_probs", "launcher", "call", "op"]
+    pieces += ["validate", "public"]
+    assert [(r["B"], r["V"]) for r in d["rows"]] == [(1, 50), (3, 70)]
+    for r in d["rows"]:
+        for p in pieces:
+            assert 0 < r[f"{p}_us"] <= r[f"{p}_drained_us"], p

@@ -1,0 +1,151 @@
+"""Host time of an eager sampling call, piece by piece: where the microseconds of `fspec_launch_us` go.
+
+    python benchmarks/bench_host_overhead.py [--out benchmarks/results/host_overhead.json] [--calls 400]
+    python benchmarks/bench_host_overhead.py --cpu-smoke   # tiny shapes, interpreter, no timing claims
+
+An eager `gumbel_sample_into` (the op vLLM's Gumbel kernel is compared with, table `sampling`) is the
+public function's validation, then the launcher: per-row inputs made contiguous, the result and scratch
+tensors allocated, three Triton launches. At small shapes the GPU finishes each kernel in a few µs, so the
+call costs what the host spends. Per piece this times `--calls` back-to-back calls with the host clock and no
+synchronisation inside the loop (the GPU work of each is tiny: the loop is host-bound), and reports µs per
+call, plus the same with the final drain (`..._drained_us`), which exceeds it where the GPU was the bound.
+Run it alone on the host: another process compiling at the same time inflates every figure.
+
+Pieces (gumbel_sample_into, fp32 logits, K = 5 columns): `empty` one torch.empty, `scratch` the launcher's
+one-allocation scratch of six tensors, `launch_block` / `launch_reduce` / `launch_probs` each Triton launch
+alone (`kernel[grid](...)` with ready arguments), `launcher` the whole launcher (kernels/gumbel.py),
+`call` through fspec.kernels.dispatch.call (what fspec's code runs), `op` through torch.ops.fspec
+(the dispatcher), `validate` the public function's input checks alone (one device sync), `public` the public
+function (validation + launcher).
+"""
+
+from __future__ import annotations
+
+import sys
+
+if "--cpu-smoke" in sys.argv:  # before triton is imported: the kernels run in the interpreter
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import argparse  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import results_io as RIO  # noqa: E402
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+import fspec  # noqa: E402
+from fspec.kernels import gumbel, pdl  # noqa: E402
+from fspec.kernels.dispatch import call  # noqa: E402
+from fspec.sampling import _validate_gumbel  # noqa: E402
+
+K = 5
+SHAPES = [(1, 32000), (1, 128256), (8, 128256), (64, 128256)]
+SMOKE_SHAPES = [(1, 50), (3, 70)]
+
+
+def host_us(fn, calls: int, sync) -> tuple[float, float]:
+    """(µs per call on the host clock without a sync in the loop, µs per call including the final drain)."""
+    for _ in range(max(3, calls // 20)):
+        fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    issued = time.perf_counter()
+    sync()
+    drained = time.perf_counter()
+    return (issued - start) / calls * 1e6, (drained - start) / calls * 1e6
+
+
+def pieces(b: int, v: int, device: str, gen: torch.Generator) -> dict:
+    """name -> zero-argument callable, for one (B, V)."""
+    logits = torch.randn(b, v, device=device, generator=gen)
+    temp = torch.full((b,), 0.8, device=device)
+    seed, pos = torch.arange(b, device=device), torch.arange(b, device=device) + 100
+    tokens_out = torch.zeros(b, K, dtype=torch.int64, device=device)
+    probs_out = torch.zeros(b, K, v, device=device)
+    col = torch.tensor(1, device=device)
+    block = gumbel.launch_block(None)
+    nb = triton.cdiv(v, block)
+    (block_token,) = gumbel.scratch(torch.int64, logits.device, (b, nb))
+    stats = gumbel.scratch(torch.float32, logits.device, *[(b, nb)] * 4, (b,), (b,))
+    block_key, block_hot, block_max, block_sum, row_max, row_sum = stats
+    tokens = torch.empty(b, dtype=torch.int64, device=device)
+    launch = pdl.options(logits)
+    fast_log = logits.is_cuda
+
+    def launch_block():
+        gumbel._gumbel_block_kernel[(b, nb)](
+            logits, logits.stride(0), temp, seed, pos, block_key, block_token, block_max, block_sum,
+            block_hot, v, nb, SALT=0, WITH_STATS=True, BLOCK=block, FAST_LOG=fast_log, **launch,
+        )  # fmt: skip
+
+    def launch_reduce():
+        gumbel._gumbel_reduce_kernel[(b,)](
+            block_key, block_token, block_max, block_sum, block_hot, tokens, tokens_out, col, row_max,
+            row_sum, tokens, tokens, v, nb, K, WITH_STATS=True, MAP=False,
+            NB_POW2=triton.next_power_of_2(nb), **launch,
+        )  # fmt: skip
+
+    def launch_probs():
+        gumbel._gumbel_probs_kernel[(b, nb)](
+            logits, logits.stride(0), temp, tokens, row_max, row_sum, probs_out, col, v, K, BLOCK=block,
+            **launch,
+        )  # fmt: skip
+
+    into = dict(out_tokens=tokens_out, out_probs=probs_out, col=col)
+    return {
+        "empty": lambda: torch.empty(b, dtype=torch.int64, device=device),
+        "scratch": lambda: gumbel.scratch(torch.float32, logits.device, *[(b, nb)] * 4, (b,), (b,)),
+        "launch_block": launch_block,
+        "launch_reduce": launch_reduce,
+        "launch_probs": launch_probs,
+        "launcher": lambda: gumbel.gumbel_sample(logits, temp, seed, pos, **into),
+        "call": lambda: call("gumbel_sample_into", logits, temp, seed, pos, 0, tokens_out, probs_out, col),
+        "op": lambda: torch.ops.fspec.gumbel_sample_into(
+            logits, temp, seed, pos, 0, tokens_out, probs_out, col
+        ),
+        "validate": lambda: _validate_gumbel(logits, temp, seed, pos, 0, tokens_out, probs_out, col),
+        "public": lambda: fspec.gumbel_sample(logits, temp, seed, pos, salt=0, **into),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calls", type=int, default=400, help="timed calls per piece")
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, interpreter, no timing claims")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/host_overhead.json"))
+    args = p.parse_args(argv)
+    smoke = args.cpu_smoke
+    if not smoke and not torch.cuda.is_available():
+        raise SystemExit("bench_host_overhead: needs a CUDA device (or --cpu-smoke)")
+    device = "cpu" if smoke else "cuda"
+    sync = torch.cuda.synchronize if not smoke else (lambda: None)
+    calls = 2 if smoke else args.calls
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for b, v in SMOKE_SHAPES if smoke else SHAPES:
+        row = {"B": b, "V": v}
+        timed = pieces(b, v, device, gen)
+        for name, fn in timed.items():
+            row[f"{name}_us"], row[f"{name}_drained_us"] = host_us(fn, calls, sync)
+        rows.append(row)
+        print(f"B={b:>3} V={v:>6}: " + ", ".join(f"{n} {row[n + '_us']:.1f}" for n in timed), flush=True)
+    doc = {
+        **RIO.header(
+            "bench_host_overhead.py",
+            argv,
+            "cpu (Triton interpreter)" if smoke else torch.cuda.get_device_name(),
+        ),
+        "calls": calls,
+        "rows": rows,
+    }
+    RIO.write(args.out, doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
