@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from fspec import inductor_pdl
 from fspec.cache import KVCache, mark_static
 from fspec.config import BATCH_BUCKETS, DraftConfig, bucket_for
 from fspec.draft import _step, propose
@@ -58,11 +59,15 @@ def inductor_options(mode: str | None, *, cuda: bool | None = None) -> dict | No
     * FSPEC_MAX_AUTOTUNE=1: Inductor benchmarks its Triton matmul templates against cuBLAS for every matmul
       shape and keeps the fastest (one-row decode matmuls are where cuBLAS's choice reads the weights at
       ~1.8 TB/s of the H200's ~4.2); compiles take minutes.
+    * FSPEC_INDUCTOR_PDL=1: Inductor's programmatic dependent launch, with a wait in every kernel
+      (fspec/inductor_pdl.py says why the wait), so its kernels chain with fspec's.
     """
     cuda = torch.cuda.is_available() if cuda is None else cuda
     if mode != "reduce-overhead" or not cuda:
         return None
     options = {}
+    if inductor_pdl.requested() and inductor_pdl.install():
+        options["triton.enable_pdl"] = True
     if os.environ.get("FSPEC_COORDINATE_DESCENT") == "1":
         options["coordinate_descent_tuning"] = True
     if os.environ.get("FSPEC_MAX_AUTOTUNE") == "1":
