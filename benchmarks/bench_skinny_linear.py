@@ -35,7 +35,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from fspec.kernels.skinny_linear import SkinnyConfig, default_config, skinny_linear  # noqa: E402
+from fspec.kernels.skinny_linear import (  # noqa: E402
+    GEMV_ELEMS_PER_THREAD,
+    SkinnyConfig,
+    default_config,
+    skinny_linear,
+)
 
 SHAPES = {  # name: (N, K)
     "1B q/k/v": (3072, 2048),
@@ -49,7 +54,7 @@ SHAPES = {  # name: (N, K)
 }
 SMOKE_SHAPES = {"tiny a": (48, 64), "tiny b": (20, 100)}
 FUSIONS = {  # shape: fusions of fused_decoder_layer's call on it
-    "1B q/k/v": "norm",
+    "1B q/k/v": "norm",  # each call also timed with the one-row CUDA-core kernel (GEMV_CONFIG)
     "1B o": "residual",
     "1B gate/up": "norm+silu",
     "1B down": "residual",
@@ -58,16 +63,26 @@ FUSIONS = {  # shape: fusions of fused_decoder_layer's call on it
     "8B head down": "residual",
 }
 SMOKE_FUSIONS = {"tiny a": "norm+silu", "tiny b": "residual"}
+GEMV_CONFIG = SkinnyConfig(block_n=16, block_k=512, num_warps=4, num_stages=1, fma=True)  # --fusions' `fma`
 L2_BYTES = 64 << 20  # weights cycled per timed call sequence exceed this (the H200's L2 is ~50 MB)
 
 
-def sweep_configs() -> list[SkinnyConfig]:
-    return [
+def sweep_configs(rows: int) -> list[SkinnyConfig]:
+    """The tile kernel's grid, and for one row the CUDA-core kernel's (`fma`)."""
+    tiles = [
         SkinnyConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
         for bn in (16, 32, 64)
         for bk in (128, 256, 512)
         for w, st in ((4, 3), (4, 4), (8, 3))
     ]
+    gemv = [
+        SkinnyConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=1, fma=True)
+        for bn in (16, 32, 64)
+        for bk in (128, 256, 512)
+        for w in (4, 8)
+        if bn * bk <= GEMV_ELEMS_PER_THREAD * 32 * w  # the launcher would shrink BLOCK_K to this anyway
+    ]
+    return tiles + (gemv if rows == 1 else [])
 
 
 def copy_bandwidth_tbps() -> float:
@@ -119,6 +134,9 @@ def fusion_rows(smoke: bool, bandwidth: float | None, gen: torch.Generator) -> l
             "M": 1,
             "weight_copies": copies,
             "fused_us": time_per_call_us(lambda w, x=x, kw=kw: skinny_linear(x, w, **kw), weights, smoke),
+            "fused_fma_us": time_per_call_us(
+                lambda w, x=x, kw=kw: skinny_linear(x, w, config=GEMV_CONFIG, **kw), weights, smoke
+            ),
             "skinny_us": time_per_call_us(lambda w, x=x: skinny_linear(x, w), weights, smoke),
             "cublas_us": time_per_call_us(lambda w, x=x: F.linear(x, w), weights, smoke),
         }
@@ -127,7 +145,9 @@ def fusion_rows(smoke: bool, bandwidth: float | None, gen: torch.Generator) -> l
             row["fused_over_floor"] = row["fused_us"] / row["floor_us"]
         rows.append(row)
         print(
-            f"{name:>16} {fusion:>10}: fused {row['fused_us']:8.2f} us, plain skinny {row['skinny_us']:8.2f},"
+            f"{name:>16} {fusion:>10}: fused {row['fused_us']:8.2f} us"
+            f" (CUDA cores {row['fused_fma_us']:.2f}),"
+            f" plain skinny {row['skinny_us']:8.2f},"
             f" cuBLAS {row['cublas_us']:8.2f}" + (f", floor {row['floor_us']:.2f} us" if bandwidth else ""),
             flush=True,
         )
@@ -176,7 +196,7 @@ def main(argv=None) -> int:
                 row["skinny_over_floor"] = row["skinny_us"] / floor
             if args.sweep and not smoke:
                 timed = []
-                for cfg in sweep_configs():
+                for cfg in sweep_configs(m):
                     try:
                         call = lambda w, c=cfg, x=x: skinny_linear(x, w, config=c)  # noqa: E731
                         us = time_per_call_us(call, weights, smoke)

@@ -144,7 +144,10 @@ def skinny_linear(d: dict) -> list[str]:
     for r in d["rows"]:
         best = r.get("best_config")
         cfg = (
-            f"{best['block_n']}×{best['block_k']}, {best['num_warps']}w{best['num_stages']}s" if best else "-"
+            f"{best['block_n']}×{best['block_k']}, {best['num_warps']}w{best['num_stages']}s"
+            + (" CUDA cores" if best.get("fma") else "")
+            if best
+            else "-"
         )
         out.append(
             f"| {r['shape']} | {r['N']} × {r['K']} | {r['M']} | {_f(r.get('floor_us'), '{:.2f}')} "
@@ -156,13 +159,15 @@ def skinny_linear(d: dict) -> list[str]:
 
 def skinny_fusions(d: dict) -> list[str]:
     out = [
-        "| projection | fusions | N × K | floor µs | fused µs | plain skinny µs | cuBLAS µs | fused / floor |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "| projection | fusions | N × K | floor µs | fused µs | fused, CUDA cores µs | plain skinny µs | cuBLAS µs "
+        "| fused / floor |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in d["rows"]:
         out.append(
             f"| {r['shape']} | {r['fusion']} | {r['N']} × {r['K']} | {_f(r.get('floor_us'), '{:.2f}')} "
-            f"| {_f(r['fused_us'], '{:.2f}')} | {_f(r['skinny_us'], '{:.2f}')} | {_f(r['cublas_us'], '{:.2f}')} "
+            f"| {_f(r['fused_us'], '{:.2f}')} | {_f(r.get('fused_fma_us'), '{:.2f}')} "
+            f"| {_f(r['skinny_us'], '{:.2f}')} | {_f(r['cublas_us'], '{:.2f}')} "
             f"| {_f(r.get('fused_over_floor'), '{:.2f}')} |"
         )
     return out

@@ -44,16 +44,21 @@ from .pdl import pdl_enter
 
 MAX_ROWS = 16  # rows of x one program handles (one tl.dot tile); callers fall back to F.linear above it
 NORM_MAX_BLOCK_K = 256  # BLOCK_K cap with the RMSNorm prologue (sm_90 compile: 512 spills registers)
+# `_skinny_gemv_kernel` keeps a [BLOCK_N, BLOCK_K] float32 partial sum and two weight tiles in registers
+# (twice that with SiLU * up): at most this many tile elements per thread (sm_90: 64 fits, 128 spills)
+GEMV_ELEMS_PER_THREAD = 64
 
 
 @dataclasses.dataclass(frozen=True)
 class SkinnyConfig:
-    """Launch parameters: output columns and reduction depth per tile, warps, pipeline stages."""
+    """Launch parameters: output columns and reduction depth per tile, warps, pipeline stages; `fma` runs a
+    one-row product on the CUDA cores (`_skinny_gemv_kernel`) instead of a 16-row tensor-core tile."""
 
     block_n: int = 16
     block_k: int = 512
     num_warps: int = 4
     num_stages: int = 3
+    fma: bool = False
 
 
 def default_config(n: int, k: int) -> SkinnyConfig:
@@ -138,6 +143,84 @@ def _skinny_linear_kernel(
         r = tl.load(res_ptr + m[:, None] * stride_rm + n[None, :], mask=out_ok, other=0.0)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], y, mask=out_ok)
+
+
+@triton.jit
+def _skinny_gemv_kernel(
+    x_ptr,  # [1, K] the one row of the input, K-stride 1
+    w_ptr,  # [N, K] weight, K-stride 1 ([2N, K]: gate rows, then up rows, when SILU)
+    y_ptr,  # [1, N] out
+    norm_ptr,  # [K] (NORM): RMSNorm weight applied to x first
+    res_ptr,  # [1, N] (RESIDUAL): added to the product
+    N,  # output features (SILU: of silu(gate) * up)
+    K,  # input features
+    eps,  # (NORM) RMSNorm epsilon
+    stride_wn,  # elements between rows of w
+    BLOCK_N: tl.constexpr,  # output columns per program, a power of two
+    BLOCK_K: tl.constexpr,  # reduction depth per tile, a power of two
+    NORM: tl.constexpr = False,
+    SILU: tl.constexpr = False,
+    RESIDUAL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+):
+    """`_skinny_linear_kernel` for one row (a batch-1 decode step) on the CUDA cores: each [BLOCK_N, BLOCK_K]
+    weight tile is multiplied by the broadcast x vector into a [BLOCK_N, BLOCK_K] float32 partial sum,
+    reduced over K once at the end. No tile of 16 padded rows, no trip of x through shared memory, and the
+    prologue touches BLOCK_K values of x per step instead of 16 x BLOCK_K. Same fusions and roundings. Not
+    yet measured against the tile kernel: `bench_skinny_linear.py --sweep` times both (`fma` configs)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
+    k = tl.arange(0, BLOCK_K)
+    w_ok = n_ok[:, None] & (k < K)[None, :]
+    w = tl.load(w_rows + k[None, :], mask=w_ok, other=0.0)  # weights are constant: before the wait
+    if SILU:
+        u_rows = w_rows + N.to(tl.int64) * stride_wn
+        u = tl.load(u_rows + k[None, :], mask=w_ok, other=0.0)
+    pdl_enter(PDL)
+    rstd = 0.0
+    if NORM:  # the row's RMS: every program reads x once more (K values, from L2)
+        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xs = tl.load(x_ptr + k0 + k, mask=k0 + k < K, other=0.0).to(tl.float32)
+            ss += xs * xs
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        # the next weight tile is requested before this one is used: two tiles in flight per program (the
+        # compiler pipelines only loads that feed tl.dot through shared memory); past K it is all masked
+        kn = k0 + BLOCK_K + k
+        next_ok = n_ok[:, None] & (kn < K)[None, :]
+        w_next = tl.load(w_rows + kn[None, :], mask=next_ok, other=0.0)
+        if SILU:
+            u_next = tl.load(u_rows + kn[None, :], mask=next_ok, other=0.0)
+        x = _x_vector(x_ptr, norm_ptr, k0 + k, K, rstd, NORM)
+        acc += w.to(tl.float32) * x[None, :].to(tl.float32)
+        w = w_next
+        if SILU:
+            acc_up += u.to(tl.float32) * x[None, :].to(tl.float32)
+            u = u_next
+    y = tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty)  # [BLOCK_N]
+    if SILU:
+        g = y.to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(y.dtype)
+        y = (silu.to(tl.float32) * tl.sum(acc_up, axis=1).to(y.dtype).to(tl.float32)).to(y.dtype)
+    if RESIDUAL:
+        r = tl.load(res_ptr + n, mask=n_ok, other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + n, y, mask=n_ok)
+
+
+@triton.jit
+def _x_vector(x_ptr, norm_ptr, k, K, rstd, NORM: tl.constexpr):
+    """x[k] of the one row, after the norm, in x's dtype (the roundings of `_x_tile`)."""
+    x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+    if NORM:
+        weight = tl.load(norm_ptr + k, mask=k < K, other=0.0)
+        normed = (x.to(tl.float32) * rstd).to(x.dtype)
+        x = (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+    return x
 
 
 @triton.jit
@@ -230,6 +313,17 @@ def skinny_linear(
     interpreted = isinstance(_skinny_linear_kernel, InterpretedFunction)
     upcast = interpreted or x.dtype == torch.float32
     launch = {} if interpreted else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.fma and m == 1:
+        limit = GEMV_ELEMS_PER_THREAD * 32 * cfg.num_warps // (2 if silu_mul else 1)
+        block_k = cfg.block_k
+        while cfg.block_n * block_k > limit and block_k > 16:  # what fits in registers
+            block_k //= 2
+        _skinny_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+            x, w, y, norm, y if res is None else res, n, k, float(eps), w.stride(0),
+            BLOCK_N=cfg.block_n, BLOCK_K=block_k, NORM=norm_weight is not None, SILU=silu_mul,
+            RESIDUAL=res is not None, **launch, **pdl.options(x),
+        )  # fmt: skip
+        return y
     _skinny_linear_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, w, y, norm, y if res is None else res, m, n, k, float(eps), x.stride(0), w.stride(0), y.stride(0),
         0 if res is None else res.stride(0),

@@ -3,6 +3,8 @@ fspec.models.layers.linear, and the kernel compiled for the H200 (sm_90)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,11 +25,13 @@ from fspec.models import layers
 @pytest.mark.parametrize(("n", "k"), [(16, 16), (37, 200), (100, 513)])
 def test_kernel_equals_reference_on_irregular_shapes(m, n, k):
     """Every row count up to the tile, output and reduction sizes that are not multiples of the tiles (masked
-    columns, a partial last K tile), one and several K iterations, two tile widths."""
+    columns, a partial last K tile), one and several K iterations, two tile widths; the CUDA-core kernel
+    for one row (`fma`; more rows fall back to the tile kernel)."""
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
     want = skinny_linear_ref(x, w)
-    for cfg in (None, SkinnyConfig(block_n=32, block_k=64), SkinnyConfig(block_n=16, block_k=16)):
+    fma = (SkinnyConfig(block_n=16, block_k=64, fma=True), SkinnyConfig(block_n=32, block_k=16, fma=True))
+    for cfg in (None, SkinnyConfig(block_n=32, block_k=64), SkinnyConfig(block_n=16, block_k=16), *fma):
         got = skinny_linear(x, w, config=cfg)
         assert got.shape == (m, n) and got.dtype == x.dtype
         # fp32 sums of k unit-variance products in another order: rounding ~ sqrt(k) * 2^-24 * sqrt(k)
@@ -163,6 +167,26 @@ def _compile_for_sm90_body():
         sass = run.stdout
         assert "HMMA" in sass or "HGMMA" in sass, f"no tensor-core instruction ({consts})"
         assert "STL" not in sass, f"the skinny linear kernel spills registers ({consts})"
+    # the one-row CUDA-core kernel at the largest tiles its launcher allows (GEMV_ELEMS_PER_THREAD), plain and
+    # with the fusions
+    from fspec.kernels.skinny_linear import _skinny_gemv_kernel
+
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "norm_ptr": "*bf16", "res_ptr": "*bf16"}
+    sig.update(N="i32", K="i32", eps="fp32", stride_wn="i32")
+    sig.update({name: "constexpr" for name in ("BLOCK_N", "BLOCK_K", "NORM", "SILU", "RESIDUAL", "PDL")})
+    for norm, silu, residual, block_n, block_k, warps in (
+        (0, 0, 0, 64, 256, 8), (1, 1, 0, 16, 256, 4), (0, 0, 1, 16, 512, 4), (1, 1, 1, 32, 256, 8),
+    ):  # fmt: skip
+        consts = {"BLOCK_N": block_n, "BLOCK_K": block_k, "NORM": bool(norm), "SILU": bool(silu)}
+        consts.update(RESIDUAL=bool(residual), PDL=True)
+        attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 8)}
+        src = ASTSource(fn=_skinny_gemv_kernel, signature=sig, constexprs=consts, attrs=attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            run = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True)
+        assert "STL" not in run.stdout, f"the one-row kernel spills registers ({consts}, {warps} warps)"
 
 
 def test_kernel_compiles_for_sm90():
@@ -254,7 +278,8 @@ def test_fused_prologue_and_epilogues_equal_the_unfused_ops(m, n, k, fusion):
     torch.testing.assert_close(want, unfused, rtol=1e-5, atol=1e-4)
     # fp32 sums of K products of magnitude up to ~10 in another order, then SiLU * up: ~sqrt(K) * 30 ulps
     tol = dict(rtol=1e-4, atol=1e-3)
-    for cfg in (None, SkinnyConfig(block_n=16, block_k=64)):  # one and several K tiles for the RMS pass
+    configs = (None, SkinnyConfig(block_n=16, block_k=64), SkinnyConfig(block_n=16, block_k=64, fma=True))
+    for cfg in configs:  # one and several K tiles for the RMS pass; the one-row CUDA-core kernel
         got = skinny_linear(x, w, config=cfg, **kw)
         torch.testing.assert_close(got, want, **tol)
     # the op, eager (interpreted kernel) and its fake
@@ -283,3 +308,28 @@ def test_fused_op_passes_opcheck():
     op = torch.ops.fspec.skinny_linear.default
     torch.library.opcheck(op, (x, w, torch.rand(40, generator=gen), 1e-6, False, r))
     torch.library.opcheck(op, (x, w, torch.rand(40, generator=gen), 1e-6, True, r[:, :12]))
+
+
+def test_one_row_kernel_gets_a_tile_that_fits_in_registers(monkeypatch):
+    """The `fma` launcher halves BLOCK_K until BLOCK_N x BLOCK_K is at most GEMV_ELEMS_PER_THREAD per
+    thread (half that with SiLU * up: two partial sums), and only one-row products take that kernel."""
+    from fspec.kernels import skinny_linear as sl
+
+    launched = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append((grid, kw["BLOCK_N"], kw["BLOCK_K"]))
+
+    monkeypatch.setattr(sl, "_skinny_gemv_kernel", Recorder())
+    x, w = torch.randn(1, 2048), torch.randn(256, 2048)
+    cfg = SkinnyConfig(block_n=64, block_k=512, num_warps=4, fma=True)
+    skinny_linear(x, w, config=cfg)
+    assert launched[-1] == ((4,), 64, 128)  # 64 x 128 = 64 elements per thread of 128
+    skinny_linear(x, w, config=cfg, silu_mul=True)
+    assert launched[-1] == ((2,), 64, 64)  # out = 128 columns; two sums: 32 each
+    skinny_linear(x, w, config=dataclasses.replace(cfg, num_warps=8))
+    assert launched[-1] == ((4,), 64, 256)
+    count = len(launched)
+    assert skinny_linear(torch.randn(2, 2048), w, config=cfg).shape == (2, 256)
+    assert len(launched) == count  # two rows: the tile kernel
