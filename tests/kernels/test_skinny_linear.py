@@ -195,7 +195,8 @@ def test_kernel_compiles_for_sm90():
 
 def _gpu_matches_reference_body():
     """On CUDA at the decode shapes of a 1B-shaped target (bf16): the compiled kernel equals the float32
-    reference within one bf16 rounding of the output, for 1, 6 and 16 rows, default and non-default tiles;
+    reference within one bf16 rounding of the output, for 1, 6 and 16 rows, default and non-default tiles
+    and the one-row CUDA-core kernel;
     and a layer's projections routed through it (FSPEC_SKINNY_LINEAR=1) equal F.linear's the same way."""
     import os
 
@@ -205,7 +206,8 @@ def _gpu_matches_reference_body():
         for m in (1, 6, 16):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             want = skinny_linear_ref(x, w).float()
-            for cfg in (None, SkinnyConfig(block_n=32, block_k=128, num_warps=8, num_stages=4)):
+            gemv = SkinnyConfig(block_n=16, block_k=512, num_stages=1, fma=True)  # one row: CUDA cores
+            for cfg in (None, SkinnyConfig(block_n=32, block_k=128, num_warps=8, num_stages=4), gemv):
                 got = skinny_linear(x, w, config=cfg).float()
                 torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7)
     os.environ["FSPEC_SKINNY_LINEAR"] = "1"
@@ -235,8 +237,9 @@ def _gpu_matches_reference_body():
             if "residual" in kw:
                 args.update(residual=torch.randn(m, out, device="cuda", dtype=torch.bfloat16, generator=gen))
             want = skinny_linear_ref(x, w, **args).float()
-            got = skinny_linear(x, w, **args).float()
-            torch.testing.assert_close(got, want, rtol=2**-6, atol=2**-6)
+            for cfg in (None, SkinnyConfig(block_n=16, block_k=512, num_stages=1, fma=True)):
+                got = skinny_linear(x, w, config=cfg, **args).float()
+                torch.testing.assert_close(got, want, rtol=2**-6, atol=2**-6)
 
 
 @pytest.mark.gpu
