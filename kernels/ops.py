@@ -147,7 +147,7 @@ def _(
     silu_mul: bool = False,
     residual: Tensor | None = None,
 ) -> Tensor:
-    _sl.check_args(x, w, norm_weight=norm_weight, silu_mul=silu_mul, residual=residual)
+    _sl.check_args(x, w, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=residual)
     return x.new_empty((x.shape[0], w.shape[0] // 2 if silu_mul else w.shape[0]))
 
 

@@ -32,6 +32,7 @@ projection, silu(gate) * up applied to each x tile as loaded, measured ~140 us i
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import triton
@@ -244,17 +245,39 @@ def _tile_dot(acc, x, w, UPCAST: tl.constexpr):
     return acc + tl.dot(x, tl.trans(w))
 
 
+def check_config(cfg: SkinnyConfig) -> None:
+    """ValueError unless the tiles are powers of two >= 16, num_warps a power of two in [1, 16] and
+    num_stages >= 1 (Triton would otherwise fail to build the kernel, or build one that misses columns)."""
+    if not isinstance(cfg, SkinnyConfig):
+        raise ValueError(f"config: expected a SkinnyConfig, got {type(cfg).__name__}")
+    for name in ("block_n", "block_k"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1):
+            raise ValueError(f"config.{name}: expected a power of two >= 16, got {v!r}")
+    w = cfg.num_warps
+    if isinstance(w, bool) or not isinstance(w, int) or w not in (1, 2, 4, 8, 16):
+        raise ValueError(f"config.num_warps: expected a power of two in [1, 16], got {w!r}")
+    if isinstance(cfg.num_stages, bool) or not isinstance(cfg.num_stages, int) or cfg.num_stages < 1:
+        raise ValueError(f"config.num_stages: expected an int >= 1, got {cfg.num_stages!r}")
+    if not isinstance(cfg.fma, bool):
+        raise ValueError(f"config.fma: expected a bool, got {cfg.fma!r}")
+
+
 def check_args(
     x: Tensor,
     w: Tensor,
     *,
     norm_weight: Tensor | None = None,
+    eps: float = 1e-6,
     silu_mul: bool = False,
     residual: Tensor | None = None,
 ) -> None:
     """ValueError unless x is [M, K] with 1 <= M <= MAX_ROWS, w is [N, K] ([2N, K], gate rows then up rows,
     with silu_mul), the norm weight [K] and the residual [M, N], all of one floating dtype on one device (a
-    mismatched K would make the kernel read past x's rows)."""
+    mismatched K would make the kernel read past x's rows), and eps a finite number >= 0 (a negative one
+    makes the RMS of a zero row NaN)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+        raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x: expected a [M, K] tensor with 1 <= M <= {MAX_ROWS}, got shape {tuple(x.shape)}")
     k = x.shape[1]
@@ -294,7 +317,7 @@ def skinny_linear(
     `norm_weight` applies RMSNorm (eps) to x first, `silu_mul` takes w = [w_gate; w_up] [2N, K] and returns
     silu(x @ w_gate.T) * (x @ w_up.T) [M, N], `residual` [M, N] is added to the result (see
     `skinny_linear_ref`)."""
-    check_args(x, w, norm_weight=norm_weight, silu_mul=silu_mul, residual=residual)
+    check_args(x, w, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=residual)
     m = x.shape[0]
     rows, k = w.shape
     n = rows // 2 if silu_mul else rows
@@ -305,6 +328,8 @@ def skinny_linear(
         return y
     norm = norm_weight.contiguous() if norm_weight is not None else x
     res = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
+    if config is not None:
+        check_config(config)
     cfg = config or default_config(rows, k)
     if silu_mul and config is None:  # a program reads block_n gate rows and block_n up rows
         cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
@@ -346,7 +371,7 @@ def skinny_linear_ref(
     """The reference: the unfused PyTorch ops of a Llama layer (RMSNorm in float32 as
     fspec.models.layers.rms_norm; float32 accumulation of x @ w.T cast to x's dtype; `F.silu(gate) * up` of
     its two halves; `residual + y`)."""
-    check_args(x, w, norm_weight=norm_weight, silu_mul=silu_mul, residual=residual)
+    check_args(x, w, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=residual)
     if norm_weight is not None:
         x32 = x.float()
         x = norm_weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

@@ -336,3 +336,22 @@ def test_one_row_kernel_gets_a_tile_that_fits_in_registers(monkeypatch):
     count = len(launched)
     assert skinny_linear(torch.randn(2, 2048), w, config=cfg).shape == (2, 256)
     assert len(launched) == count  # two rows: the tile kernel
+
+
+def test_bad_eps_and_launch_configs_are_value_errors():
+    """eps must be finite and >= 0 (a negative one makes a zero row's RMS NaN); a config's tiles powers of two
+    >= 16, its warps a power of two <= 16, its stages >= 1; each error names the argument."""
+    x, w = torch.randn(1, 32), torch.randn(16, 32)
+    for eps in (-1.0, float("nan"), float("inf"), True, "1e-6"):
+        with pytest.raises(ValueError, match=r"^eps: expected a finite number >= 0"):
+            skinny_linear(x, w, norm_weight=torch.ones(32), eps=eps)
+        with pytest.raises(ValueError, match=r"^eps: expected a finite number >= 0"):
+            skinny_linear_ref(x, w, norm_weight=torch.ones(32), eps=eps)
+    for field, bad in (("block_n", 24), ("block_k", 8), ("num_warps", 3), ("num_stages", 0), ("fma", 1)):
+        cfg = dataclasses.replace(SkinnyConfig(), **{field: bad})
+        with pytest.raises(ValueError, match=rf"^config\.{field}: expected"):
+            skinny_linear(x, w, config=cfg)
+    with pytest.raises(ValueError, match=r"^config: expected a SkinnyConfig"):
+        skinny_linear(x, w, config={"block_n": 16})
+    torch.testing.assert_close(skinny_linear(x, w, norm_weight=torch.ones(32), eps=0), skinny_linear_ref(
+        x, w, norm_weight=torch.ones(32), eps=0), rtol=1e-5, atol=1e-5)  # fmt: skip
