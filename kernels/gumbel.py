@@ -38,6 +38,8 @@ def launch_block(block: int | None) -> int:
     """Tokens per program of the sampling kernels: `block`, else FSPEC_SAMPLING_BLOCK (a power of two >= 4;
     for benchmarking other sizes), else DEFAULT_BLOCK."""
     if block is not None:
+        if isinstance(block, bool) or not isinstance(block, int) or block < 4 or block & (block - 1):
+            raise ValueError(f"block: expected a power of two >= 4, got {block!r}")
         return block
     env = os.environ.get("FSPEC_SAMPLING_BLOCK")
     if env is None:

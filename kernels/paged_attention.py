@@ -359,6 +359,34 @@ def _paged_attention_reduce_kernel(
 # ----------------------------------------------------------------------------------------------------------
 
 
+def check_config(cfg: AttentionConfig, *, cuda: bool) -> None:
+    """ValueError naming the field unless the set fields are usable: block_n and block_m powers of two (at
+    least 16 on a GPU, where they are tl.dot sizes), partition >= 1, num_warps a power of two <= 16,
+    num_stages >= 1, fused_reduce a bool or None."""
+    if not isinstance(cfg, AttentionConfig):
+        raise ValueError(f"config: expected an AttentionConfig, got {type(cfg).__name__}")
+    least = 16 if cuda else 1
+    for name in ("block_n", "block_m"):
+        v = getattr(cfg, name)
+        if v is None and name == "block_m":
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < least or v & (v - 1):
+            raise ValueError(f"config.{name}: expected a power of two >= {least}, got {v!r}")
+    checks = (
+        ("partition", cfg.partition is None or _positive_int(cfg.partition), "None or an int >= 1"),
+        ("num_warps", cfg.num_warps in (1, 2, 4, 8, 16) and _positive_int(cfg.num_warps), "1, 2, 4, 8 or 16"),
+        ("num_stages", _positive_int(cfg.num_stages), "an int >= 1"),
+        ("fused_reduce", cfg.fused_reduce is None or isinstance(cfg.fused_reduce, bool), "None or a bool"),
+    )
+    for name, ok, expected in checks:
+        if not ok:
+            raise ValueError(f"config.{name}: expected {expected}, got {getattr(cfg, name)!r}")
+
+
+def _positive_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
 def paged_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -378,6 +406,8 @@ def paged_attention(
     Inputs are assumed validated (fspec.validate_attn_metadata); `config` overrides the heuristic (the
     benchmark's sweep). Grid and launch arguments depend on static sizes only.
     """
+    if config is not None:
+        check_config(config, cuda=q.is_cuda)
     kc, vc = layer_view(k_cache, layer), layer_view(v_cache, layer)
     if not (kc.is_contiguous() and vc.is_contiguous()):
         raise ValueError("k_cache/v_cache: expected contiguous layers [num_blocks, block_size, Nkv, D]")

@@ -211,6 +211,9 @@ def test_tokens_per_program_come_from_the_call_the_environment_or_the_default(mo
         monkeypatch.setenv("FSPEC_SAMPLING_BLOCK", bad)
         with pytest.raises(ValueError, match="FSPEC_SAMPLING_BLOCK: expected a power of two >= 4"):
             launch_block(None)
+    for bad in (6, 2, 0, True, 64.0):  # an explicit block gets the same rule, naming the argument
+        with pytest.raises(ValueError, match=r"^block: expected a power of two >= 4, got"):
+            launch_block(bad)
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(3, 1031, generator=gen)
     t, seeds, positions = torch.tensor([0.0, 1.0, 1.7]), torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6])

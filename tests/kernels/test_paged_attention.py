@@ -6,6 +6,7 @@ block tables, contexts that cross block boundaries. Cache slots that no request 
 outside a request's context turns the output into NaN.
 """
 
+import dataclasses
 import math
 import re
 
@@ -610,3 +611,21 @@ def test_a_cuda_kv_cache_allocates_the_fused_reduction_counters_outside_any_grap
     assert counters.shape == (pa.COUNTER_SLOTS,) and counters.dtype == torch.int32
     assert not bool(counters.any())
     assert pa.tile_counters(device) is counters
+
+
+def test_bad_launch_configs_are_value_errors_naming_the_field():
+    """An explicit AttentionConfig is checked before any launch: power-of-two tiles (>= 16 on a GPU, any on
+    the interpreter), positive partition and stages, 1..16 warps, a bool or None for fused_reduce."""
+    from fspec.kernels.paged_attention import check_config
+
+    check_config(AttentionConfig(block_n=4, partition=8, block_m=4), cuda=False)  # the interpreter's tiles
+    for field, bad in (
+        ("block_n", 24), ("block_m", 12), ("partition", 0), ("num_warps", 3), ("num_stages", 0),
+        ("fused_reduce", 1),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^config\.{field}: expected"):
+            check_config(dataclasses.replace(AttentionConfig(), **{field: bad}), cuda=False)
+    with pytest.raises(ValueError, match=r"^config\.block_n: expected a power of two >= 16, got 8"):
+        check_config(AttentionConfig(block_n=8), cuda=True)
+    with pytest.raises(ValueError, match=r"^config: expected an AttentionConfig"):
+        check_config({"block_n": 16}, cuda=False)
