@@ -67,7 +67,9 @@ def inductor_options(mode: str | None, *, cuda: bool | None = None) -> dict | No
         return None
     options = {}
     if inductor_pdl.requested() and inductor_pdl.install():
-        options["triton.enable_pdl"] = True
+        # the patched codegen is not part of Inductor's cache keys: a cached graph compiled under Inductor's
+        # own PDL (no wait in some kernels) would be reused, so these compiles bypass the caches
+        options.update({"triton.enable_pdl": True, "fx_graph_cache": False, "fx_graph_remote_cache": False})
     if os.environ.get("FSPEC_COORDINATE_DESCENT") == "1":
         options["coordinate_descent_tuning"] = True
     if os.environ.get("FSPEC_MAX_AUTOTUNE") == "1":

@@ -15,6 +15,8 @@ loads Inductor would have issued before the wait are lost. It patches one privat
 Triton codegen, `TritonKernel._handle_pdl_before_access`, by running it with the scheduler's
 `previous_node` unset (Inductor's own code then waits, as it does after any non-Inductor node); where that
 method or attribute is missing (another torch), `install()` returns False and changes nothing.
+The patch is not part of Inductor's cache keys, so `fspec.compile` compiles with the FX graph caches off
+under this switch (a graph cached under Inductor's own PDL would otherwise come back without the waits).
 """
 
 from __future__ import annotations
