@@ -629,3 +629,15 @@ def test_bad_launch_configs_are_value_errors_naming_the_field():
         check_config(AttentionConfig(block_n=8), cuda=True)
     with pytest.raises(ValueError, match=r"^config: expected an AttentionConfig"):
         check_config({"block_n": 16}, cuda=False)
+    # and the launcher checks before it launches
+    q, cache = torch.randn(1, 4, 16), torch.randn(4, 16, 2, 16)
+    meta = (
+        torch.arange(4, dtype=torch.int32)[None],
+        torch.tensor([20], dtype=torch.int32),
+        torch.tensor([19]),
+    )
+    with pytest.raises(ValueError, match=r"^config\.block_m: expected a power of two >= 1, got 12"):
+        paged_attention(
+            q, cache, cache, *meta, torch.tensor([0, 1], dtype=torch.int32), scale=0.25, num_query=1,
+            config=AttentionConfig(block_m=12),
+        )  # fmt: skip
