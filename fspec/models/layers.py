@@ -40,13 +40,19 @@ def use_skinny_linear(x: torch.Tensor, w: torch.Tensor, *, cuda: bool | None = N
     mode = os.environ.get("FSPEC_SKINNY_LINEAR")
     if mode not in ("1", "deep"):
         return False
+    deep = w.dim() == 2 and w.shape[1] >= max(SKINNY_DEEP_K, w.shape[0])
+    narrow = w.dim() == 2 and w.shape[0] <= SKINNY_MAX_OUT and (mode == "1" or deep)
+    return narrow and x.dtype == w.dtype and _skinny_inference(x, w, cuda=cuda)
+
+
+def _skinny_inference(x: torch.Tensor, w: torch.Tensor, *, cuda: bool | None) -> bool:
+    """What `fspec::skinny_linear` needs of x beyond the weights: CUDA (`cuda` overrides x's device, for
+    tests), 1..SKINNY_ROWS rows, a floating dtype it handles, and no autograd through x or w."""
     cuda = x.is_cuda if cuda is None else cuda
     rows = math.prod(x.shape[:-1])
     grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    deep = w.dim() == 2 and w.shape[1] >= max(SKINNY_DEEP_K, w.shape[0])
-    narrow = w.dim() == 2 and w.shape[0] <= SKINNY_MAX_OUT and (mode == "1" or deep)
-    return cuda and 0 < rows <= SKINNY_ROWS and narrow and x.dtype == w.dtype in dtypes and not grad
+    return cuda and 0 < rows <= SKINNY_ROWS and x.dtype in dtypes and not grad
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -287,13 +293,9 @@ def use_fused_layer(p: dict, x: torch.Tensor, cfg: ModelConfig, *, cuda: bool | 
         return False
     if "qkv" not in p or "gate_up" not in p or "qkv_bias" in p or "o_bias" in p or cfg.qk_norm:
         return False
-    cuda = x.is_cuda if cuda is None else cuda
-    rows = math.prod(x.shape[:-1])
-    grad = torch.is_grad_enabled() and (x.requires_grad or p["qkv"].requires_grad)
-    dtypes = (torch.bfloat16, torch.float16, torch.float32)
     names = ("qkv", "o", "gate_up", "down", "input_norm", "post_norm")  # one dtype: the kernel's contract
     same = all(p[n].dtype == x.dtype for n in names)
-    return cuda and 0 < rows <= SKINNY_ROWS and x.dtype in dtypes and same and not grad
+    return same and _skinny_inference(x, p["qkv"], cuda=cuda)
 
 
 def fused_decoder_layer(
