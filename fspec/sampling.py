@@ -5,8 +5,9 @@ Randomness is explicit and stateless: a row's sample is a pure function of its l
 RNG, the batch it sits in, or padding. The same Philox stream drives the Triton kernel and the PyTorch
 reference, so CPU and GPU agree token for token on the same fp32 logits.
 
-Validation runs eagerly at this boundary (it reads values, e.g. temperature >= 0, so it syncs) and is
-skipped while `torch.compile` traces; the calls below it are branch-free and sync-free.
+Validation runs eagerly at this boundary (it reads values, e.g. temperature >= 0, so it syncs once: the
+value checks are one `fspec::value_flags` launch, kernels/value_flags.py) and is skipped while
+`torch.compile` traces; the calls below it are branch-free and sync-free.
 """
 
 from collections.abc import Callable
@@ -18,6 +19,13 @@ from fspec.kernels.gumbel import inv_temperature_ref
 from fspec.kernels.ops import call
 from fspec.kernels.philox import MAX_VOCAB, POSITION_MASK
 from fspec.kernels.salts import MAX_SALT, SALT_ACCEPT, SALT_BONUS, SALT_DRAFT, SALT_RESIDUAL
+from fspec.kernels.value_flags import (
+    FLAG_COL,
+    FLAG_D2T,
+    FLAG_LOGITS,
+    FLAG_POSITIONS,
+    FLAG_TEMPERATURE,
+)
 
 __all__ = ["SALT_ACCEPT", "SALT_BONUS", "SALT_DRAFT", "SALT_RESIDUAL", "gumbel_sample"]
 
@@ -53,18 +61,16 @@ def check_tensor(
         raise argument_error(name, "a contiguous tensor (it is written in place)", f"strides {t.stride()}")
 
 
-def check_values(*checks: tuple[Tensor, Callable[[], None]]) -> None:
-    """Value checks with one device sync instead of one each: every check pairs a 0-d bool tensor (True:
-    something is wrong) with the function that finds it and raises the ValueError naming it. Only when a
-    flag is set do those functions run, in order."""
-    if bool(torch.stack([bad for bad, _ in checks]).any()):
-        for _, check in checks:
+def raise_flagged(flags: int, *checks: tuple[int, Callable[[], None]]) -> None:
+    """After `fspec::value_flags` (one launch, one device read): every check pairs its FLAG_* bit with the
+    function that finds the bad value and raises the ValueError naming it; those whose bit is set run, in
+    order. A set bit that no check confirms is an AssertionError (the kernel and the checks disagree)."""
+    if not flags:
+        return
+    for bit, check in checks:
+        if flags & bit:
             check()
-        raise AssertionError("a value flag was set but no check raised")  # the flags and checks disagree
-
-
-def temperature_flag(temperature: Tensor) -> Tensor:
-    return (~torch.isfinite(temperature) | (temperature < 0)).any()
+    raise AssertionError(f"value flags {flags:#x} set but no check raised")  # the flags and checks disagree
 
 
 def check_temperature(temperature: Tensor) -> None:
@@ -104,15 +110,6 @@ def _scan_logits(logits: Tensor, temperature: Tensor) -> tuple[Tensor, Tensor, T
     return torch.isposinf(x).any(), overflow, big, t
 
 
-def logits_flag(logits: Tensor, temperature: Tensor) -> Tensor:
-    posinf, overflow, _, _ = _scan_logits(logits, temperature)
-    return posinf | overflow.any()
-
-
-def positions_flag(positions: Tensor, *, span: int) -> Tensor:
-    return ((positions < -1) | (positions > POSITION_MASK - span)).any()
-
-
 def check_positions(positions: Tensor, *, span: int) -> None:
     """Positions (plus `span` slots after them) must lie in [-1, 2^31), the Philox position field."""
     bad = (positions < -1) | (positions > POSITION_MASK - span)
@@ -145,26 +142,27 @@ def _validate_gumbel(
     if any(given) and not all(given):
         raise argument_error("out_tokens, out_probs, col", "all three or none", f"given={given}")
     checks = [
-        (temperature_flag(temperature), lambda: check_temperature(temperature)),
-        (logits_flag(logits, temperature), lambda: check_logits("logits", logits, temperature)),
-        (positions_flag(positions, span=0), lambda: check_positions(positions, span=0)),
+        (FLAG_TEMPERATURE, lambda: check_temperature(temperature)),
+        (FLAG_LOGITS, lambda: check_logits("logits", logits, temperature)),
+        (FLAG_POSITIONS, lambda: check_positions(positions, span=0)),
     ]
     if out_tokens is None:
         if d2t is not None:
             raise argument_error("d2t", "None unless out_tokens, out_probs and col are given", "a tensor")
-        check_values(*checks)
+        flags = call("value_flags", logits, temperature, positions, 0, None, 0, None, None, None)
+        raise_flagged(int(flags), *checks)
         return
     if d2t is not None:
         check_tensor("d2t", d2t, shape=(v,), dtypes=(torch.int32, torch.int64), device=dev)
-        emitted = torch.arange(v, device=dev) + d2t
 
         def check_d2t() -> None:
+            emitted = torch.arange(v, device=dev) + d2t
             first = int((emitted < 0).nonzero()[0, 0])
             raise argument_error(
                 "d2t", "offsets with t + d2t[t] >= 0 for every t", f"d2t[{first}] = {int(d2t[first])}"
             )
 
-        checks.append(((emitted < 0).any(), check_d2t))
+        checks.append((FLAG_D2T, check_d2t))
     check_tensor("out_tokens", out_tokens, ndim=2, dtypes=(torch.int64,), device=dev, contiguous=True)
     k = out_tokens.shape[1]
     check_tensor("out_tokens", out_tokens, shape=(n, k))
@@ -177,7 +175,8 @@ def _validate_gumbel(
         if not 0 <= int(col) < k:
             raise argument_error("col", f"a value in [0, {k}) (columns of out_tokens)", int(col))
 
-    check_values(*checks, ((col < 0) | (col >= k), check_col))
+    flags = call("value_flags", logits, temperature, positions, 0, col, k, None, None, d2t)
+    raise_flagged(int(flags), *checks, (FLAG_COL, check_col))
 
 
 def gumbel_sample(

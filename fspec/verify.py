@@ -21,6 +21,13 @@ from torch import Tensor
 
 from fspec.kernels.ops import call
 from fspec.kernels.philox import MAX_VOCAB
+from fspec.kernels.value_flags import (
+    FLAG_DRAFTS,
+    FLAG_LOGITS,
+    FLAG_POSITIONS,
+    FLAG_PROBS,
+    FLAG_TEMPERATURE,
+)
 from fspec.sampling import (
     FLOAT_DTYPES,
     argument_error,
@@ -28,10 +35,7 @@ from fspec.sampling import (
     check_positions,
     check_temperature,
     check_tensor,
-    check_values,
-    logits_flag,
-    positions_flag,
-    temperature_flag,
+    raise_flagged,
     unit_stride,
 )
 
@@ -73,18 +77,16 @@ def _validate_rejection(target_logits, draft_tokens, draft_probs, temperature, s
                 "draft_tokens", f"token ids in [0, {v})", f"{draft_tokens[bad][:4].tolist()}"
             )
 
-    checks = []
-    if draft_probs is not None:
-        checks.append(((~torch.isfinite(draft_probs) | (draft_probs < 0)).any(), check_q))
-    check_values(
-        *checks,
-        (((draft_tokens < 0) | (draft_tokens >= v)).any(), check_drafts),
-        (temperature_flag(temperature), lambda: check_temperature(temperature)),
-        (
-            logits_flag(target_logits, temperature),
-            lambda: check_logits("target_logits", target_logits, temperature),
-        ),
-        (positions_flag(positions, span=k), lambda: check_positions(positions, span=k)),
+    flags = call(
+        "value_flags", target_logits, temperature, positions, k, None, 0, draft_tokens, draft_probs, None
+    )
+    raise_flagged(
+        int(flags),
+        (FLAG_PROBS, check_q),
+        (FLAG_DRAFTS, check_drafts),
+        (FLAG_TEMPERATURE, lambda: check_temperature(temperature)),
+        (FLAG_LOGITS, lambda: check_logits("target_logits", target_logits, temperature)),
+        (FLAG_POSITIONS, lambda: check_positions(positions, span=k)),
     )
 
 

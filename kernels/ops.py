@@ -20,6 +20,9 @@ kernel writes; callers pass whole buffers plus the column tensor, never views (p
                                 (kernels/step_metadata.py)
     fspec::rope_cos_sin         (positions [...], inv_freq [D/2], dtype) -> (cos, sin) [..., D]
                                 (kernels/rope_cos_sin.py)
+    fspec::value_flags          (logits, temperature, positions, span, col?, ncols, draft_tokens?,
+                                draft_probs?, d2t?) -> int32 [1]: the public functions' value checks, one bit
+                                each (kernels/value_flags.py)
 """
 
 import torch
@@ -29,6 +32,7 @@ from . import attention_ops, gumbel, rejection  # noqa: F401  (attention_ops reg
 from . import rope_cos_sin as _rcs
 from . import skinny_linear as _sl
 from . import step_metadata as _sm
+from . import value_flags as _vf
 from .dispatch import call, kernels_interpreted, register  # noqa: F401  (re-exported)
 from .dispatch import use_triton as _use_triton
 
@@ -249,3 +253,40 @@ def _rope_cos_sin_vmap(info, in_dims, positions, inv_freq, dtype):
 
 
 rope_cos_sin.register_vmap(_rope_cos_sin_vmap)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# fspec::value_flags (kernels/value_flags.py)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@register("fspec::value_flags", mutates_args=())
+def value_flags(
+    logits: Tensor,
+    temperature: Tensor,
+    positions: Tensor,
+    span: int,
+    col: Tensor | None,
+    ncols: int,
+    draft_tokens: Tensor | None,
+    draft_probs: Tensor | None,
+    d2t: Tensor | None,
+) -> Tensor:
+    """The FLAG_* bits of the public functions' value checks -> int32 [1]."""
+    impl = _vf.value_flags if _use_triton(logits) else _vf.value_flags_ref
+    return impl(logits, temperature, positions, span, col, ncols, draft_tokens, draft_probs, d2t)
+
+
+@value_flags.register_fake
+def _(
+    logits: Tensor,
+    temperature: Tensor,
+    positions: Tensor,
+    span: int,
+    col: Tensor | None,
+    ncols: int,
+    draft_tokens: Tensor | None,
+    draft_probs: Tensor | None,
+    d2t: Tensor | None,
+) -> Tensor:
+    return logits.new_empty(1, dtype=torch.int32)

@@ -26,6 +26,7 @@ from fspec.kernels import (
     rope_kv_write,
     skinny_linear,
     step_metadata,
+    value_flags,
 )
 
 MODULES = (
@@ -37,6 +38,7 @@ MODULES = (
     rope_kv_write,
     skinny_linear,
     step_metadata,
+    value_flags,
 )
 
 
@@ -78,8 +80,8 @@ def test_every_kernel_takes_pdl_and_waits_before_touching_other_kernels_data():
         else:
             assert calls[0] == 0, name
         seen += 1
-    # gumbel 3, rejection 4, attention 2, kv_write, rope_kv_write, rope tables, metadata, linear 2
-    assert seen == 15
+    # gumbel 3, rejection 4, attention 2, kv_write, rope_kv_write, rope tables, metadata, linear 2, flags
+    assert seen == 16
 
 
 def test_options_are_empty_off_the_gpu_and_the_switch_is_checked(monkeypatch):
