@@ -25,6 +25,7 @@ if "--cpu-smoke" in sys.argv:  # before triton is imported: the kernel is built 
     os.environ["TRITON_INTERPRET"] = "1"
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -37,6 +38,7 @@ import triton  # noqa: E402
 
 from fspec.kernels.skinny_linear import (  # noqa: E402
     GEMV_ELEMS_PER_THREAD,
+    NORM_MAX_BLOCK_K,
     SkinnyConfig,
     default_config,
     skinny_linear,
@@ -54,7 +56,7 @@ SHAPES = {  # name: (N, K)
 }
 SMOKE_SHAPES = {"tiny a": (48, 64), "tiny b": (20, 100)}
 FUSIONS = {  # shape: fusions of fused_decoder_layer's call on it
-    "1B q/k/v": "norm",  # each call also timed with the one-row CUDA-core kernel (GEMV_CONFIG)
+    "1B q/k/v": "norm",  # each call also timed with the tensor-core tile kernel (`fused_tile_us`)
     "1B o": "residual",
     "1B gate/up": "norm+silu",
     "1B down": "residual",
@@ -63,7 +65,6 @@ FUSIONS = {  # shape: fusions of fused_decoder_layer's call on it
     "8B head down": "residual",
 }
 SMOKE_FUSIONS = {"tiny a": "norm+silu", "tiny b": "residual"}
-GEMV_CONFIG = SkinnyConfig(block_n=16, block_k=512, num_warps=4, num_stages=1, fma=True)  # --fusions' `fma`
 L2_BYTES = 64 << 20  # weights cycled per timed call sequence exceed this (the H200's L2 is ~50 MB)
 
 
@@ -83,6 +84,16 @@ def sweep_configs(rows: int) -> list[SkinnyConfig]:
         if bn * bk <= GEMV_ELEMS_PER_THREAD * 32 * w  # the launcher would shrink BLOCK_K to this anyway
     ]
     return tiles + (gemv if rows == 1 else [])
+
+
+def tile_config(n: int, k: int, kw: dict) -> SkinnyConfig:
+    """The tensor-core tile kernel's default launch (as `skinny_linear` adjusts it for its fusions)."""
+    cfg = default_config(n, k)
+    if kw.get("silu_mul"):
+        cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
+    if "norm_weight" in kw:
+        cfg = dataclasses.replace(cfg, block_k=min(cfg.block_k, NORM_MAX_BLOCK_K))
+    return cfg
 
 
 def copy_bandwidth_tbps() -> float:
@@ -134,8 +145,10 @@ def fusion_rows(smoke: bool, bandwidth: float | None, gen: torch.Generator) -> l
             "M": 1,
             "weight_copies": copies,
             "fused_us": time_per_call_us(lambda w, x=x, kw=kw: skinny_linear(x, w, **kw), weights, smoke),
-            "fused_fma_us": time_per_call_us(
-                lambda w, x=x, kw=kw: skinny_linear(x, w, config=GEMV_CONFIG, **kw), weights, smoke
+            "fused_tile_us": time_per_call_us(
+                lambda w, x=x, kw=kw, c=tile_config(n, k, kw): skinny_linear(x, w, config=c, **kw),
+                weights,
+                smoke,
             ),
             "skinny_us": time_per_call_us(lambda w, x=x: skinny_linear(x, w), weights, smoke),
             "cublas_us": time_per_call_us(lambda w, x=x: F.linear(x, w), weights, smoke),
@@ -146,7 +159,7 @@ def fusion_rows(smoke: bool, bandwidth: float | None, gen: torch.Generator) -> l
         rows.append(row)
         print(
             f"{name:>16} {fusion:>10}: fused {row['fused_us']:8.2f} us"
-            f" (CUDA cores {row['fused_fma_us']:.2f}),"
+            f" (tensor-core tile {row['fused_tile_us']:.2f}),"
             f" plain skinny {row['skinny_us']:8.2f},"
             f" cuBLAS {row['cublas_us']:8.2f}" + (f", floor {row['floor_us']:.2f} us" if bandwidth else ""),
             flush=True,
@@ -187,7 +200,7 @@ def main(argv=None) -> int:
                 "weight_copies": copies,
                 "max_abs_diff_vs_cublas": err,
                 "cublas_us": time_per_call_us(lambda w, x=x: F.linear(x, w), weights, smoke),
-                "default_config": vars(default_config(n, k)),
+                "default_config": vars(default_config(n, k, one_row=m == 1)),
                 "skinny_us": time_per_call_us(lambda w, x=x: skinny_linear(x, w), weights, smoke),
             }
             if bandwidth:

@@ -1,4 +1,5 @@
-"""Inductor's programmatic dependent launch with a wait in every kernel (`FSPEC_INDUCTOR_PDL=1`, opt-in).
+"""Inductor's programmatic dependent launch with a wait in every kernel (`FSPEC_INDUCTOR_PDL`, on by default;
+`FSPEC_INDUCTOR_PDL=0` turns it off).
 
 Inductor's own switch (`TORCHINDUCTOR_ENABLE_PDL=1`) launches its Triton kernels with the PDL attribute and
 puts `gdc_wait` before the first access to a buffer that the previous Inductor kernel wrote (or, for a store,
@@ -28,8 +29,9 @@ ENV = "FSPEC_INDUCTOR_PDL"
 
 
 def requested() -> bool:
-    """FSPEC_INDUCTOR_PDL: '1' on, unset or '0' off; anything else is a ValueError naming it."""
-    value = os.environ.get(ENV, "0")
+    """FSPEC_INDUCTOR_PDL: '1' or unset on (the H200 default: table `switches`, runs h and i), '0' off;
+    anything else is a ValueError naming it."""
+    value = os.environ.get(ENV, "1")
     if value not in ("0", "1"):
         raise ValueError(f"{ENV}: expected '0' or '1', got {value!r}")
     return value == "1"

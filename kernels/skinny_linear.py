@@ -62,13 +62,23 @@ class SkinnyConfig:
     fma: bool = False
 
 
-def default_config(n: int, k: int) -> SkinnyConfig:
-    """Launch parameters from the shapes alone, from the sweep on the H200 (`bench_skinny_linear.py --sweep`,
-    benchmarks/results/skinny_linear.json): 16 output columns per program up to N = 2048, 32 up to 4096, 64
+def default_config(n: int, k: int, *, one_row: bool = False) -> SkinnyConfig:
+    """Launch parameters from the shapes alone, from the sweeps on the H200 (`bench_skinny_linear.py
+    --sweep`, benchmarks/results/skinny_linear.json and, for one row, skinny_linear_one_row.json).
+    Several rows: the tensor-core tile, 16 output columns per program up to N = 2048, 32 up to 4096, 64
     beyond; BLOCK_K 512 up to N = 4096, 256 up to 8192, 128 beyond (at most K's next power of two); four
-    pipeline stages."""
+    pipeline stages. One row (`one_row`): the CUDA-core
+    `_skinny_gemv_kernel`, 16 output columns per program, BLOCK_K 512 up to N = 8192 and 256 beyond, eight
+    warps up to N = 4096 (at most 256 programs) and four beyond (it beat both cuBLAS and the tile at every
+    one-row shape of the sweep but the 1B down projection, where it is 4% behind the tile)."""
+    kmax = max(16, triton.next_power_of_2(k))
+    if one_row:
+        block_k = min(512 if n <= 8192 else 256, kmax)
+        return SkinnyConfig(
+            block_n=16, block_k=block_k, num_warps=8 if n <= 4096 else 4, num_stages=1, fma=True
+        )
     block_n = 16 if n <= 2048 else 32 if n <= 4096 else 64
-    block_k = min(512 if n <= 4096 else 256 if n <= 8192 else 128, max(16, triton.next_power_of_2(k)))
+    block_k = min(512 if n <= 4096 else 256 if n <= 8192 else 128, kmax)
     return SkinnyConfig(block_n=block_n, block_k=block_k, num_stages=4)
 
 
@@ -167,8 +177,9 @@ def _skinny_gemv_kernel(
     """`_skinny_linear_kernel` for one row (a batch-1 decode step) on the CUDA cores: each [BLOCK_N, BLOCK_K]
     weight tile is multiplied by the broadcast x vector into a [BLOCK_N, BLOCK_K] float32 partial sum,
     reduced over K once at the end. No tile of 16 padded rows, no trip of x through shared memory, and the
-    prologue touches BLOCK_K values of x per step instead of 16 x BLOCK_K. Same fusions and roundings. Not
-    yet measured against the tile kernel: `bench_skinny_linear.py --sweep` times both (`fma` configs)."""
+    prologue touches BLOCK_K values of x per step instead of 16 x BLOCK_K. Same fusions and roundings. The
+    one-row default (`default_config`): on the H200 sweep it read the 8B head's q/k/v at 23.9 us (cuBLAS
+    29.3, the tile 26.6) and the 1B o at 4.3 (cuBLAS 6.0, the tile 5.0)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
@@ -330,7 +341,7 @@ def skinny_linear(
     res = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
     if config is not None:
         check_config(config)
-    cfg = config or default_config(rows, k)
+    cfg = config or default_config(rows, k, one_row=m == 1)
     if silu_mul and config is None:  # a program reads block_n gate rows and block_n up rows
         cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
     if norm_weight is not None and config is None:  # the normalised x tile also lives in registers

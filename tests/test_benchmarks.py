@@ -119,7 +119,10 @@ def test_skinny_linear_fusions_smoke_times_each_fused_call(tmp_path):
     """--fusions: one row per fused call of the decode layer, timed fused, plain skinny and cuBLAS."""
     d = _run("bench_skinny_linear.py", "--cpu-smoke", "--fusions", out=tmp_path / "skf.json")
     assert [(r["shape"], r["fusion"]) for r in d["rows"]] == [("tiny a", "norm+silu"), ("tiny b", "residual")]
-    assert all(r["fused_us"] > 0 and r["skinny_us"] > 0 and r["cublas_us"] > 0 for r in d["rows"])
+    assert all(
+        r["fused_us"] > 0 and r["fused_tile_us"] > 0 and r["skinny_us"] > 0 and r["cublas_us"] > 0
+        for r in d["rows"]
+    )
 
 
 def test_host_overhead_smoke_times_every_piece_of_an_eager_sampling_call(tmp_path):

@@ -62,12 +62,13 @@ def test_compiled_step_replay_equals_eager_with_two_graphs():
 
 
 def test_inductor_options_are_opt_in_and_only_for_cuda_graphs(monkeypatch):
-    """Tuning options replace the plain mode only for reduce-overhead on CUDA and only when asked for; both
-    keep CUDA graphs on."""
+    """Tuning options replace the plain mode only for reduce-overhead on CUDA and only when asked for (with
+    fspec's Inductor PDL, the default, turned off: tests/test_inductor_pdl.py); both keep CUDA graphs on."""
     from fspec.compile import inductor_options
 
     monkeypatch.delenv("FSPEC_COORDINATE_DESCENT", raising=False)
     monkeypatch.delenv("FSPEC_MAX_AUTOTUNE", raising=False)
+    monkeypatch.setenv("FSPEC_INDUCTOR_PDL", "0")
     assert inductor_options("reduce-overhead", cuda=True) is None
     monkeypatch.setenv("FSPEC_MAX_AUTOTUNE", "1")
     opts = inductor_options("reduce-overhead", cuda=True)

@@ -19,6 +19,8 @@ GPU = pytest.mark.skipif(
 
 def test_the_switch_is_parsed_and_checked(monkeypatch):
     monkeypatch.delenv(inductor_pdl.ENV, raising=False)
+    assert inductor_pdl.requested()  # the default
+    monkeypatch.setenv(inductor_pdl.ENV, "0")
     assert not inductor_pdl.requested()
     monkeypatch.setenv(inductor_pdl.ENV, "1")
     assert inductor_pdl.requested()
@@ -27,13 +29,14 @@ def test_the_switch_is_parsed_and_checked(monkeypatch):
         inductor_pdl.requested()
 
 
-def test_inductor_options_turn_on_inductor_pdl_only_when_asked(monkeypatch):
+def test_inductor_options_turn_on_inductor_pdl_unless_turned_off(monkeypatch):
     from fspec.compile import inductor_options
 
-    for name in ("FSPEC_COORDINATE_DESCENT", "FSPEC_MAX_AUTOTUNE", inductor_pdl.ENV):
+    for name in ("FSPEC_COORDINATE_DESCENT", "FSPEC_MAX_AUTOTUNE"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(inductor_pdl.ENV, "0")
     assert inductor_options("reduce-overhead", cuda=True) is None
-    monkeypatch.setenv(inductor_pdl.ENV, "1")
+    monkeypatch.delenv(inductor_pdl.ENV)  # the default: on
     opts = inductor_options("reduce-overhead", cuda=True)
     assert opts["triton.cudagraphs"] and opts["triton.enable_pdl"]
     # the patch is invisible to Inductor's cache keys: no graph compiled without it may be reused

@@ -28,21 +28,40 @@ SKINNY_ROWS = 16  # fspec::skinny_linear's row limit (kernels/skinny_linear.py M
 # the floor, where the sweep's best skinny config is no faster (benchmarks/results/skinny_linear.json)
 SKINNY_MAX_OUT = 8192
 SKINNY_DEEP_K = 4096  # FSPEC_SKINNY_LINEAR=deep: shortest reduction routed
+# FSPEC_SKINNY_LINEAR=row: widest weight routed for one row (the widest of the one-row sweep, the 8B head's
+# gate/up; LM heads stay with cuBLAS: benchmarks/results/skinny_linear_one_row.json)
+SKINNY_ROW_MAX_OUT = 28672
+SKINNY_MODES = ("0", "1", "deep", "row", "rowdeep")
+
+
+def skinny_mode() -> str:
+    """FSPEC_SKINNY_LINEAR: 'row' (the default, also when unset: table `switches`, run i) one-row products
+    (batch-1 decode and draft steps) of at most SKINNY_ROW_MAX_OUT outputs; '0' off; '1' every weight of at
+    most SKINNY_MAX_OUT outputs; 'deep' of these only long reductions; 'rowdeep' both 'row' and 'deep'.
+    Anything else is a ValueError naming it."""
+    mode = os.environ.get("FSPEC_SKINNY_LINEAR", "row")
+    if mode not in SKINNY_MODES:
+        raise ValueError(f"FSPEC_SKINNY_LINEAR: expected one of {', '.join(SKINNY_MODES)}, got {mode!r}")
+    return mode
 
 
 def use_skinny_linear(x: torch.Tensor, w: torch.Tensor, *, cuda: bool | None = None) -> bool:
-    """Whether `linear` routes x @ w.T to `fspec::skinny_linear`: opt-in (FSPEC_SKINNY_LINEAR=1: weights of
-    at most SKINNY_MAX_OUT output features; FSPEC_SKINNY_LINEAR=deep: of these, only long reductions, at
-    least SKINNY_DEEP_K input features and no fewer than output features: a 1B target's down projection, an
-    EAGLE-3 head's q/k/v, o (8B) and down, where the H200 sweep has it ahead of cuBLAS), on CUDA, for at
-    most 16 rows of x (decode, verification and draft steps at small batch), same floating dtype, and no
-    autograd through it (training keeps F.linear). Decided when a graph is traced."""
-    mode = os.environ.get("FSPEC_SKINNY_LINEAR")
-    if mode not in ("1", "deep"):
+    """Whether `linear` routes x @ w.T to `fspec::skinny_linear` (`skinny_mode`): FSPEC_SKINNY_LINEAR=1:
+    weights of at most SKINNY_MAX_OUT output features; =deep: of these, only long reductions, at least
+    SKINNY_DEEP_K input features and no fewer than output features (a 1B target's down projection, an
+    EAGLE-3 head's q/k/v, o (8B) and down, where the H200 sweep has the tile kernel ahead of cuBLAS); =row:
+    one row of x (the one-row CUDA-core kernel, ahead of cuBLAS at every one-row shape of the sweep but one)
+    and at most SKINNY_ROW_MAX_OUT output features; =rowdeep: 'row' or 'deep'. Always on CUDA, for at most
+    16 rows of x (decode, verification and draft steps at small batch), same floating dtype, and no autograd
+    through it (training keeps F.linear). Decided when a graph is traced."""
+    mode = skinny_mode()
+    if mode == "0" or w.dim() != 2:
         return False
-    deep = w.dim() == 2 and w.shape[1] >= max(SKINNY_DEEP_K, w.shape[0])
-    narrow = w.dim() == 2 and w.shape[0] <= SKINNY_MAX_OUT and (mode == "1" or deep)
-    return narrow and x.dtype == w.dtype and _skinny_inference(x, w, cuda=cuda)
+    n, k = w.shape
+    deep = k >= max(SKINNY_DEEP_K, n) and n <= SKINNY_MAX_OUT
+    one_row = math.prod(x.shape[:-1]) == 1 and n <= SKINNY_ROW_MAX_OUT
+    routed = {"1": n <= SKINNY_MAX_OUT, "deep": deep, "row": one_row, "rowdeep": one_row or deep}[mode]
+    return routed and x.dtype == w.dtype and _skinny_inference(x, w, cuda=cuda)
 
 
 def _skinny_inference(x: torch.Tensor, w: torch.Tensor, *, cuda: bool | None) -> bool:

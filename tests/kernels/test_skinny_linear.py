@@ -65,8 +65,11 @@ def test_linear_routes_only_small_inference_products_on_cuda_when_asked(monkeypa
     SKINNY_MAX_OUT outputs, matching float dtypes, and never where autograd would need the product's
     gradient. `linear` itself equals F.linear (on CPU it never routes)."""
     x, w = torch.randn(2, 3, 8), torch.randn(5, 8)
-    monkeypatch.delenv("FSPEC_SKINNY_LINEAR", raising=False)
+    monkeypatch.delenv("FSPEC_SKINNY_LINEAR", raising=False)  # the default, "row": one row only
     assert not layers.use_skinny_linear(x, w, cuda=True)
+    assert layers.use_skinny_linear(x[:1, :1], w, cuda=True)
+    monkeypatch.setenv("FSPEC_SKINNY_LINEAR", "0")
+    assert not layers.use_skinny_linear(x[:1, :1], w, cuda=True)
     monkeypatch.setenv("FSPEC_SKINNY_LINEAR", "1")
     assert layers.use_skinny_linear(x, w, cuda=True)  # 6 rows
     assert not layers.use_skinny_linear(x, w, cuda=False)
@@ -93,8 +96,26 @@ def test_linear_routes_only_small_inference_products_on_cuda_when_asked(monkeypa
     x = torch.randn(2, k)
     assert not layers.use_skinny_linear(x, torch.randn(k, k), cuda=False)
     assert not layers.use_skinny_linear(torch.randn(17, k), torch.randn(k, k), cuda=True)
-    monkeypatch.setenv("FSPEC_SKINNY_LINEAR", "yes")  # neither mode
-    assert not layers.use_skinny_linear(x, torch.randn(k, k), cuda=True)
+    # "row": one row of x, any reduction, at most SKINNY_ROW_MAX_OUT outputs (gate/up yes, LM heads no)
+    monkeypatch.setenv("FSPEC_SKINNY_LINEAR", "row")
+    row, widest = torch.randn(1, 1, 8), layers.SKINNY_ROW_MAX_OUT
+    assert layers.use_skinny_linear(row, torch.randn(16, 8), cuda=True)
+    assert layers.use_skinny_linear(row, torch.randn(widest, 8), cuda=True)
+    assert not layers.use_skinny_linear(row, torch.randn(widest + 1, 8), cuda=True)
+    assert not layers.use_skinny_linear(torch.randn(2, 8), torch.randn(16, 8), cuda=True)  # two rows
+    assert not layers.use_skinny_linear(x, torch.randn(k, k), cuda=True)  # deep, but two rows
+    assert not layers.use_skinny_linear(row, torch.randn(16, 8), cuda=False)
+    assert not layers.use_skinny_linear(row, torch.randn(16, 8).requires_grad_(), cuda=True)
+    # "rowdeep": either
+    monkeypatch.setenv("FSPEC_SKINNY_LINEAR", "rowdeep")
+    assert layers.use_skinny_linear(row, torch.randn(widest, 8), cuda=True)
+    assert layers.use_skinny_linear(x, torch.randn(k, k), cuda=True)
+    assert not layers.use_skinny_linear(torch.randn(2, 8), torch.randn(16, 8), cuda=True)
+    monkeypatch.setenv("FSPEC_SKINNY_LINEAR", "yes")  # no mode: refused, naming the variable
+    with pytest.raises(
+        ValueError, match=r"FSPEC_SKINNY_LINEAR: expected one of 0, 1, deep, row, rowdeep, got 'yes'"
+    ):
+        layers.use_skinny_linear(x, torch.randn(k, k), cuda=True)
 
 
 def test_bad_shapes_dtypes_and_devices_are_refused_naming_the_argument():
@@ -124,6 +145,13 @@ def test_default_config_follows_the_h200_sweep_and_caps_the_tile_depth():
     assert default_config(6144, 8192) == SkinnyConfig(block_n=64, block_k=256, num_stages=4)  # 8B q/k/v
     assert default_config(28672, 4096) == SkinnyConfig(block_n=64, block_k=128, num_stages=4)  # 8B gate/up
     assert default_config(100, 40).block_k == 64
+    # one row (benchmarks/results/skinny_linear_one_row.json): the CUDA-core kernel, 16 columns per program
+    gemv = SkinnyConfig(block_n=16, block_k=512, num_warps=8, num_stages=1, fma=True)
+    assert default_config(3072, 2048, one_row=True) == gemv  # 1B q/k/v
+    assert default_config(4096, 14336, one_row=True) == gemv  # 8B down
+    assert default_config(6144, 8192, one_row=True) == dataclasses.replace(gemv, num_warps=4)  # 8B q/k/v
+    assert default_config(28672, 4096, one_row=True) == dataclasses.replace(gemv, block_k=256, num_warps=4)
+    assert default_config(100, 40, one_row=True).block_k == 64
 
 
 def _compile_for_sm90_body():
