@@ -23,6 +23,7 @@ from fspec.kernels.value_flags import (
     FLAG_COL,
     FLAG_D2T,
     FLAG_LOGITS,
+    FLAG_NAMES,
     FLAG_POSITIONS,
     FLAG_TEMPERATURE,
 )
@@ -64,13 +65,20 @@ def check_tensor(
 def raise_flagged(flags: int, *checks: tuple[int, Callable[[], None]]) -> None:
     """After `fspec::value_flags` (one launch, one device read): every check pairs its FLAG_* bit with the
     function that finds the bad value and raises the ValueError naming it; those whose bit is set run, in
-    order. A set bit that no check confirms is an AssertionError (the kernel and the checks disagree)."""
+    order. A set bit that no check confirms (a value at a float32 limit, where the device's arithmetic and
+    the host's differ: logits / temperature at the edge of overflow) is still refused, with a ValueError
+    naming the arguments behind the bits."""
     if not flags:
         return
     for bit, check in checks:
         if flags & bit:
             check()
-    raise AssertionError(f"value flags {flags:#x} set but no check raised")  # the flags and checks disagree
+    names = ", ".join(name for bit, name in FLAG_NAMES.items() if flags & bit)
+    raise argument_error(
+        names,
+        "values that pass the kernels' own checks",
+        f"values that fail them (flags {flags:#x}) at a float32 limit the host-side checks do not reach",
+    )
 
 
 def check_temperature(temperature: Tensor) -> None:

@@ -47,6 +47,15 @@ FLAG_COL = 8
 FLAG_DRAFTS = 16
 FLAG_PROBS = 32
 FLAG_D2T = 64
+FLAG_NAMES = {  # the argument behind each bit (verification calls the logits target_logits)
+    FLAG_TEMPERATURE: "temperature",
+    FLAG_LOGITS: "logits",
+    FLAG_POSITIONS: "positions",
+    FLAG_COL: "col",
+    FLAG_DRAFTS: "draft_tokens",
+    FLAG_PROBS: "draft_probs",
+    FLAG_D2T: "d2t",
+}
 _POSITION_MASK: tl.constexpr = tl.constexpr(POSITION_MASK)
 # the bits as the kernel sees them (a @triton.jit function reads only constexpr globals)
 _FLAG_TEMPERATURE: tl.constexpr = tl.constexpr(FLAG_TEMPERATURE)

@@ -221,3 +221,22 @@ def test_valid_eager_calls_read_the_device_once(monkeypatch):
     assert len(reads) == 1, reads
     with pytest.raises(ValueError, match="^positions: expected"):
         rejection_sample(target, drafts, q, temp, torch.arange(b), torch.tensor([0, -5, 0]))
+
+
+def test_a_flag_the_host_checks_cannot_confirm_is_still_a_value_error(monkeypatch):
+    """Where the kernel's value check fires and the host-side checks find nothing (a value at a float32
+    limit, where the device's arithmetic differs), the call is refused with a ValueError naming the
+    arguments behind the bits, not run and not an internal error."""
+    from fspec import sampling
+    from fspec.kernels import value_flags as vf
+
+    real = sampling.call
+
+    def flagged(name, *args):
+        if name == "value_flags":
+            return torch.tensor([vf.FLAG_LOGITS | vf.FLAG_COL], dtype=torch.int32)
+        return real(name, *args)
+
+    monkeypatch.setattr(sampling, "call", flagged)
+    with pytest.raises(ValueError, match=r"^logits, col: expected values that pass the kernels' own checks"):
+        gumbel_sample(**_valid_gumbel_args())
