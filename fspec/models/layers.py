@@ -66,12 +66,18 @@ def use_skinny_linear(x: torch.Tensor, w: torch.Tensor, *, cuda: bool | None = N
 
 def _skinny_inference(x: torch.Tensor, w: torch.Tensor, *, cuda: bool | None) -> bool:
     """What `fspec::skinny_linear` needs of x beyond the weights: CUDA (`cuda` overrides x's device, for
-    tests), 1..SKINNY_ROWS rows, a floating dtype it handles, and no autograd through x or w."""
+    tests), 1..SKINNY_ROWS rows, a floating dtype it handles, no autograd through x or w, no torch.func
+    transform (the op has no vmap or grad rule: under vmap a request's one row would reach it batched), and
+    w with unit stride along K (the kernel would copy any other weight on every call; F.linear reads it as
+    it lies)."""
+    if torch._C._are_functorch_transforms_active():
+        return False
     cuda = x.is_cuda if cuda is None else cuda
     rows = math.prod(x.shape[:-1])
     grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    return cuda and 0 < rows <= SKINNY_ROWS and x.dtype in dtypes and not grad
+    unit = w.dim() == 2 and w.stride(-1) == 1
+    return cuda and 0 < rows <= SKINNY_ROWS and x.dtype in dtypes and not grad and unit
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

@@ -111,11 +111,23 @@ def test_linear_routes_only_small_inference_products_on_cuda_when_asked(monkeypa
     assert layers.use_skinny_linear(row, torch.randn(widest, 8), cuda=True)
     assert layers.use_skinny_linear(x, torch.randn(k, k), cuda=True)
     assert not layers.use_skinny_linear(torch.randn(2, 8), torch.randn(16, 8), cuda=True)
+    # never under a torch.func transform (the op has no vmap rule) nor for a weight strided along K
+    monkeypatch.delenv("FSPEC_SKINNY_LINEAR")
+    w16 = torch.randn(16, 8)
+    torch.func.vmap(lambda r: _assert_routed(r, w16, False), in_dims=0)(torch.randn(3, 1, 8))
+    torch.func.grad(lambda r: (_assert_routed(r, w16, False) * r).sum())(torch.randn(1, 8))
+    _assert_routed(row, w16, True)
+    _assert_routed(row, torch.randn(8, 16).t(), False)
     monkeypatch.setenv("FSPEC_SKINNY_LINEAR", "yes")  # no mode: refused, naming the variable
     with pytest.raises(
         ValueError, match=r"FSPEC_SKINNY_LINEAR: expected one of 0, 1, deep, row, rowdeep, got 'yes'"
     ):
         layers.use_skinny_linear(x, torch.randn(k, k), cuda=True)
+
+
+def _assert_routed(x: torch.Tensor, w: torch.Tensor, want: bool) -> torch.Tensor:
+    assert layers.use_skinny_linear(x, w, cuda=True) is want
+    return x
 
 
 def test_bad_shapes_dtypes_and_devices_are_refused_naming_the_argument():
