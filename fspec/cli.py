@@ -19,17 +19,22 @@ def _demo(args: argparse.Namespace) -> int:
     text = next(data.read_texts(held[args.file % len(held) : args.file % len(held) + 1]))
     ids = target.tokenizer.encode(text).ids[: args.prompt_tokens]
     prompt = target.tokenizer.decode(ids)
+    settings = dict(temperature=args.temperature, seed=args.seed, num_speculative_steps=args.k)
+    for model in (draft, None):  # one short call each first: neither timed run pays the first-call costs
+        fspec.generate(target, model, [ids], max_new_tokens=min(4, args.max_new_tokens), **settings)
     res = fspec.generate(
         target,
         draft,
         [ids],
         max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        seed=args.seed,
-        num_speculative_steps=args.k,
         progress=args.max_new_tokens >= 512,
+        **settings,
     )
-    s = res.stats
+    # the same prompt decoded by the target alone: the speed-up, and (greedy) the same tokens
+    plain = fspec.generate(target, None, [ids], max_new_tokens=args.max_new_tokens, **settings)
+    s, p = res.stats, plain.stats
+    same = res.tokens[0] == plain.tokens[0] if args.temperature == 0 else None
+    speedup = s["tokens_per_second"] / p["tokens_per_second"]
     print(f"--- prompt ({len(ids)} tokens of held-out {held[args.file % len(held)].name}) ---")
     print(prompt)
     print(f"--- {len(res.tokens[0])} new tokens, K = {args.k}, temperature {args.temperature} ---")
@@ -40,6 +45,16 @@ def _demo(args: argparse.Namespace) -> int:
         f"(per-position acceptance {', '.join(f'{a:.2f}' for a in s['acceptance_rate_per_position'])}); "
         f"{s['tokens_per_second']:.1f} tokens/s on {target.params['embed'].device}"
     )
+    verdict = {True: "the same tokens", False: "DIFFERENT tokens (a bug: greedy speculation is lossless)"}
+    print(
+        f"target alone: {p['tokens_per_second']:.1f} tokens/s in {p['target_forwards']} target forwards "
+        f"(speculative: {s['target_forwards']}), speed-up {speedup:.2f}x"
+        + (
+            f", {verdict[same]}"
+            if same is not None
+            else " (sampled: equal in distribution, not token for token)"
+        )
+    )
     print(
         json.dumps(
             {
@@ -49,10 +64,12 @@ def _demo(args: argparse.Namespace) -> int:
                 "temperature": args.temperature,
                 "tokens": res.tokens[0],
                 "stats": s,
+                "target_only": {"stats": p, "same_tokens": same},
+                "speedup": speedup,
             }
         )
     )
-    return 0
+    return 0 if same is not False else 1
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -100,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         help="speculative generation with the embedded default model on held-out Python source (CPU)",
         description="Loads the embedded default model (a small Llama trained by fspec on the Python standard "
         "library's source, and its distilled EAGLE-3 head), continues a held-out standard-library file, and "
-        "prints the text, the acceptance length and tokens/s, then one line of JSON.",
+        "prints the text, the acceptance length and tokens/s; then decodes the same prompt with the target "
+        "alone and prints its tokens/s, the speed-up and (greedy) whether the tokens are the same (exit code "
+        "1 if not); then one line of JSON.",
     )
     demo.add_argument("-k", type=int, default=5, help="draft tokens per round (default 5)")
     demo.add_argument("--max-new-tokens", type=int, default=128)

@@ -17,6 +17,12 @@ def test_demo_runs_the_embedded_model_losslessly_on_held_out_text(capsys):
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["demo"] == "default-model" and len(record["tokens"]) == 32
     assert record["stats"]["acceptance_length"] > 1.25  # an untrained head gets about 1.0
+    # the target-only run it compares with: same tokens (greedy), one target forward per token
+    only = record["target_only"]
+    assert only["same_tokens"] is True and only["stats"]["target_forwards"] == 32
+    assert record["stats"]["target_forwards"] < 32
+    ratio = record["stats"]["tokens_per_second"] / only["stats"]["tokens_per_second"]
+    assert abs(record["speedup"] - ratio) < 1e-9
     target, draft = fspec.load_default()
     from fspec import data
 
