@@ -17,7 +17,6 @@ first maximal block. One program per row over the vocabulary took 218 us at 8 x 
 for eager PyTorch (COMPILE-FACTS.md), so the vocabulary is split over programs.
 """
 
-import itertools
 import math
 import os
 
@@ -50,14 +49,13 @@ def launch_block(block: int | None) -> int:
 
 
 def scratch(dtype: torch.dtype, device: torch.device, *shapes: tuple[int, ...]) -> list[Tensor]:
-    """Contiguous tensors of the given shapes, carved from one allocation: a launcher's partial results cost
-    one trip to the caching allocator instead of one each (host time that an eager call pays). Each starts
-    on a 16-byte boundary, as Triton's pointer specialisation assumes of a fresh allocation."""
+    """Flat buffers with room for the given shapes, carved from one allocation by one `split`: a launcher's
+    partial results cost one trip to the caching allocator and one view call instead of one of each per
+    buffer (host time that an eager call pays; the kernels see only pointers, so the buffers stay 1-d).
+    Each starts on a 16-byte boundary, as Triton's pointer specialisation assumes of a fresh allocation."""
     per = 16 // dtype.itemsize
-    sizes = [math.prod(s) for s in shapes]
-    starts = [0, *itertools.accumulate(-(-n // per) * per for n in sizes)]
-    flat = torch.empty(starts[-1], dtype=dtype, device=device)
-    return [flat[a : a + n].view(s) for a, n, s in zip(starts, sizes, shapes)]
+    sizes = [-(-math.prod(s) // per) * per for s in shapes]
+    return list(torch.empty(sum(sizes), dtype=dtype, device=device).split(sizes))
 
 
 @triton.jit
