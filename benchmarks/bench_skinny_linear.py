@@ -41,6 +41,7 @@ from fspec.kernels.skinny_linear import (  # noqa: E402
     NORM_MAX_BLOCK_K,
     SkinnyConfig,
     default_config,
+    gemv_block_k,
     skinny_linear,
 )
 
@@ -68,8 +69,9 @@ SMOKE_FUSIONS = {"tiny a": "norm+silu", "tiny b": "residual"}
 L2_BYTES = 64 << 20  # weights cycled per timed call sequence exceed this (the H200's L2 is ~50 MB)
 
 
-def sweep_configs(rows: int) -> list[SkinnyConfig]:
-    """The tile kernel's grid, and for one row the CUDA-core kernel's (`fma`)."""
+def sweep_configs(rows: int, k: int | None = None) -> list[SkinnyConfig]:
+    """The tile kernel's grid, and for one row the CUDA-core kernel's (`fma`) and, where a reduction of
+    depth k fits in one tile (`gemv_block_k`), the one-tile kernel's (`one_tile`)."""
     tiles = [
         SkinnyConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
         for bn in (16, 32, 64)
@@ -83,7 +85,12 @@ def sweep_configs(rows: int) -> list[SkinnyConfig]:
         for w in (4, 8)
         if bn * bk <= GEMV_ELEMS_PER_THREAD * 32 * w  # the launcher would shrink BLOCK_K to this anyway
     ]
-    return tiles + (gemv if rows == 1 else [])
+    one_tile = [
+        SkinnyConfig(block_n=16, block_k=512, num_warps=w, num_stages=1, fma=True, one_tile=True)
+        for w in (8, 16)
+    ]
+    one_tile = [c for c in one_tile if k is not None and gemv_block_k(c, k)[1]]
+    return tiles + (gemv + one_tile if rows == 1 else [])
 
 
 def tile_config(n: int, k: int, kw: dict) -> SkinnyConfig:
@@ -209,7 +216,7 @@ def main(argv=None) -> int:
                 row["skinny_over_floor"] = row["skinny_us"] / floor
             if args.sweep and not smoke:
                 timed = []
-                for cfg in sweep_configs(m):
+                for cfg in sweep_configs(m, k):
                     try:
                         call = lambda w, c=cfg, x=x: skinny_linear(x, w, config=c)  # noqa: E731
                         us = time_per_call_us(call, weights, smoke)

@@ -48,18 +48,25 @@ NORM_MAX_BLOCK_K = 256  # BLOCK_K cap with the RMSNorm prologue (sm_90 compile: 
 # `_skinny_gemv_kernel` keeps a [BLOCK_N, BLOCK_K] float32 partial sum and two weight tiles in registers
 # (twice that with SiLU * up): at most this many tile elements per thread (sm_90: 64 fits, 128 spills)
 GEMV_ELEMS_PER_THREAD = 64
+# with the whole reduction in one tile (no next tile, no loop) twice that fits (sm_90: 16 x 2048 at 8 warps
+# compiles without spills, with the norm or the residual too; 16 x 2048 at 4 warps and SiLU * up spill)
+GEMV_ONE_TILE_ELEMS_PER_THREAD = 128
 
 
 @dataclasses.dataclass(frozen=True)
 class SkinnyConfig:
     """Launch parameters: output columns and reduction depth per tile, warps, pipeline stages; `fma` runs a
-    one-row product on the CUDA cores (`_skinny_gemv_kernel`) instead of a 16-row tensor-core tile."""
+    one-row product on the CUDA cores (`_skinny_gemv_kernel`) instead of a 16-row tensor-core tile;
+    `one_tile` (with `fma`) makes its tile the whole reduction (BLOCK_K = K's next power of two, every
+    weight load issued at once) where that fits in registers (GEMV_ONE_TILE_ELEMS_PER_THREAD), else it
+    keeps the loop."""
 
     block_n: int = 16
     block_k: int = 512
     num_warps: int = 4
     num_stages: int = 3
     fma: bool = False
+    one_tile: bool = False
 
 
 def default_config(n: int, k: int, *, one_row: bool = False) -> SkinnyConfig:
@@ -173,6 +180,7 @@ def _skinny_gemv_kernel(
     SILU: tl.constexpr = False,
     RESIDUAL: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    ONE_TILE: tl.constexpr = False,  # BLOCK_K >= K: the whole reduction is the first tile, no loop
 ):
     """`_skinny_linear_kernel` for one row (a batch-1 decode step) on the CUDA cores: each [BLOCK_N, BLOCK_K]
     weight tile is multiplied by the broadcast x vector into a [BLOCK_N, BLOCK_K] float32 partial sum,
@@ -199,20 +207,27 @@ def _skinny_gemv_kernel(
         rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        # the next weight tile is requested before this one is used: two tiles in flight per program (the
-        # compiler pipelines only loads that feed tl.dot through shared memory); past K it is all masked
-        kn = k0 + BLOCK_K + k
-        next_ok = n_ok[:, None] & (kn < K)[None, :]
-        w_next = tl.load(w_rows + kn[None, :], mask=next_ok, other=0.0)
-        if SILU:
-            u_next = tl.load(u_rows + kn[None, :], mask=next_ok, other=0.0)
-        x = _x_vector(x_ptr, norm_ptr, k0 + k, K, rstd, NORM)
+    if ONE_TILE:  # every weight load was issued before the wait: one memory latency per program
+        x = _x_vector(x_ptr, norm_ptr, k, K, rstd, NORM)
         acc += w.to(tl.float32) * x[None, :].to(tl.float32)
-        w = w_next
         if SILU:
             acc_up += u.to(tl.float32) * x[None, :].to(tl.float32)
-            u = u_next
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            # the next weight tile is requested before this one is used: two tiles in flight per program
+            # (the compiler pipelines only loads that feed tl.dot through shared memory); past K it is all
+            # masked
+            kn = k0 + BLOCK_K + k
+            next_ok = n_ok[:, None] & (kn < K)[None, :]
+            w_next = tl.load(w_rows + kn[None, :], mask=next_ok, other=0.0)
+            if SILU:
+                u_next = tl.load(u_rows + kn[None, :], mask=next_ok, other=0.0)
+            x = _x_vector(x_ptr, norm_ptr, k0 + k, K, rstd, NORM)
+            acc += w.to(tl.float32) * x[None, :].to(tl.float32)
+            w = w_next
+            if SILU:
+                acc_up += u.to(tl.float32) * x[None, :].to(tl.float32)
+                u = u_next
     y = tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty)  # [BLOCK_N]
     if SILU:
         g = y.to(tl.float32)
@@ -270,8 +285,9 @@ def check_config(cfg: SkinnyConfig) -> None:
         raise ValueError(f"config.num_warps: expected a power of two in [1, 16], got {w!r}")
     if isinstance(cfg.num_stages, bool) or not isinstance(cfg.num_stages, int) or cfg.num_stages < 1:
         raise ValueError(f"config.num_stages: expected an int >= 1, got {cfg.num_stages!r}")
-    if not isinstance(cfg.fma, bool):
-        raise ValueError(f"config.fma: expected a bool, got {cfg.fma!r}")
+    for name in ("fma", "one_tile"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise ValueError(f"config.{name}: expected a bool, got {getattr(cfg, name)!r}")
 
 
 def check_args(
@@ -314,6 +330,21 @@ def check_args(
             )
 
 
+def gemv_block_k(cfg: SkinnyConfig, k: int, *, silu_mul: bool = False) -> tuple[int, bool]:
+    """(BLOCK_K, ONE_TILE) of `_skinny_gemv_kernel` for a config and a reduction depth: the whole reduction
+    in one tile when `cfg.one_tile` asks and it fits (GEMV_ONE_TILE_ELEMS_PER_THREAD, twice the tiles with
+    SiLU * up), else cfg.block_k shrunk until the loop's tiles fit (GEMV_ELEMS_PER_THREAD)."""
+    tiles = 2 if silu_mul else 1
+    threads = 32 * cfg.num_warps
+    whole = max(16, triton.next_power_of_2(k))
+    if cfg.one_tile and cfg.block_n * whole * tiles <= GEMV_ONE_TILE_ELEMS_PER_THREAD * threads:
+        return whole, True
+    block_k = cfg.block_k
+    while cfg.block_n * block_k * tiles > GEMV_ELEMS_PER_THREAD * threads and block_k > 16:
+        block_k //= 2
+    return block_k, False
+
+
 def skinny_linear(
     x: Tensor,
     w: Tensor,
@@ -350,14 +381,11 @@ def skinny_linear(
     upcast = interpreted or x.dtype == torch.float32
     launch = {} if interpreted else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.fma and m == 1:
-        limit = GEMV_ELEMS_PER_THREAD * 32 * cfg.num_warps // (2 if silu_mul else 1)
-        block_k = cfg.block_k
-        while cfg.block_n * block_k > limit and block_k > 16:  # what fits in registers
-            block_k //= 2
+        block_k, one_tile = gemv_block_k(cfg, k, silu_mul=silu_mul)
         _skinny_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
             x, w, y, norm, y if res is None else res, n, k, float(eps), w.stride(0),
             BLOCK_N=cfg.block_n, BLOCK_K=block_k, NORM=norm_weight is not None, SILU=silu_mul,
-            RESIDUAL=res is not None, **launch, **pdl.options(x),
+            RESIDUAL=res is not None, ONE_TILE=one_tile, **launch, **pdl.options(x),
         )  # fmt: skip
         return y
     _skinny_linear_kernel[(triton.cdiv(n, cfg.block_n),)](

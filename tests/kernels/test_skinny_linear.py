@@ -31,6 +31,7 @@ def test_kernel_equals_reference_on_irregular_shapes(m, n, k):
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
     want = skinny_linear_ref(x, w)
     fma = (SkinnyConfig(block_n=16, block_k=64, fma=True), SkinnyConfig(block_n=32, block_k=16, fma=True))
+    fma += (SkinnyConfig(block_n=16, block_k=16, num_warps=8, fma=True, one_tile=True),)  # all K at once
     for cfg in (None, SkinnyConfig(block_n=32, block_k=64), SkinnyConfig(block_n=16, block_k=16), *fma):
         got = skinny_linear(x, w, config=cfg)
         assert got.shape == (m, n) and got.dtype == x.dtype
@@ -213,12 +214,17 @@ def _compile_for_sm90_body():
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "norm_ptr": "*bf16", "res_ptr": "*bf16"}
     sig.update(N="i32", K="i32", eps="fp32", stride_wn="i32")
-    sig.update({name: "constexpr" for name in ("BLOCK_N", "BLOCK_K", "NORM", "SILU", "RESIDUAL", "PDL")})
-    for norm, silu, residual, block_n, block_k, warps in (
-        (0, 0, 0, 64, 256, 8), (1, 1, 0, 16, 256, 4), (0, 0, 1, 16, 512, 4), (1, 1, 1, 32, 256, 8),
+    names = ("BLOCK_N", "BLOCK_K", "NORM", "SILU", "RESIDUAL", "PDL", "ONE_TILE")
+    sig.update({name: "constexpr" for name in names})
+    # the loop at its largest tiles, and the one-tile kernel at the largest the launcher allows
+    # (GEMV_ONE_TILE_ELEMS_PER_THREAD: 16 x 2048 at 8 warps; 16 x 1024 with SiLU * up's two tiles)
+    for norm, silu, residual, block_n, block_k, warps, one in (
+        (0, 0, 0, 64, 256, 8, 0), (1, 1, 0, 16, 256, 4, 0), (0, 0, 1, 16, 512, 4, 0),
+        (1, 1, 1, 32, 256, 8, 0), (0, 0, 0, 16, 2048, 8, 1), (1, 0, 0, 16, 2048, 8, 1),
+        (0, 0, 1, 16, 2048, 8, 1), (1, 1, 1, 16, 1024, 8, 1),
     ):  # fmt: skip
         consts = {"BLOCK_N": block_n, "BLOCK_K": block_k, "NORM": bool(norm), "SILU": bool(silu)}
-        consts.update(RESIDUAL=bool(residual), PDL=True)
+        consts.update(RESIDUAL=bool(residual), PDL=True, ONE_TILE=bool(one))
         attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 8)}
         src = ASTSource(fn=_skinny_gemv_kernel, signature=sig, constexprs=consts, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
@@ -247,7 +253,8 @@ def _gpu_matches_reference_body():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             want = skinny_linear_ref(x, w).float()
             gemv = SkinnyConfig(block_n=16, block_k=512, num_stages=1, fma=True)  # one row: CUDA cores
-            for cfg in (None, SkinnyConfig(block_n=32, block_k=128, num_warps=8, num_stages=4), gemv):
+            one = SkinnyConfig(block_n=16, block_k=512, num_warps=8, num_stages=1, fma=True, one_tile=True)
+            for cfg in (None, SkinnyConfig(block_n=32, block_k=128, num_warps=8, num_stages=4), gemv, one):
                 got = skinny_linear(x, w, config=cfg).float()
                 torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7)
     os.environ["FSPEC_SKINNY_LINEAR"] = "1"
@@ -277,7 +284,8 @@ def _gpu_matches_reference_body():
             if "residual" in kw:
                 args.update(residual=torch.randn(m, out, device="cuda", dtype=torch.bfloat16, generator=gen))
             want = skinny_linear_ref(x, w, **args).float()
-            for cfg in (None, SkinnyConfig(block_n=16, block_k=512, num_stages=1, fma=True)):
+            one = SkinnyConfig(block_n=16, block_k=512, num_warps=8, num_stages=1, fma=True, one_tile=True)
+            for cfg in (None, SkinnyConfig(block_n=16, block_k=512, num_stages=1, fma=True), one):
                 got = skinny_linear(x, w, config=cfg, **args).float()
                 torch.testing.assert_close(got, want, rtol=2**-6, atol=2**-6)
 
@@ -322,7 +330,10 @@ def test_fused_prologue_and_epilogues_equal_the_unfused_ops(m, n, k, fusion):
     # fp32 sums of K products of magnitude up to ~10 in another order, then SiLU * up: ~sqrt(K) * 30 ulps
     tol = dict(rtol=1e-4, atol=1e-3)
     configs = (None, SkinnyConfig(block_n=16, block_k=64), SkinnyConfig(block_n=16, block_k=64, fma=True))
-    for cfg in configs:  # one and several K tiles for the RMS pass; the one-row CUDA-core kernel
+    configs += (SkinnyConfig(block_n=16, block_k=16, num_warps=16, fma=True, one_tile=True),)
+    for (
+        cfg
+    ) in configs:  # one and several K tiles for the RMS pass; the one-row CUDA-core kernel (and in one tile)
         got = skinny_linear(x, w, config=cfg, **kw)
         torch.testing.assert_close(got, want, **tol)
     # the op, eager (interpreted kernel) and its fake
@@ -376,6 +387,15 @@ def test_one_row_kernel_gets_a_tile_that_fits_in_registers(monkeypatch):
     count = len(launched)
     assert skinny_linear(torch.randn(2, 2048), w, config=cfg).shape == (2, 256)
     assert len(launched) == count  # two rows: the tile kernel
+    # one_tile: the whole reduction (K's next power of two) when it fits in GEMV_ONE_TILE_ELEMS_PER_THREAD
+    one = SkinnyConfig(block_n=16, block_k=512, num_warps=8, fma=True, one_tile=True)
+    assert sl.gemv_block_k(one, 2048) == (2048, True)  # 16 x 2048 / 256 threads = 128
+    assert sl.gemv_block_k(one, 1500) == (2048, True)
+    assert sl.gemv_block_k(one, 2049) == (512, False)  # 4096 would not fit: the loop, cfg.block_k
+    assert sl.gemv_block_k(one, 2048, silu_mul=True) == (512, False)  # two tiles do not fit
+    assert sl.gemv_block_k(one, 1024, silu_mul=True) == (1024, True)
+    assert sl.gemv_block_k(dataclasses.replace(one, num_warps=4), 2048) == (512, False)
+    assert sl.gemv_block_k(dataclasses.replace(one, one_tile=False), 100) == (512, False)
 
 
 def test_bad_eps_and_launch_configs_are_value_errors():
@@ -387,7 +407,14 @@ def test_bad_eps_and_launch_configs_are_value_errors():
             skinny_linear(x, w, norm_weight=torch.ones(32), eps=eps)
         with pytest.raises(ValueError, match=r"^eps: expected a finite number >= 0"):
             skinny_linear_ref(x, w, norm_weight=torch.ones(32), eps=eps)
-    for field, bad in (("block_n", 24), ("block_k", 8), ("num_warps", 3), ("num_stages", 0), ("fma", 1)):
+    for field, bad in (
+        ("block_n", 24),
+        ("block_k", 8),
+        ("num_warps", 3),
+        ("num_stages", 0),
+        ("fma", 1),
+        ("one_tile", 1),
+    ):
         cfg = dataclasses.replace(SkinnyConfig(), **{field: bad})
         with pytest.raises(ValueError, match=rf"^config\.{field}: expected"):
             skinny_linear(x, w, config=cfg)
