@@ -310,11 +310,16 @@ def decoder_layer(
 
 
 def use_fused_layer(p: dict, x: torch.Tensor, cfg: ModelConfig, *, cuda: bool | None = None) -> bool:
-    """Whether a pre-norm layer runs as `fused_decoder_layer`: opt-in (FSPEC_FUSED_LAYER=1), a layer with
-    fused projections ("qkv", "gate_up"), no biases and no q/k norm, its weights and norms in x's dtype,
-    and the conditions of `use_skinny_linear` for x (CUDA, 1..16 rows, inference), wide weights included.
-    Decided when a graph is traced."""
-    if os.environ.get("FSPEC_FUSED_LAYER") != "1":
+    """Whether a pre-norm layer runs as `fused_decoder_layer`: opt-in (FSPEC_FUSED_LAYER=1; =row only for one
+    row of x, a batch-1 decode or draft step, where the one-row kernel runs it, so that verification's K + 1
+    rows keep the unfused layer), a layer with fused projections ("qkv", "gate_up"), no biases and no q/k
+    norm, its weights and norms in x's dtype, and the conditions of `use_skinny_linear` for x (CUDA, 1..16
+    rows, inference), wide weights included. Decided when a graph is traced. Any other value of the variable
+    than unset, 0, 1 and row is a ValueError naming it."""
+    mode = os.environ.get("FSPEC_FUSED_LAYER", "0")
+    if mode not in ("0", "1", "row"):
+        raise ValueError(f"FSPEC_FUSED_LAYER: expected one of 0, 1, row, got {mode!r}")
+    if mode == "0" or (mode == "row" and math.prod(x.shape[:-1]) != 1):
         return False
     if "qkv" not in p or "gate_up" not in p or "qkv_bias" in p or "o_bias" in p or cfg.qk_norm:
         return False

@@ -91,6 +91,14 @@ def test_routing_needs_the_switch_fused_unbiased_layers_and_a_small_inference_ba
         assert not L.use_fused_layer(other.params["layers"][0], x, other.cfg, cuda=True)
     with torch.enable_grad():
         assert not L.use_fused_layer(p, x.requires_grad_(), cfg, cuda=True)
+    # "row": one row of x only (verification's K + 1 rows keep the unfused layer)
+    monkeypatch.setenv("FSPEC_FUSED_LAYER", "row")
+    assert L.use_fused_layer(p, torch.randn(1, 1, 48), cfg, cuda=True)
+    assert not L.use_fused_layer(p, torch.randn(2, 48), cfg, cuda=True)
+    assert not L.use_fused_layer(p, torch.randn(1, 48), cfg, cuda=False)
+    monkeypatch.setenv("FSPEC_FUSED_LAYER", "yes")
+    with pytest.raises(ValueError, match=r"^FSPEC_FUSED_LAYER: expected one of 0, 1, row, got 'yes'"):
+        L.use_fused_layer(p, x, cfg, cuda=True)
 
 
 @pytest.mark.gpu
