@@ -13,10 +13,11 @@ Run it alone on the host: another process compiling at the same time inflates ev
 
 Pieces (gumbel_sample_into, fp32 logits, K = 5 columns): `empty` one torch.empty, `scratch` the launcher's
 one-allocation scratch of six tensors, `launch_block` / `launch_reduce` / `launch_probs` each Triton launch
-alone (`kernel[grid](...)` with ready arguments), `launcher` the whole launcher (kernels/gumbel.py),
-`call` through fspec.kernels.dispatch.call (what fspec's code runs), `op` through torch.ops.fspec
-(the dispatcher), `validate` the public function's input checks alone (one device sync), `public` the public
-function (validation + launcher).
+alone (`kernel[grid](...)` with ready arguments), `launch_block_compiled` the first of them through the
+compiled kernel's C launcher alone (CUDA only; the difference is what `JITFunction.run` adds per launch),
+`launcher` the whole launcher (kernels/gumbel.py), `call` through fspec.kernels.dispatch.call (what fspec's
+code runs), `op` through torch.ops.fspec (the dispatcher), `validate` the public function's input checks
+alone (one device sync), `public` the public function (validation + launcher).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pathlib import Path  # noqa: E402
 import results_io as RIO  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
+from triton import knobs  # noqa: E402
 
 import fspec  # noqa: E402
 from fspec.kernels import gumbel, pdl  # noqa: E402
@@ -58,6 +60,36 @@ def host_us(fn, calls: int, sync) -> tuple[float, float]:
     sync()
     drained = time.perf_counter()
     return (issued - start) / calls * 1e6, (drained - start) / calls * 1e6
+
+
+def compiled_launch(launch, t: torch.Tensor):
+    """The floor of a Triton launch from Python: the CompiledKernel that `launch` (one `kernel[grid](...)`
+    call of `_gumbel_block_kernel`) ran, called again through its C launcher with the same grid, stream and
+    bound arguments, without `JITFunction.run` (argument binding, specialisation key, cache lookup, device
+    and stream queries): what a launcher that kept its compiled kernel would pay per launch."""
+    jit, captured = gumbel._gumbel_block_kernel, {}
+
+    def spy(*args, grid, warmup, **kwargs):  # as JITFunction.run binds them (triton 3.6)
+        kwargs["debug"] = kwargs.get("debug", jit.debug) or knobs.runtime.debug
+        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+        binder = jit.device_caches[triton.runtime.driver.active.get_current_device()][4]
+        captured["args"] = list(binder(*args, **kwargs)[0].values())
+        captured["grid"] = tuple(grid) + (1,) * (3 - len(grid))
+        captured["kernel"] = type(jit).run(jit, *args, grid=grid, warmup=warmup, **kwargs)
+        return captured["kernel"]
+
+    jit.run = spy  # the instance attribute shadows JITFunction.run for this one launch
+    try:
+        launch()
+    finally:
+        del jit.run
+    compiled, grid, args = captured["kernel"], captured["grid"], captured["args"]
+    stream = torch.cuda.current_stream(t.device).cuda_stream
+
+    def run():
+        compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+
+    return run
 
 
 def pieces(b: int, v: int, device: str, gen: torch.Generator) -> dict:
@@ -97,12 +129,19 @@ def pieces(b: int, v: int, device: str, gen: torch.Generator) -> dict:
         )  # fmt: skip
 
     into = dict(out_tokens=tokens_out, out_probs=probs_out, col=col)
+    direct = {}
+    if device != "cpu":
+        try:
+            direct["launch_block_compiled"] = compiled_launch(launch_block, logits)
+        except Exception as e:  # private Triton API: a measurement, never the reason the stage fails
+            print(f"launch_block_compiled skipped: {type(e).__name__}: {e}", flush=True)
     return {
         "empty": lambda: torch.empty(b, dtype=torch.int64, device=device),
         "scratch": lambda: gumbel.scratch(torch.float32, logits.device, *[(b, nb)] * 4, (b,), (b,)),
         "launch_block": launch_block,
         "launch_reduce": launch_reduce,
         "launch_probs": launch_probs,
+        **direct,
         "launcher": lambda: gumbel.gumbel_sample(logits, temp, seed, pos, **into),
         "call": lambda: call("gumbel_sample_into", logits, temp, seed, pos, 0, tokens_out, probs_out, col),
         "op": lambda: torch.ops.fspec.gumbel_sample_into(

@@ -180,11 +180,12 @@ def skinny_fusions(d: dict) -> list[str]:
 
 
 def host_overhead(d: dict) -> list[str]:
-    names = ["empty", "scratch", "launch_block", "launch_reduce", "launch_probs", "launcher", "call", "op"]
-    names += ["validate", "public"]
+    names = ["empty", "scratch", "launch_block", "launch_block_compiled", "launch_reduce", "launch_probs"]
+    names += ["launcher", "call", "op", "validate", "public"]
+    names = [n for n in names if any(f"{n}_us" in r for r in d["rows"])]  # columns added since older runs
     out = ["| B | V | " + " | ".join(f"{n} µs" for n in names) + " |", "|---:|---:|" + "---:|" * len(names)]
     for r in d["rows"]:
-        out.append(f"| {r['B']} | {r['V']} | " + " | ".join(_f(r[f"{n}_us"]) for n in names) + " |")
+        out.append(f"| {r['B']} | {r['V']} | " + " | ".join(_f(r.get(f"{n}_us")) for n in names) + " |")
     return out
 
 
