@@ -217,7 +217,7 @@ def _per_request(name: str, value, n: int, kind: type) -> list:
     out = []
     for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
-            raise ValueError(f"{name}[{i}]: expected a {kind.__name__}, got {v!r}")
+            raise ValueError(f"{name}[{i}]: expected {'an int' if kind is int else 'a number'}, got {v!r}")
         out.append(kind(v))
     return out
 

@@ -160,7 +160,7 @@ def test_blocks_are_freed_when_requests_finish():
         ({"temperature": float("nan")}, r"temperature\[0\]: expected a finite value >= 0"),
         ({"temperature": [0.0, 1.0]}, "temperature: expected one value or 1"),
         ({"seed": [1, 2]}, "seed: expected one value or 1"),
-        ({"seed": 1.5}, r"seed\[0\]: expected a int"),
+        ({"seed": 1.5}, r"seed\[0\]: expected an int, got 1.5"),
         ({"max_new_tokens": 0}, "max_new_tokens: expected a positive int"),
         ({"num_speculative_steps": 0}, r"num_speculative_steps: expected an int in \[1, 16\]"),
     ],
