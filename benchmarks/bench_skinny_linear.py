@@ -81,7 +81,7 @@ def sweep_configs(rows: int, k: int | None = None) -> list[SkinnyConfig]:
     gemv = [
         SkinnyConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=1, fma=True)
         for bn in (16, 32, 64)
-        for bk in (128, 256, 512)
+        for bk in (128, 256, 512, 1024)  # 1024: twice the bytes in flight per program (16 x 1024, 8 warps)
         for w in (4, 8)
         if bn * bk <= GEMV_ELEMS_PER_THREAD * 32 * w  # the launcher would shrink BLOCK_K to this anyway
     ]
