@@ -249,38 +249,46 @@ ALIASES = {
 }  # result files drawn by another's renderer
 
 
+NAMES = [
+    "attention",
+    "sampling",
+    "draft_loop",
+    "draft_loop_b1_b32",
+    "generate",
+    "call_overhead",
+    "skinny_linear",
+    "skinny_linear_one_row",
+    "skinny_fusions",
+    "host_overhead",
+    "host_overhead_torch_checks",
+    "switches",
+    "dispatch",
+    "acceptance",
+    "acceptance_h200",
+    "distill_scaling",
+    "ttt_memory",
+]
+
+
+def section(name: str, results: Path = RESULTS) -> str | None:
+    """The `### name` section of BENCHMARKS.md for results/<name>.json (None when the file is absent):
+    heading, the command with machine, versions and date, and the table."""
+    path = results / f"{name}.json"
+    if not path.exists():
+        return None
+    d = json.loads(path.read_text())
+    bw = f", copy bandwidth {d['copy_bandwidth_TBps']} TB/s" if d.get("copy_bandwidth_TBps") else ""
+    machine = d["machine"] if d.get("device", "cpu") == "cpu" else f"{d['device']} ({d['machine']})"
+    head = f"### {name}\n\n`{d['command'].strip()}` — {machine}, torch {d['torch']}, triton {d['triton']}, {d['date']}{bw}\n"
+    render = globals()[ALIASES.get(name, name)]
+    return head + "\n" + "\n".join(render(d)) + "\n"
+
+
 def main(names: list[str]) -> int:
-    for name in names or [
-        "attention",
-        "sampling",
-        "draft_loop",
-        "draft_loop_b1_b32",
-        "generate",
-        "call_overhead",
-        "skinny_linear",
-        "skinny_linear_one_row",
-        "skinny_fusions",
-        "host_overhead",
-        "host_overhead_torch_checks",
-        "switches",
-        "dispatch",
-        "acceptance",
-        "acceptance_h200",
-        "distill_scaling",
-        "ttt_memory",
-    ]:
-        path = RESULTS / f"{name}.json"
-        if not path.exists():
-            continue
-        d = json.loads(path.read_text())
-        bw = f", copy bandwidth {d['copy_bandwidth_TBps']} TB/s" if d.get("copy_bandwidth_TBps") else ""
-        machine = d["machine"] if d.get("device", "cpu") == "cpu" else f"{d['device']} ({d['machine']})"
-        print(
-            f"### {name}\n\n`{d['command'].strip()}` — {machine}, torch {d['torch']}, "
-            f"triton {d['triton']}, {d['date']}{bw}\n"
-        )
-        render = globals()[ALIASES.get(name, name)]
-        print("\n".join(render(d)) + "\n")
+    for name in names or NAMES:
+        text = section(name)
+        if text is not None:
+            print(text)
     return 0
 
 

@@ -135,3 +135,20 @@ def test_host_overhead_smoke_times_every_piece_of_an_eager_sampling_call(tmp_pat
     for r in d["rows"]:
         for p in pieces:
             assert 0 < r[f"{p}_us"] <= r[f"{p}_drained_us"], p
+
+
+def test_benchmarks_md_tables_are_the_rendered_results():
+    """Every `### name` section of BENCHMARKS.md with a benchmarks/results/<name>.json is exactly what
+    make_tables.py renders from that file (heading, command line, table): a new benchmark run cannot leave
+    a stale table behind."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_tables", ROOT / "benchmarks" / "make_tables.py")
+    make_tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_tables)
+    md = (ROOT / "BENCHMARKS.md").read_text()
+    rendered = {name: make_tables.section(name) for name in make_tables.NAMES}
+    assert sum(text is not None for text in rendered.values()) >= 15
+    for name, text in rendered.items():
+        if text is not None:
+            assert text.strip() in md, f"BENCHMARKS.md: the {name} section differs from make_tables.py {name}"
