@@ -15,9 +15,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from fspec.kernels.gumbel import inv_temperature_ref
 from fspec.kernels.ops import call
-from fspec.kernels.philox import MAX_VOCAB, POSITION_MASK
+from fspec.kernels.philox import MAX_VOCAB
 from fspec.kernels.salts import MAX_SALT, SALT_ACCEPT, SALT_BONUS, SALT_DRAFT, SALT_RESIDUAL
 from fspec.kernels.value_flags import (
     FLAG_COL,
@@ -26,6 +25,10 @@ from fspec.kernels.value_flags import (
     FLAG_NAMES,
     FLAG_POSITIONS,
     FLAG_TEMPERATURE,
+    bad_d2t,
+    bad_positions,
+    bad_temperature,
+    scan_logits,
 )
 
 __all__ = ["SALT_ACCEPT", "SALT_BONUS", "SALT_DRAFT", "SALT_RESIDUAL", "gumbel_sample"]
@@ -83,7 +86,7 @@ def raise_flagged(flags: int, *checks: tuple[int, Callable[[], None]]) -> None:
 
 def check_temperature(temperature: Tensor) -> None:
     """Temperatures must be finite and >= 0 (0 = greedy)."""
-    bad = ~torch.isfinite(temperature) | (temperature < 0)
+    bad = bad_temperature(temperature)
     if bool(bad.any()):
         raise argument_error(
             "temperature", "finite values >= 0", f"{temperature[bad][:4].tolist()} (first bad values)"
@@ -97,7 +100,7 @@ def check_logits(name: str, logits: Tensor, temperature: Tensor) -> None:
     temperature of 1e-38 where argmax is 1) and write NaN probabilities q that verification cannot use.
     NaN and -inf are fine (they count as -inf).
     """
-    posinf, overflow, big, t = _scan_logits(logits, temperature)
+    posinf, overflow, big, t = scan_logits(logits, temperature)
     if bool(posinf):
         raise argument_error(name, "no +inf values (NaN and -inf count as -inf)", "+inf entries")
     if bool(overflow.any()):
@@ -108,19 +111,9 @@ def check_logits(name: str, logits: Tensor, temperature: Tensor) -> None:
         )
 
 
-def _scan_logits(logits: Tensor, temperature: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(any +inf, overflow mask [N] or [B, K+1], max finite |logit| per row, temperature broadcast)."""
-    x = logits.float()  # [N, V] or [B, K+1, V]
-    big = torch.where(torch.isfinite(x), x.abs(), 0.0).amax(-1)  # [N] or [B, K+1]
-    t = temperature.view(-1, *([1] * (big.dim() - 1)))  # broadcast over the K+1 slots
-    sampled = (t > 0).expand_as(big)
-    overflow = sampled & ~torch.isfinite(big * inv_temperature_ref(t))  # the kernels' scaling
-    return torch.isposinf(x).any(), overflow, big, t
-
-
 def check_positions(positions: Tensor, *, span: int) -> None:
     """Positions (plus `span` slots after them) must lie in [-1, 2^31), the Philox position field."""
-    bad = (positions < -1) | (positions > POSITION_MASK - span)
+    bad = bad_positions(positions, span)
     if bool(bad.any()):
         raise argument_error(
             "positions", f"values in [-1, 2^31 - {span + 1}]", f"{positions[bad][:4].tolist()}"
@@ -164,8 +157,7 @@ def _validate_gumbel(
         check_tensor("d2t", d2t, shape=(v,), dtypes=(torch.int32, torch.int64), device=dev)
 
         def check_d2t() -> None:
-            emitted = torch.arange(v, device=dev) + d2t
-            first = int((emitted < 0).nonzero()[0, 0])
+            first = int(bad_d2t(d2t).nonzero()[0, 0])
             raise argument_error(
                 "d2t", "offsets with t + d2t[t] >= 0 for every t", f"d2t[{first}] = {int(d2t[first])}"
             )

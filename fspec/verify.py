@@ -27,6 +27,8 @@ from fspec.kernels.value_flags import (
     FLAG_POSITIONS,
     FLAG_PROBS,
     FLAG_TEMPERATURE,
+    bad_drafts,
+    bad_probs,
 )
 from fspec.sampling import (
     FLOAT_DTYPES,
@@ -62,7 +64,7 @@ def _validate_rejection(target_logits, draft_tokens, draft_probs, temperature, s
     def check_q() -> (
         None
     ):  # q enters the test u * q(x) < p(x): a NaN or negative q accepts or rejects at will
-        bad = ~torch.isfinite(draft_probs) | (draft_probs < 0)
+        bad = bad_probs(draft_probs)
         if bool(bad.any()):
             raise argument_error(
                 "draft_probs",
@@ -71,7 +73,7 @@ def _validate_rejection(target_logits, draft_tokens, draft_probs, temperature, s
             )
 
     def check_drafts() -> None:
-        bad = (draft_tokens < 0) | (draft_tokens >= v)
+        bad = bad_drafts(draft_tokens, v)
         if bool(bad.any()):
             raise argument_error(
                 "draft_tokens", f"token ids in [0, {v})", f"{draft_tokens[bad][:4].tolist()}"

@@ -190,6 +190,42 @@ def value_flags(
     return flags
 
 
+def bad_temperature(temperature: Tensor) -> Tensor:
+    """FLAG_TEMPERATURE's mask: NaN, +-inf or < 0."""
+    return ~torch.isfinite(temperature) | (temperature < 0)
+
+
+def bad_positions(positions: Tensor, span: int) -> Tensor:
+    """FLAG_POSITIONS's mask: outside [-1, POSITION_MASK - span]."""
+    return (positions < -1) | (positions > POSITION_MASK - span)
+
+
+def bad_drafts(draft_tokens: Tensor, v: int) -> Tensor:
+    """FLAG_DRAFTS's mask: outside [0, V)."""
+    return (draft_tokens < 0) | (draft_tokens >= v)
+
+
+def bad_probs(draft_probs: Tensor) -> Tensor:
+    """FLAG_PROBS's mask: NaN, +-inf or < 0."""
+    return ~torch.isfinite(draft_probs) | (draft_probs < 0)
+
+
+def bad_d2t(d2t: Tensor) -> Tensor:
+    """FLAG_D2T's mask over the vocabulary: t + d2t[t] < 0."""
+    return (torch.arange(d2t.shape[0], device=d2t.device) + d2t) < 0
+
+
+def scan_logits(logits: Tensor, temperature: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """FLAG_LOGITS's parts for logits [N, V] (one row per request) or [B, S, V]: (any +inf, overflow mask
+    [N] or [B, S] of sampled rows whose max finite |logit| times `inv_temperature` is not finite, that max
+    per row, the temperature broadcast to it)."""
+    x = logits.float()
+    big = torch.where(torch.isfinite(x), x.abs(), 0.0).amax(-1)  # [N] or [B, S]
+    t = temperature.view(-1, *([1] * (big.dim() - 1)))  # broadcast over the S slots
+    overflow = (t > 0).expand_as(big) & ~torch.isfinite(big * inv_temperature_ref(t))  # the kernels' scaling
+    return torch.isposinf(x).any(), overflow, big, t
+
+
 def value_flags_ref(
     logits: Tensor,
     temperature: Tensor,
@@ -201,25 +237,22 @@ def value_flags_ref(
     draft_probs: Tensor | None = None,
     d2t: Tensor | None = None,
 ) -> Tensor:
-    """`value_flags` in plain PyTorch (same bits, same arithmetic)."""
-    x = logits.float()
-    rows = x[:, None, :] if x.dim() == 2 else x  # [B, S, V]
-    big = torch.where(torch.isfinite(rows), rows.abs(), 0.0).amax(-1)  # [B, S]
-    t = temperature.view(-1, 1)
-    overflow = ((t > 0) & ~torch.isfinite(big * inv_temperature_ref(t))).any()
+    """`value_flags` in plain PyTorch (same bits, same arithmetic; the masks above are also what the public
+    functions' detailed checks report)."""
+    posinf, overflow, _, _ = scan_logits(logits, temperature)
     bits = [
-        (FLAG_TEMPERATURE, (~torch.isfinite(temperature) | (temperature < 0)).any()),
-        (FLAG_LOGITS, torch.isposinf(x).any() | overflow),
-        (FLAG_POSITIONS, ((positions < -1) | (positions > POSITION_MASK - span)).any()),
+        (FLAG_TEMPERATURE, bad_temperature(temperature).any()),
+        (FLAG_LOGITS, posinf | overflow.any()),
+        (FLAG_POSITIONS, bad_positions(positions, span).any()),
     ]
     if col is not None:
         bits.append((FLAG_COL, (col < 0) | (col >= ncols)))
     if draft_tokens is not None:
-        bits.append((FLAG_DRAFTS, ((draft_tokens < 0) | (draft_tokens >= x.shape[-1])).any()))
+        bits.append((FLAG_DRAFTS, bad_drafts(draft_tokens, logits.shape[-1]).any()))
     if draft_probs is not None:
-        bits.append((FLAG_PROBS, (~torch.isfinite(draft_probs) | (draft_probs < 0)).any()))
+        bits.append((FLAG_PROBS, bad_probs(draft_probs).any()))
     if d2t is not None:
-        bits.append((FLAG_D2T, ((torch.arange(d2t.shape[0], device=d2t.device) + d2t) < 0).any()))
+        bits.append((FLAG_D2T, bad_d2t(d2t).any()))
     flags = torch.zeros(1, dtype=torch.int32, device=logits.device)
     for bit, bad in bits:
         flags |= bad.to(torch.int32).reshape(1) * bit
