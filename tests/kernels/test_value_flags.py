@@ -21,16 +21,24 @@ def _clean(b: int, s: int, v: int, k: int, dtype=torch.float32, seed: int = 0) -
     logits.view(-1)[1 :: max(2, v // 2)] = float("nan")
     temperature = torch.tensor([0.0, 0.7, 1.3, 1e-3, 2.0])[torch.arange(b) % 5]
     probs = torch.rand(b, k, v, generator=gen)
+    probs = probs / probs.sum(-1, keepdim=True)
+    probs[0, 0, 0] = 0.0  # the edge of every valid range is in the clean inputs, its neighbour planted below
+    positions = torch.randint(-1, POSITION_MASK - 8, (b,), generator=gen)
+    positions[0], positions[-1] = (-1, POSITION_MASK - (s - 1)) if b > 1 else (POSITION_MASK - (s - 1), 0)
+    drafts = torch.randint(0, v, (b, k), generator=gen)
+    drafts[0, 0], drafts[-1, 0] = 0, v - 1
+    d2t = torch.randint(0, 5, (v,), generator=gen)
+    d2t[-1] = -(v - 1)  # t + d2t[t] = 0 at the last token
     return dict(
         logits=logits,
         temperature=temperature,
-        positions=torch.randint(-1, POSITION_MASK - 8, (b,), generator=gen),
+        positions=positions,
         span=s - 1,
         col=torch.tensor(k - 1),
         ncols=k,
-        draft_tokens=torch.randint(0, v, (b, k), generator=gen),
-        draft_probs=probs / probs.sum(-1, keepdim=True),
-        d2t=torch.randint(0, 5, (v,), generator=gen) if s == 1 else None,
+        draft_tokens=drafts,
+        draft_probs=probs,
+        d2t=d2t if s == 1 else None,
     )
 
 
