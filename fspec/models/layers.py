@@ -13,14 +13,13 @@ convention (the HF checkpoint layout, not the interleaved one of Meta's original
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 
 from fspec.attention import Attend
-from fspec.config import ModelConfig
+from fspec.config import ModelConfig, env_choice
 from fspec.kernels.ops import call
 
 SKINNY_ROWS = 16  # fspec::skinny_linear's row limit (kernels/skinny_linear.py MAX_ROWS)
@@ -39,10 +38,7 @@ def skinny_mode() -> str:
     (batch-1 decode and draft steps) of at most SKINNY_ROW_MAX_OUT outputs; '0' off; '1' every weight of at
     most SKINNY_MAX_OUT outputs; 'deep' of these only long reductions; 'rowdeep' both 'row' and 'deep'.
     Anything else is a ValueError naming it."""
-    mode = os.environ.get("FSPEC_SKINNY_LINEAR", "row")
-    if mode not in SKINNY_MODES:
-        raise ValueError(f"FSPEC_SKINNY_LINEAR: expected one of {', '.join(SKINNY_MODES)}, got {mode!r}")
-    return mode
+    return env_choice("FSPEC_SKINNY_LINEAR", SKINNY_MODES, "row")
 
 
 def use_skinny_linear(x: torch.Tensor, w: torch.Tensor, *, cuda: bool | None = None) -> bool:
@@ -316,9 +312,7 @@ def use_fused_layer(p: dict, x: torch.Tensor, cfg: ModelConfig, *, cuda: bool | 
     norm, its weights and norms in x's dtype, and the conditions of `use_skinny_linear` for x (CUDA, 1..16
     rows, inference), wide weights included. Decided when a graph is traced. Any other value of the variable
     than unset, 0, 1 and row is a ValueError naming it."""
-    mode = os.environ.get("FSPEC_FUSED_LAYER", "0")
-    if mode not in ("0", "1", "row"):
-        raise ValueError(f"FSPEC_FUSED_LAYER: expected one of 0, 1, row, got {mode!r}")
+    mode = env_choice("FSPEC_FUSED_LAYER", ("0", "1", "row"), "0")
     if mode == "0" or (mode == "row" and math.prod(x.shape[:-1]) != 1):
         return False
     if "qkv" not in p or "gate_up" not in p or "qkv_bias" in p or "o_bias" in p or cfg.qk_norm:
