@@ -54,7 +54,8 @@ SHAPES = {  # name: (N, K)
     "8B head o": (4096, 4096),
     "8B head gate/up": (28672, 4096),
     "8B head down": (4096, 14336),
-}
+    "1B head LM head": (32000, 2048),  # an EAGLE-3 head's draft vocabulary (one-row products route here only
+}  # up to SKINNY_ROW_MAX_OUT outputs)
 SMOKE_SHAPES = {"tiny a": (48, 64), "tiny b": (20, 100)}
 FUSIONS = {  # shape: fusions of fused_decoder_layer's call on it
     "1B q/k/v": "norm",  # each call also timed with the tensor-core tile kernel (`fused_tile_us`)
@@ -71,7 +72,8 @@ L2_BYTES = 64 << 20  # weights cycled per timed call sequence exceed this (the H
 
 def sweep_configs(rows: int, k: int | None = None) -> list[SkinnyConfig]:
     """The tile kernel's grid, and for one row the CUDA-core kernel's (`fma`) and, where a reduction of
-    depth k fits in one tile (`gemv_block_k`), the one-tile kernel's (`one_tile`)."""
+    depth k fits in one tile (`gemv_block_k`), the one-tile kernel's (`one_tile`), and both with the
+    reduction split over 2-8 programs per column block (`split_k`)."""
     tiles = [
         SkinnyConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
         for bn in (16, 32, 64)
@@ -89,8 +91,18 @@ def sweep_configs(rows: int, k: int | None = None) -> list[SkinnyConfig]:
         SkinnyConfig(block_n=16, block_k=512, num_warps=w, num_stages=1, fma=True, one_tile=True)
         for w in (8, 16)
     ]
+    split = [  # the reduction cut over 2-8 programs per column block: a loop per split, or one tile
+        SkinnyConfig(block_n=16, block_k=bk, num_warps=w, num_stages=1, fma=True, split_k=s)
+        for s in (2, 4, 8)
+        for bk, w in ((256, 4), (512, 8))
+    ]
+    split += [
+        SkinnyConfig(block_n=16, block_k=512, num_warps=8, num_stages=1, fma=True, one_tile=True, split_k=s)
+        for s in (2, 4, 8)
+    ]
+    one_tile += [c for c in split if c.one_tile]
     one_tile = [c for c in one_tile if k is not None and gemv_block_k(c, k)[1]]
-    return tiles + (gemv + one_tile if rows == 1 else [])
+    return tiles + (gemv + [c for c in split if not c.one_tile] + one_tile if rows == 1 else [])
 
 
 def tile_config(n: int, k: int, kw: dict) -> SkinnyConfig:

@@ -43,6 +43,7 @@ from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
 from . import pdl
+from .counters import COUNTER_SLOTS, zeroed_counters
 from .kv_write import layer_view
 from .pdl import pdl_enter
 
@@ -94,8 +95,6 @@ _TILE_TABLE = (
 # half-empty last wave, for partials of 4 * (D + 2) bytes per head and split: under 1% of the K/V bytes of
 # these shapes).
 MIN_PARTITION, MAX_PARTITION = 64, 2048
-# Tiles (request x query tile x KV head) the fused reduction can count: one int32 counter each, per device.
-COUNTER_SLOTS = 1 << 16
 MAX_BLOCK_M = 64  # (query, head) rows per program; more rows go to further programs (prefill-sized num_query)
 PROGRAMS_PER_SM = 4  # split until the grid has about this many programs per SM (memory-level parallelism)
 
@@ -144,23 +143,6 @@ def min_partition() -> int:
     if not env.isdigit() or int(env) < 16 or int(env) % 16:
         raise ValueError(f"FSPEC_ATTN_MIN_PARTITION: expected a positive multiple of 16, got {env!r}")
     return int(env)
-
-
-_COUNTERS: dict[torch.device, Tensor] = {}
-
-
-def tile_counters(device: torch.device) -> Tensor | None:
-    """The fused reduction's zeroed int32 counters on `device` (allocated once; each launch leaves them at
-    zero again), or None while a CUDA graph is being captured before they exist (no allocation there).
-    `KVCache.create` allocates them with a CUDA cache: a first allocation inside a compiled function's
-    CUDA-graph warm-up would come from the graph's memory pool, which CUDA-graph trees reject as an untracked
-    live tensor."""
-    counters = _COUNTERS.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return counters
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -443,7 +425,7 @@ def paged_attention(
     m_tiles = triton.cdiv(num_query * group, cfg.block_m)
     counters = None
     if splits > 1 and cfg.fused_reduce and b * m_tiles * nkv <= COUNTER_SLOTS:
-        counters = tile_counters(q.device)  # None while capturing before they exist: two launches
+        counters = zeroed_counters(q.device)  # None while capturing before they exist: two launches
     # tl.dot needs one input dtype; the interpreter's bf16 arithmetic is garbage
     interpreted = isinstance(_paged_attention_kernel, InterpretedFunction)
     upcast = interpreted or q.dtype != kc.dtype or torch.float32 in (q.dtype, kc.dtype, vc.dtype)

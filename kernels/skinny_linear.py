@@ -41,6 +41,7 @@ from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
 from . import pdl
+from .counters import COUNTER_SLOTS, zeroed_counters
 from .pdl import pdl_enter
 
 MAX_ROWS = 16  # rows of x one program handles (one tl.dot tile); callers fall back to F.linear above it
@@ -51,6 +52,7 @@ GEMV_ELEMS_PER_THREAD = 64
 # with the whole reduction in one tile (no next tile, no loop) twice that fits (sm_90: 16 x 2048 at 8 warps
 # compiles without spills, with the norm or the residual too; 16 x 2048 at 4 warps and SiLU * up spill)
 GEMV_ONE_TILE_ELEMS_PER_THREAD = 128
+MAX_SPLIT_K = 64  # programs one column block's reduction may be cut into (`SkinnyConfig.split_k`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +61,8 @@ class SkinnyConfig:
     one-row product on the CUDA cores (`_skinny_gemv_kernel`) instead of a 16-row tensor-core tile;
     `one_tile` (with `fma`) makes its tile the whole reduction (BLOCK_K = K's next power of two, every
     weight load issued at once) where that fits in registers (GEMV_ONE_TILE_ELEMS_PER_THREAD), else it
-    keeps the loop."""
+    keeps the loop; `split_k` (with `fma`, a power of two) cuts a one-row reduction into that many programs
+    per column block, combined in the same launch (see `_skinny_gemv_kernel`)."""
 
     block_n: int = 16
     block_k: int = 512
@@ -67,6 +70,7 @@ class SkinnyConfig:
     num_stages: int = 3
     fma: bool = False
     one_tile: bool = False
+    split_k: int = 1
 
 
 def default_config(n: int, k: int, *, one_row: bool = False) -> SkinnyConfig:
@@ -170,8 +174,11 @@ def _skinny_gemv_kernel(
     y_ptr,  # [1, N] out
     norm_ptr,  # [K] (NORM): RMSNorm weight applied to x first
     res_ptr,  # [1, N] (RESIDUAL): added to the product
+    part_ptr,  # [SPLIT_K, N] float32 ([2, SPLIT_K, N] when SILU), SPLIT_K > 1: each split's partial sums
+    counter_ptr,  # [>= cdiv(N, BLOCK_N)] int32, zero (SPLIT_K > 1): splits of each column block finished
     N,  # output features (SILU: of silu(gate) * up)
     K,  # input features
+    K_SPLIT,  # reduction depth of one split, a multiple of BLOCK_K (K when SPLIT_K = 1)
     eps,  # (NORM) RMSNorm epsilon
     stride_wn,  # elements between rows of w
     BLOCK_N: tl.constexpr,  # output columns per program, a power of two
@@ -180,59 +187,96 @@ def _skinny_gemv_kernel(
     SILU: tl.constexpr = False,
     RESIDUAL: tl.constexpr = False,
     PDL: tl.constexpr = False,
-    ONE_TILE: tl.constexpr = False,  # BLOCK_K >= K: the whole reduction is the first tile, no loop
+    ONE_TILE: tl.constexpr = False,  # BLOCK_K >= K_SPLIT: a split's whole reduction is one tile, no loop
+    SPLIT_K: tl.constexpr = 1,  # programs per column block, each over K_SPLIT inputs (a power of two)
 ):
     """`_skinny_linear_kernel` for one row (a batch-1 decode step) on the CUDA cores: each [BLOCK_N, BLOCK_K]
     weight tile is multiplied by the broadcast x vector into a [BLOCK_N, BLOCK_K] float32 partial sum,
     reduced over K once at the end. No tile of 16 padded rows, no trip of x through shared memory, and the
     prologue touches BLOCK_K values of x per step instead of 16 x BLOCK_K. Same fusions and roundings. The
     one-row default (`default_config`): on the H200 sweep it read the 8B head's q/k/v at 23.9 us (cuBLAS
-    29.3, the tile 26.6) and the 1B o at 4.3 (cuBLAS 6.0, the tile 5.0)."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    29.3, the tile 26.6) and the 1B o at 4.3 (cuBLAS 6.0, the tile 5.0).
+
+    SPLIT_K > 1 cuts the reduction into SPLIT_K programs per column block (grid axis 1), for products with
+    few column blocks and a deep reduction (2048 x 8192: 128 programs of 256 KB each on 132 SMs): each
+    stores its float32 partial sums, counts itself done on the block's counter (acquire-release, GPU scope,
+    after a barrier), and the program that sees the count reach SPLIT_K - 1 sums the SPLIT_K partials in
+    one fixed order (deterministic: the same bits whichever split finishes last), resets the counter and
+    applies the epilogue."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
-    k = tl.arange(0, BLOCK_K)
-    w_ok = n_ok[:, None] & (k < K)[None, :]
-    w = tl.load(w_rows + k[None, :], mask=w_ok, other=0.0)  # weights are constant: before the wait
+    kk = tl.arange(0, BLOCK_K)
+    k_lo = split * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    w_ok = n_ok[:, None] & (k_lo + kk < k_hi)[None, :]
+    w = tl.load(w_rows + (k_lo + kk)[None, :], mask=w_ok, other=0.0)  # weights are constant: before the wait
     if SILU:
         u_rows = w_rows + N.to(tl.int64) * stride_wn
-        u = tl.load(u_rows + k[None, :], mask=w_ok, other=0.0)
+        u = tl.load(u_rows + (k_lo + kk)[None, :], mask=w_ok, other=0.0)
     pdl_enter(PDL)
     rstd = 0.0
     if NORM:  # the row's RMS: every program reads x once more (K values, from L2)
         ss = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            xs = tl.load(x_ptr + k0 + k, mask=k0 + k < K, other=0.0).to(tl.float32)
+            xs = tl.load(x_ptr + k0 + kk, mask=k0 + kk < K, other=0.0).to(tl.float32)
             ss += xs * xs
         rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if ONE_TILE:  # every weight load was issued before the wait: one memory latency per program
-        x = _x_vector(x_ptr, norm_ptr, k, K, rstd, NORM)
+        x = _x_vector(x_ptr, norm_ptr, k_lo + kk, k_hi, rstd, NORM)
         acc += w.to(tl.float32) * x[None, :].to(tl.float32)
         if SILU:
             acc_up += u.to(tl.float32) * x[None, :].to(tl.float32)
     else:
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             # the next weight tile is requested before this one is used: two tiles in flight per program
-            # (the compiler pipelines only loads that feed tl.dot through shared memory); past K it is all
-            # masked
-            kn = k0 + BLOCK_K + k
-            next_ok = n_ok[:, None] & (kn < K)[None, :]
+            # (the compiler pipelines only loads that feed tl.dot through shared memory); past the split it
+            # is all masked
+            kn = k0 + BLOCK_K + kk
+            next_ok = n_ok[:, None] & (kn < k_hi)[None, :]
             w_next = tl.load(w_rows + kn[None, :], mask=next_ok, other=0.0)
             if SILU:
                 u_next = tl.load(u_rows + kn[None, :], mask=next_ok, other=0.0)
-            x = _x_vector(x_ptr, norm_ptr, k0 + k, K, rstd, NORM)
+            x = _x_vector(x_ptr, norm_ptr, k0 + kk, k_hi, rstd, NORM)
             acc += w.to(tl.float32) * x[None, :].to(tl.float32)
             w = w_next
             if SILU:
                 acc_up += u.to(tl.float32) * x[None, :].to(tl.float32)
                 u = u_next
-    y = tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty)  # [BLOCK_N]
+    part = tl.sum(acc, axis=1)  # [BLOCK_N] float32
+    part_up = tl.sum(acc_up, axis=1)
+    if SPLIT_K == 1:
+        _gemv_epilogue(part, part_up, n, n_ok, y_ptr, res_ptr, SILU, RESIDUAL)
+    else:
+        tl.store(part_ptr + split * N + n, part, mask=n_ok)
+        if SILU:
+            tl.store(part_ptr + (SPLIT_K + split) * N + n, part_up, mask=n_ok)
+        tl.debug_barrier()  # every thread's partials stored before the release below
+        done = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT_K - 1:
+            tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+            s = tl.arange(0, SPLIT_K)
+            parts = part_ptr + s[:, None] * N + n[None, :]  # [SPLIT_K, BLOCK_N], one load, summed in order
+            part = tl.sum(tl.load(parts, mask=n_ok[None, :], other=0.0, cache_modifier=".cg"), axis=0)
+            if SILU:
+                ups = tl.load(parts + SPLIT_K * N, mask=n_ok[None, :], other=0.0, cache_modifier=".cg")
+                part_up = tl.sum(ups, axis=0)
+            _gemv_epilogue(part, part_up, n, n_ok, y_ptr, res_ptr, SILU, RESIDUAL)
+
+
+@triton.jit
+def _gemv_epilogue(part, part_up, n, n_ok, y_ptr, res_ptr, SILU: tl.constexpr, RESIDUAL: tl.constexpr):
+    """y[n] from the float32 sums: rounded to y's dtype, then SiLU * up and the residual with the unfused
+    ops' roundings."""
+    y = part.to(y_ptr.dtype.element_ty)  # [BLOCK_N]
     if SILU:
         g = y.to(tl.float32)
         silu = (g / (1.0 + tl.exp(-g))).to(y.dtype)
-        y = (silu.to(tl.float32) * tl.sum(acc_up, axis=1).to(y.dtype).to(tl.float32)).to(y.dtype)
+        y = (silu.to(tl.float32) * part_up.to(y.dtype).to(tl.float32)).to(y.dtype)
     if RESIDUAL:
         r = tl.load(res_ptr + n, mask=n_ok, other=0.0)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
@@ -288,6 +332,9 @@ def check_config(cfg: SkinnyConfig) -> None:
     for name in ("fma", "one_tile"):
         if not isinstance(getattr(cfg, name), bool):
             raise ValueError(f"config.{name}: expected a bool, got {getattr(cfg, name)!r}")
+    s = cfg.split_k
+    if isinstance(s, bool) or not isinstance(s, int) or s < 1 or s > MAX_SPLIT_K or s & (s - 1):
+        raise ValueError(f"config.split_k: expected a power of two in [1, {MAX_SPLIT_K}], got {s!r}")
 
 
 def check_args(
@@ -330,19 +377,21 @@ def check_args(
             )
 
 
-def gemv_block_k(cfg: SkinnyConfig, k: int, *, silu_mul: bool = False) -> tuple[int, bool]:
-    """(BLOCK_K, ONE_TILE) of `_skinny_gemv_kernel` for a config and a reduction depth: the whole reduction
-    in one tile when `cfg.one_tile` asks and it fits (GEMV_ONE_TILE_ELEMS_PER_THREAD, twice the tiles with
-    SiLU * up), else cfg.block_k shrunk until the loop's tiles fit (GEMV_ELEMS_PER_THREAD)."""
+def gemv_block_k(cfg: SkinnyConfig, k: int, *, silu_mul: bool = False) -> tuple[int, bool, int]:
+    """(BLOCK_K, ONE_TILE, K_SPLIT) of `_skinny_gemv_kernel` for a config and a reduction depth k cut into
+    cfg.split_k splits of K_SPLIT inputs each (a multiple of 16, and of BLOCK_K when the split loops): the
+    whole split in one tile when `cfg.one_tile` asks and it fits (GEMV_ONE_TILE_ELEMS_PER_THREAD, twice the
+    tiles with SiLU * up), else cfg.block_k shrunk until the loop's tiles fit (GEMV_ELEMS_PER_THREAD)."""
     tiles = 2 if silu_mul else 1
     threads = 32 * cfg.num_warps
-    whole = max(16, triton.next_power_of_2(k))
+    depth = -(-k // cfg.split_k)
+    whole = max(16, triton.next_power_of_2(depth))
     if cfg.one_tile and cfg.block_n * whole * tiles <= GEMV_ONE_TILE_ELEMS_PER_THREAD * threads:
-        return whole, True
+        return whole, True, -(-depth // 16) * 16
     block_k = cfg.block_k
     while cfg.block_n * block_k * tiles > GEMV_ELEMS_PER_THREAD * threads and block_k > 16:
         block_k //= 2
-    return block_k, False
+    return block_k, False, -(-depth // block_k) * block_k
 
 
 def skinny_linear(
@@ -381,11 +430,21 @@ def skinny_linear(
     upcast = interpreted or x.dtype == torch.float32
     launch = {} if interpreted else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.fma and m == 1:
-        block_k, one_tile = gemv_block_k(cfg, k, silu_mul=silu_mul)
-        _skinny_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-            x, w, y, norm, y if res is None else res, n, k, float(eps), w.stride(0),
+        blocks = triton.cdiv(n, cfg.block_n)
+        counters = zeroed_counters(x.device) if cfg.split_k > 1 and blocks <= COUNTER_SLOTS else None
+        if counters is None:  # one program per column block (also while capturing before the counters exist)
+            cfg = dataclasses.replace(cfg, split_k=1)
+        block_k, one_tile, k_split = gemv_block_k(cfg, k, silu_mul=silu_mul)
+        parts = y
+        if cfg.split_k > 1:
+            parts = torch.empty(
+                (2 if silu_mul else 1) * cfg.split_k * n, dtype=torch.float32, device=x.device
+            )
+        _skinny_gemv_kernel[(blocks, cfg.split_k)](
+            x, w, y, norm, y if res is None else res, parts, y if counters is None else counters, n, k,
+            k_split, float(eps), w.stride(0),
             BLOCK_N=cfg.block_n, BLOCK_K=block_k, NORM=norm_weight is not None, SILU=silu_mul,
-            RESIDUAL=res is not None, ONE_TILE=one_tile, **launch, **pdl.options(x),
+            RESIDUAL=res is not None, ONE_TILE=one_tile, SPLIT_K=cfg.split_k, **launch, **pdl.options(x),
         )  # fmt: skip
         return y
     _skinny_linear_kernel[(triton.cdiv(n, cfg.block_n),)](

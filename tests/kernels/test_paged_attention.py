@@ -15,6 +15,7 @@ import torch
 from fresh_process import in_fresh_process
 
 from fspec.kernels import attention_ops
+from fspec.kernels import counters as counters_mod
 from fspec.kernels.kv_write import kv_write, kv_write_ref
 from fspec.kernels.paged_attention import (
     AttentionConfig,
@@ -177,7 +178,7 @@ def test_fused_reduce_launches_no_reduce_kernel_and_leaves_the_counters_at_zero(
     for _ in range(3):
         one = paged_attention(*args, scale=0.3, num_query=3, config=CONFIGS["split_bn4_fused"])
         torch.testing.assert_close(one, two, rtol=1e-6, atol=1e-6)
-        assert (pa.tile_counters(q.device) == 0).all()
+        assert (counters_mod.zeroed_counters(q.device) == 0).all()
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -602,15 +603,14 @@ def test_a_cuda_kv_cache_allocates_the_fused_reduction_counters_outside_any_grap
     """KVCache.create on CUDA leaves zeroed counters for its device, so a compiled function's CUDA-graph
     warm-up never allocates them from the graph's pool (CUDA-graph trees reject such a live tensor)."""
     import fspec
-    from fspec.kernels import paged_attention as pa
 
     device = torch.device("cuda", torch.cuda.current_device())
-    pa._COUNTERS.pop(device, None)
+    counters_mod._COUNTERS.pop(device, None)
     fspec.KVCache.create(tiny_model_cfg, num_blocks=4, block_size=4, device=device)
-    counters = pa._COUNTERS[device]
-    assert counters.shape == (pa.COUNTER_SLOTS,) and counters.dtype == torch.int32
+    counters = counters_mod._COUNTERS[device]
+    assert counters.shape == (counters_mod.COUNTER_SLOTS,) and counters.dtype == torch.int32
     assert not bool(counters.any())
-    assert pa.tile_counters(device) is counters
+    assert counters_mod.zeroed_counters(device) is counters
 
 
 def test_bad_launch_configs_are_value_errors_naming_the_field():

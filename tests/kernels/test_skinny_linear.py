@@ -32,6 +32,13 @@ def test_kernel_equals_reference_on_irregular_shapes(m, n, k):
     want = skinny_linear_ref(x, w)
     fma = (SkinnyConfig(block_n=16, block_k=64, fma=True), SkinnyConfig(block_n=32, block_k=16, fma=True))
     fma += (SkinnyConfig(block_n=16, block_k=16, num_warps=8, fma=True, one_tile=True),)  # all K at once
+    # the reduction cut into 2 / 4 / 8 programs per column block: a loop per split, one tile per split, and
+    # more splits than tiles (k = 16: splits past K add zeros)
+    fma += (
+        SkinnyConfig(block_n=16, block_k=16, fma=True, split_k=4),
+        SkinnyConfig(block_n=32, fma=True, split_k=2),
+    )
+    fma += (SkinnyConfig(block_n=16, block_k=16, num_warps=8, fma=True, one_tile=True, split_k=8),)
     for cfg in (None, SkinnyConfig(block_n=32, block_k=64), SkinnyConfig(block_n=16, block_k=16), *fma):
         got = skinny_linear(x, w, config=cfg)
         assert got.shape == (m, n) and got.dtype == x.dtype
@@ -213,19 +220,22 @@ def _compile_for_sm90_body():
     from fspec.kernels.skinny_linear import _skinny_gemv_kernel
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "norm_ptr": "*bf16", "res_ptr": "*bf16"}
-    sig.update(N="i32", K="i32", eps="fp32", stride_wn="i32")
-    names = ("BLOCK_N", "BLOCK_K", "NORM", "SILU", "RESIDUAL", "PDL", "ONE_TILE")
+    sig.update(part_ptr="*fp32", counter_ptr="*i32", N="i32", K="i32", K_SPLIT="i32", eps="fp32")
+    sig.update(stride_wn="i32")
+    names = ("BLOCK_N", "BLOCK_K", "NORM", "SILU", "RESIDUAL", "PDL", "ONE_TILE", "SPLIT_K")
     sig.update({name: "constexpr" for name in names})
     # the loop at its largest tiles, and the one-tile kernel at the largest the launcher allows
-    # (GEMV_ONE_TILE_ELEMS_PER_THREAD: 16 x 2048 at 8 warps; 16 x 1024 with SiLU * up's two tiles)
-    for norm, silu, residual, block_n, block_k, warps, one in (
-        (0, 0, 0, 64, 256, 8, 0), (1, 1, 0, 16, 256, 4, 0), (0, 0, 1, 16, 512, 4, 0),
-        (1, 1, 1, 32, 256, 8, 0), (0, 0, 0, 16, 2048, 8, 1), (1, 0, 0, 16, 2048, 8, 1),
-        (0, 0, 1, 16, 2048, 8, 1), (1, 1, 1, 16, 1024, 8, 1),
+    # (GEMV_ONE_TILE_ELEMS_PER_THREAD: 16 x 2048 at 8 warps; 16 x 1024 with SiLU * up's two tiles); the
+    # split reduction (its combine adds a [SPLIT_K, BLOCK_N] load and an atomic)
+    for norm, silu, residual, block_n, block_k, warps, one, split in (
+        (0, 0, 0, 64, 256, 8, 0, 1), (1, 1, 0, 16, 256, 4, 0, 1), (0, 0, 1, 16, 512, 4, 0, 1),
+        (1, 1, 1, 32, 256, 8, 0, 1), (0, 0, 0, 16, 2048, 8, 1, 1), (1, 0, 0, 16, 2048, 8, 1, 1),
+        (0, 0, 1, 16, 2048, 8, 1, 1), (1, 1, 1, 16, 1024, 8, 1, 1), (0, 0, 1, 16, 2048, 8, 1, 4),
+        (1, 1, 1, 16, 256, 4, 0, 8), (0, 0, 1, 16, 512, 8, 0, 16),
     ):  # fmt: skip
         consts = {"BLOCK_N": block_n, "BLOCK_K": block_k, "NORM": bool(norm), "SILU": bool(silu)}
-        consts.update(RESIDUAL=bool(residual), PDL=True, ONE_TILE=bool(one))
-        attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 8)}
+        consts.update(RESIDUAL=bool(residual), PDL=True, ONE_TILE=bool(one), SPLIT_K=split)
+        attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11)}
         src = ASTSource(fn=_skinny_gemv_kernel, signature=sig, constexprs=consts, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -233,6 +243,7 @@ def _compile_for_sm90_body():
             f.flush()
             run = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True)
         assert "STL" not in run.stdout, f"the one-row kernel spills registers ({consts}, {warps} warps)"
+        assert ("ATOM" in run.stdout) == (split > 1), f"the counter's atomic ({consts})"
 
 
 def test_kernel_compiles_for_sm90():
@@ -242,7 +253,7 @@ def test_kernel_compiles_for_sm90():
 def _gpu_matches_reference_body():
     """On CUDA at the decode shapes of a 1B-shaped target (bf16): the compiled kernel equals the float32
     reference within one bf16 rounding of the output, for 1, 6 and 16 rows, default and non-default tiles
-    and the one-row CUDA-core kernel;
+    and the one-row CUDA-core kernel (a loop, one tile, the reduction split over 4 programs);
     and a layer's projections routed through it (FSPEC_SKINNY_LINEAR=1) equal F.linear's the same way."""
     import os
 
@@ -254,7 +265,14 @@ def _gpu_matches_reference_body():
             want = skinny_linear_ref(x, w).float()
             gemv = SkinnyConfig(block_n=16, block_k=512, num_stages=1, fma=True)  # one row: CUDA cores
             one = SkinnyConfig(block_n=16, block_k=512, num_warps=8, num_stages=1, fma=True, one_tile=True)
-            for cfg in (None, SkinnyConfig(block_n=32, block_k=128, num_warps=8, num_stages=4), gemv, one):
+            splits = (dataclasses.replace(gemv, split_k=4), dataclasses.replace(one, split_k=4))
+            for cfg in (
+                None,
+                SkinnyConfig(block_n=32, block_k=128, num_warps=8, num_stages=4),
+                gemv,
+                one,
+                *splits,
+            ):
                 got = skinny_linear(x, w, config=cfg).float()
                 torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7)
     os.environ["FSPEC_SKINNY_LINEAR"] = "1"
@@ -285,7 +303,8 @@ def _gpu_matches_reference_body():
                 args.update(residual=torch.randn(m, out, device="cuda", dtype=torch.bfloat16, generator=gen))
             want = skinny_linear_ref(x, w, **args).float()
             one = SkinnyConfig(block_n=16, block_k=512, num_warps=8, num_stages=1, fma=True, one_tile=True)
-            for cfg in (None, SkinnyConfig(block_n=16, block_k=512, num_stages=1, fma=True), one):
+            split = SkinnyConfig(block_n=16, block_k=256, num_warps=8, num_stages=1, fma=True, split_k=4)
+            for cfg in (None, SkinnyConfig(block_n=16, block_k=512, num_stages=1, fma=True), one, split):
                 got = skinny_linear(x, w, config=cfg, **args).float()
                 torch.testing.assert_close(got, want, rtol=2**-6, atol=2**-6)
 
@@ -331,6 +350,10 @@ def test_fused_prologue_and_epilogues_equal_the_unfused_ops(m, n, k, fusion):
     tol = dict(rtol=1e-4, atol=1e-3)
     configs = (None, SkinnyConfig(block_n=16, block_k=64), SkinnyConfig(block_n=16, block_k=64, fma=True))
     configs += (SkinnyConfig(block_n=16, block_k=16, num_warps=16, fma=True, one_tile=True),)
+    configs += (  # the split reduction, combined before the epilogue (with SiLU * up: both halves' partials)
+        SkinnyConfig(block_n=16, block_k=32, fma=True, split_k=4),
+        SkinnyConfig(block_n=16, block_k=16, num_warps=16, fma=True, one_tile=True, split_k=2),
+    )
     for (
         cfg
     ) in configs:  # one and several K tiles for the RMS pass; the one-row CUDA-core kernel (and in one tile)
@@ -379,23 +402,64 @@ def test_one_row_kernel_gets_a_tile_that_fits_in_registers(monkeypatch):
     x, w = torch.randn(1, 2048), torch.randn(256, 2048)
     cfg = SkinnyConfig(block_n=64, block_k=512, num_warps=4, fma=True)
     skinny_linear(x, w, config=cfg)
-    assert launched[-1] == ((4,), 64, 128)  # 64 x 128 = 64 elements per thread of 128
+    assert launched[-1] == ((4, 1), 64, 128)  # 64 x 128 = 64 elements per thread of 128
     skinny_linear(x, w, config=cfg, silu_mul=True)
-    assert launched[-1] == ((2,), 64, 64)  # out = 128 columns; two sums: 32 each
+    assert launched[-1] == ((2, 1), 64, 64)  # out = 128 columns; two sums: 32 each
     skinny_linear(x, w, config=dataclasses.replace(cfg, num_warps=8))
-    assert launched[-1] == ((4,), 64, 256)
+    assert launched[-1] == ((4, 1), 64, 256)
     count = len(launched)
     assert skinny_linear(torch.randn(2, 2048), w, config=cfg).shape == (2, 256)
     assert len(launched) == count  # two rows: the tile kernel
     # one_tile: the whole reduction (K's next power of two) when it fits in GEMV_ONE_TILE_ELEMS_PER_THREAD
     one = SkinnyConfig(block_n=16, block_k=512, num_warps=8, fma=True, one_tile=True)
-    assert sl.gemv_block_k(one, 2048) == (2048, True)  # 16 x 2048 / 256 threads = 128
-    assert sl.gemv_block_k(one, 1500) == (2048, True)
-    assert sl.gemv_block_k(one, 2049) == (512, False)  # 4096 would not fit: the loop, cfg.block_k
-    assert sl.gemv_block_k(one, 2048, silu_mul=True) == (512, False)  # two tiles do not fit
-    assert sl.gemv_block_k(one, 1024, silu_mul=True) == (1024, True)
-    assert sl.gemv_block_k(dataclasses.replace(one, num_warps=4), 2048) == (512, False)
-    assert sl.gemv_block_k(dataclasses.replace(one, one_tile=False), 100) == (512, False)
+    assert sl.gemv_block_k(one, 2048) == (2048, True, 2048)  # 16 x 2048 / 256 threads = 128
+    assert sl.gemv_block_k(one, 1500) == (2048, True, 1504)
+    assert sl.gemv_block_k(one, 2049) == (512, False, 2560)  # 4096 would not fit: the loop, cfg.block_k
+    assert sl.gemv_block_k(one, 2048, silu_mul=True) == (512, False, 2048)  # two tiles do not fit
+    assert sl.gemv_block_k(one, 1024, silu_mul=True) == (1024, True, 1024)
+    assert sl.gemv_block_k(dataclasses.replace(one, num_warps=4), 2048) == (512, False, 2048)
+    assert sl.gemv_block_k(dataclasses.replace(one, one_tile=False), 100) == (512, False, 512)
+    # split_k: each split's depth (a multiple of 16; of BLOCK_K when it loops), in one tile where it fits
+    assert sl.gemv_block_k(dataclasses.replace(one, split_k=4), 8192) == (2048, True, 2048)
+    assert sl.gemv_block_k(dataclasses.replace(one, split_k=4), 8000) == (2048, True, 2000)
+    assert sl.gemv_block_k(dataclasses.replace(one, split_k=4), 8001) == (2048, True, 2016)
+    assert sl.gemv_block_k(SkinnyConfig(block_n=16, block_k=512, num_warps=8, fma=True, split_k=4), 8001) == (
+        512,
+        False,
+        2048,
+    )
+    split = SkinnyConfig(block_n=16, block_k=256, num_warps=8, fma=True, split_k=4)
+    skinny_linear(x, w, config=split)
+    assert launched[-1] == ((16, 4), 16, 256)  # grid: column blocks x splits
+
+
+@pytest.mark.parametrize("fusion", ["", "norm+silu+residual"])
+def test_split_reduction_leaves_the_counters_at_zero_and_repeats_bit_for_bit(fusion):
+    """The split reduction's last program resets its column block's counter: after each of several launches
+    every counter is zero again, each launch gives the reference's result and the same bits as the first
+    (a counter left at a count would make the next launch combine too early or never), whichever other
+    launches ran in between (another shape's split launch on the same counters)."""
+    from fspec.kernels.counters import zeroed_counters
+
+    gen = torch.Generator().manual_seed(5)
+    silu = "silu" in fusion
+    n, k = 70, 300
+    x, w = torch.randn(1, k, generator=gen), torch.randn(2 * n if silu else n, k, generator=gen) * k**-0.5
+    kw = {}
+    if fusion:
+        kw = dict(norm_weight=torch.rand(k, generator=gen) + 0.5, silu_mul=True, residual=torch.randn(1, n))
+    want = skinny_linear_ref(x, w, **kw)
+    cfg = SkinnyConfig(block_n=16, block_k=32, fma=True, split_k=4)
+    first = skinny_linear(x, w, config=cfg, **kw)
+    torch.testing.assert_close(first, want, rtol=1e-4, atol=1e-4)
+    counters = zeroed_counters(x.device)
+    assert not counters.any()
+    other = torch.randn(40, 64, generator=gen)
+    for _ in range(3):
+        skinny_linear(torch.randn(1, 64, generator=gen), other, config=dataclasses.replace(cfg, split_k=2))
+        again = skinny_linear(x, w, config=cfg, **kw)
+        assert torch.equal(again, first)
+        assert not counters.any()
 
 
 def test_bad_eps_and_launch_configs_are_value_errors():
@@ -414,6 +478,10 @@ def test_bad_eps_and_launch_configs_are_value_errors():
         ("num_stages", 0),
         ("fma", 1),
         ("one_tile", 1),
+        ("split_k", 3),
+        ("split_k", 0),
+        ("split_k", 128),
+        ("split_k", True),
     ):
         cfg = dataclasses.replace(SkinnyConfig(), **{field: bad})
         with pytest.raises(ValueError, match=rf"^config\.{field}: expected"):
