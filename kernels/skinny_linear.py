@@ -78,16 +78,22 @@ def default_config(n: int, k: int, *, one_row: bool = False) -> SkinnyConfig:
     --sweep`, benchmarks/results/skinny_linear.json and, for one row, skinny_linear_one_row.json).
     Several rows: the tensor-core tile, 16 output columns per program up to N = 2048, 32 up to 4096, 64
     beyond; BLOCK_K 512 up to N = 4096, 256 up to 8192, 128 beyond (at most K's next power of two); four
-    pipeline stages. One row (`one_row`): the CUDA-core
-    `_skinny_gemv_kernel`, 16 output columns per program, BLOCK_K 512 up to N = 8192 and 256 beyond, eight
-    warps up to N = 4096 (at most 256 programs) and four beyond (it beat both cuBLAS and the tile at every
-    one-row shape of the sweep but the 1B down projection, where it is 4% behind the tile)."""
+    pipeline stages. One row (`one_row`): the CUDA-core `_skinny_gemv_kernel`, 16 output columns per
+    program: up to N = 2048 (at most 128 programs, one per SM) BLOCK_K 1024 and eight warps, so a program
+    has its whole 2048-deep reduction in flight at once (1B o 4.1 -> 3.3 us, down 12.3 -> 9.4); up to 4096
+    BLOCK_K 512, eight warps; up to 8192 four warps; up to 16384 BLOCK_K 256, eight warps; wider four warps,
+    BLOCK_K 256 over deep reductions (the 8B head's gate/up) and 512 over K <= 2048 (a 32000-token draft LM
+    head). The split reduction (`split_k`) won no shape of the sweep: it stays off."""
     kmax = max(16, triton.next_power_of_2(k))
     if one_row:
-        block_k = min(512 if n <= 8192 else 256, kmax)
-        return SkinnyConfig(
-            block_n=16, block_k=block_k, num_warps=8 if n <= 4096 else 4, num_stages=1, fma=True
-        )
+        block_k, warps = (
+            (1024, 8) if n <= 2048
+            else (512, 8) if n <= 4096
+            else (512, 4) if n <= 8192
+            else (256, 8) if n <= 16384
+            else (256 if k > 2048 else 512, 4)
+        )  # fmt: skip
+        return SkinnyConfig(block_n=16, block_k=min(block_k, kmax), num_warps=warps, num_stages=1, fma=True)
     block_n = 16 if n <= 2048 else 32 if n <= 4096 else 64
     block_k = min(512 if n <= 4096 else 256 if n <= 8192 else 128, kmax)
     return SkinnyConfig(block_n=block_n, block_k=block_k, num_stages=4)

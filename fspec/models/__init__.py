@@ -80,7 +80,7 @@ def head_logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.T
 
 def head_pre_logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
     """[..., H]: what head `cfg.kind`'s lm_head multiplies (its final norm of `out`, if it has one);
-    `head_logits` = F.linear(head_pre_logits(...), params["lm_head"])."""
+    `head_logits` = linear(head_pre_logits(...), params["lm_head"])."""
     return head_module(cfg.kind).pre_logits(params, out, cfg=cfg)
 
 

@@ -85,7 +85,7 @@ def project_target_hidden(
 def _hidden(params: dict, input_ids, hidden, positions, attend, *, cfg: DraftConfig):
     m = cfg.model
     emb = F.embedding(input_ids, params["embed"])  # [..., H]
-    x = F.linear(torch.cat((emb, hidden.to(emb.dtype)), dim=-1), params["fc"], params.get("fc_bias"))
+    x = L.linear(torch.cat((emb, hidden.to(emb.dtype)), dim=-1), params["fc"], params.get("fc_bias"))
     cos, sin = L.rope_cos_sin(positions, cfg=m, dtype=x.dtype)
     for i, p in enumerate(params["layers"]):
         attn_in = x if i == 0 else L.rms_norm(x, p["input_norm"], m.rms_norm_eps)  # layer 0: no input norm
@@ -100,4 +100,4 @@ def pre_logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Te
 
 def logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
     """[..., V] logits of the head's output [..., H]: the target's lm_head, no final norm (EAGLE-1)."""
-    return F.linear(pre_logits(params, out, cfg=cfg), params["lm_head"])
+    return L.linear(pre_logits(params, out, cfg=cfg), params["lm_head"])

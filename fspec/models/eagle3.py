@@ -128,7 +128,7 @@ def project_target_hidden(
             f"target_hidden.aux: expected last dim 3·Ht = {3 * cfg.target_hidden_size} (run the target with "
             f"aux_layer_ids=cfg.target_layer_ids={cfg.target_layer_ids}), got {aux.shape[-1]}"
         )
-    return F.linear(aux.to(params["fc"].dtype), params["fc"])
+    return L.linear(aux.to(params["fc"].dtype), params["fc"])
 
 
 def _hidden(params: dict, input_ids, hidden, positions, attend, *, cfg: DraftConfig):
@@ -154,4 +154,4 @@ def pre_logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Te
 
 def logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
     """[..., Vd] logits over the DRAFT vocabulary: lm_head(norm(out))."""
-    return F.linear(pre_logits(params, out, cfg=cfg), params["lm_head"])
+    return L.linear(pre_logits(params, out, cfg=cfg), params["lm_head"])

@@ -167,10 +167,18 @@ def test_default_config_follows_the_h200_sweep_and_caps_the_tile_depth():
     assert default_config(100, 40).block_k == 64
     # one row (benchmarks/results/skinny_linear_one_row.json): the CUDA-core kernel, 16 columns per program
     gemv = SkinnyConfig(block_n=16, block_k=512, num_warps=8, num_stages=1, fma=True)
+    assert default_config(2048, 2048, one_row=True) == dataclasses.replace(gemv, block_k=1024)  # 1B o
+    assert default_config(2048, 8192, one_row=True) == dataclasses.replace(gemv, block_k=1024)  # 1B down
     assert default_config(3072, 2048, one_row=True) == gemv  # 1B q/k/v
     assert default_config(4096, 14336, one_row=True) == gemv  # 8B down
     assert default_config(6144, 8192, one_row=True) == dataclasses.replace(gemv, num_warps=4)  # 8B q/k/v
+    assert default_config(16384, 2048, one_row=True) == dataclasses.replace(gemv, block_k=256)  # 1B gate/up
     assert default_config(28672, 4096, one_row=True) == dataclasses.replace(gemv, block_k=256, num_warps=4)
+    assert default_config(32000, 2048, one_row=True) == dataclasses.replace(
+        gemv, num_warps=4
+    )  # draft LM head
+    assert default_config(32000, 4096, one_row=True) == dataclasses.replace(gemv, block_k=256, num_warps=4)
+    assert default_config(2048, 700, one_row=True).block_k == 1024  # K's next power of two
     assert default_config(100, 40, one_row=True).block_k == 64
 
 
