@@ -430,7 +430,8 @@ def skinny_linear(
     cfg = config or default_config(rows, k, one_row=m == 1)
     if silu_mul and config is None:  # a program reads block_n gate rows and block_n up rows
         cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
-    if norm_weight is not None and config is None:  # the normalised x tile also lives in registers
+    if norm_weight is not None and config is None and not (cfg.fma and m == 1):
+        # the tile kernel's normalised x tile also lives in registers (the one-row kernel's is a vector)
         cfg = dataclasses.replace(cfg, block_k=min(cfg.block_k, NORM_MAX_BLOCK_K))
     interpreted = isinstance(_skinny_linear_kernel, InterpretedFunction)
     upcast = interpreted or x.dtype == torch.float32

@@ -307,13 +307,14 @@ def decoder_layer(
 
 
 def use_fused_layer(p: dict, x: torch.Tensor, cfg: ModelConfig, *, cuda: bool | None = None) -> bool:
-    """Whether a pre-norm layer runs as `fused_decoder_layer`: opt-in (FSPEC_FUSED_LAYER=1; =row only for one
-    row of x, a batch-1 decode or draft step, where the one-row kernel runs it, so that verification's K + 1
-    rows keep the unfused layer), a layer with fused projections ("qkv", "gate_up"), no biases and no q/k
+    """Whether a pre-norm layer runs as `fused_decoder_layer`: FSPEC_FUSED_LAYER=row (the default, also when
+    unset: table `switches`, run j) for one row of x, a batch-1 decode or draft step, where the one-row
+    kernel runs it, so that verification's K + 1 rows keep the unfused layer; =1 for 1..16 rows; =0 never;
+    for a layer with fused projections ("qkv", "gate_up"), no biases and no q/k
     norm, its weights and norms in x's dtype, and the conditions of `use_skinny_linear` for x (CUDA, 1..16
     rows, inference), wide weights included. Decided when a graph is traced. Any other value of the variable
     than unset, 0, 1 and row is a ValueError naming it."""
-    mode = env_choice("FSPEC_FUSED_LAYER", ("0", "1", "row"), "0")
+    mode = env_choice("FSPEC_FUSED_LAYER", ("0", "1", "row"), "row")
     if mode == "0" or (mode == "row" and math.prod(x.shape[:-1]) != 1):
         return False
     if "qkv" not in p or "gate_up" not in p or "qkv_bias" in p or "o_bias" in p or cfg.qk_norm:

@@ -75,8 +75,11 @@ def test_model_through_fused_layers_gives_the_unfused_logits(monkeypatch):
 def test_routing_needs_the_switch_fused_unbiased_layers_and_a_small_inference_batch(monkeypatch):
     target, x = _fused_target(), torch.randn(4, 48)
     p, cfg = target.params["layers"][0], target.cfg
-    monkeypatch.delenv("FSPEC_FUSED_LAYER", raising=False)
+    monkeypatch.delenv("FSPEC_FUSED_LAYER", raising=False)  # the default, "row": one row only
     assert not L.use_fused_layer(p, x, cfg, cuda=True)
+    assert L.use_fused_layer(p, x[:1], cfg, cuda=True)
+    monkeypatch.setenv("FSPEC_FUSED_LAYER", "0")
+    assert not L.use_fused_layer(p, x[:1], cfg, cuda=True)
     monkeypatch.setenv("FSPEC_FUSED_LAYER", "1")
     assert L.use_fused_layer(p, x, cfg, cuda=True)
     assert not L.use_fused_layer(p, x, cfg, cuda=False)

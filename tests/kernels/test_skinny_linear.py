@@ -239,7 +239,8 @@ def _compile_for_sm90_body():
         (0, 0, 0, 64, 256, 8, 0, 1), (1, 1, 0, 16, 256, 4, 0, 1), (0, 0, 1, 16, 512, 4, 0, 1),
         (1, 1, 1, 32, 256, 8, 0, 1), (0, 0, 0, 16, 2048, 8, 1, 1), (1, 0, 0, 16, 2048, 8, 1, 1),
         (0, 0, 1, 16, 2048, 8, 1, 1), (1, 1, 1, 16, 1024, 8, 1, 1), (0, 0, 1, 16, 2048, 8, 1, 4),
-        (1, 1, 1, 16, 256, 4, 0, 8), (0, 0, 1, 16, 512, 8, 0, 16),
+        (1, 1, 1, 16, 256, 4, 0, 8), (0, 0, 1, 16, 512, 8, 0, 16), (1, 0, 0, 16, 512, 8, 0, 1),
+        (1, 0, 0, 16, 1024, 8, 0, 1), (1, 0, 0, 16, 512, 4, 0, 1),
     ):  # fmt: skip
         consts = {"BLOCK_N": block_n, "BLOCK_K": block_k, "NORM": bool(norm), "SILU": bool(silu)}
         consts.update(RESIDUAL=bool(residual), PDL=True, ONE_TILE=bool(one), SPLIT_K=split)
@@ -415,6 +416,8 @@ def test_one_row_kernel_gets_a_tile_that_fits_in_registers(monkeypatch):
     assert launched[-1] == ((2, 1), 64, 64)  # out = 128 columns; two sums: 32 each
     skinny_linear(x, w, config=dataclasses.replace(cfg, num_warps=8))
     assert launched[-1] == ((4, 1), 64, 256)
+    skinny_linear(x, w, norm_weight=torch.ones(2048))  # the default: 16 columns, BLOCK_K 1024 up to N = 2048
+    assert launched[-1] == ((16, 1), 16, 1024)  # no NORM_MAX_BLOCK_K cap: the one-row kernel's x is a vector
     count = len(launched)
     assert skinny_linear(torch.randn(2, 2048), w, config=cfg).shape == (2, 256)
     assert len(launched) == count  # two rows: the tile kernel
