@@ -146,6 +146,8 @@ def skinny_linear(d: dict) -> list[str]:
         cfg = (
             f"{best['block_n']}×{best['block_k']}, {best['num_warps']}w{best['num_stages']}s"
             + (" CUDA cores" if best.get("fma") else "")
+            + (", one tile" if best.get("one_tile") else "")
+            + (f", split {best['split_k']}" if best.get("split_k", 1) > 1 else "")
             if best
             else "-"
         )
