@@ -53,6 +53,7 @@ GEMV_ELEMS_PER_THREAD = 64
 # compiles without spills, with the norm or the residual too; 16 x 2048 at 4 warps and SiLU * up spill)
 GEMV_ONE_TILE_ELEMS_PER_THREAD = 128
 MAX_SPLIT_K = 64  # programs one column block's reduction may be cut into (`SkinnyConfig.split_k`)
+NORM_VALUES_PER_THREAD = 32  # the one-row kernel's RMS pass: x values per thread per load (`norm_block`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +196,8 @@ def _skinny_gemv_kernel(
     PDL: tl.constexpr = False,
     ONE_TILE: tl.constexpr = False,  # BLOCK_K >= K_SPLIT: a split's whole reduction is one tile, no loop
     SPLIT_K: tl.constexpr = 1,  # programs per column block, each over K_SPLIT inputs (a power of two)
+    NORM_BLOCK: tl.constexpr = 16,  # (NORM) x values per load of the RMS pass (K's next power of two if
+    # registers allow: one L2 round trip instead of K / BLOCK_K dependent ones)
 ):
     """`_skinny_linear_kernel` for one row (a batch-1 decode step) on the CUDA cores: each [BLOCK_N, BLOCK_K]
     weight tile is multiplied by the broadcast x vector into a [BLOCK_N, BLOCK_K] float32 partial sum,
@@ -223,35 +226,47 @@ def _skinny_gemv_kernel(
         u_rows = w_rows + N.to(tl.int64) * stride_wn
         u = tl.load(u_rows + (k_lo + kk)[None, :], mask=w_ok, other=0.0)
     pdl_enter(PDL)
+    x_ok = k_lo + kk < k_hi
+    x = tl.load(x_ptr + k_lo + kk, mask=x_ok, other=0.0)  # the first tile of x, raw
+    g = x  # (NORM) the norm weight's tile
+    if NORM:
+        g = tl.load(norm_ptr + k_lo + kk, mask=x_ok, other=0.0)
     rstd = 0.0
-    if NORM:  # the row's RMS: every program reads x once more (K values, from L2)
-        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            xs = tl.load(x_ptr + k0 + kk, mask=k0 + kk < K, other=0.0).to(tl.float32)
+    if NORM:  # the row's RMS: every program reads x once more (from L2), NORM_BLOCK values per load
+        kr = tl.arange(0, NORM_BLOCK)
+        ss = tl.zeros([NORM_BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, NORM_BLOCK):
+            xs = tl.load(x_ptr + k0 + kr, mask=k0 + kr < K, other=0.0).to(tl.float32)
             ss += xs * xs
         rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if ONE_TILE:  # every weight load was issued before the wait: one memory latency per program
-        x = _x_vector(x_ptr, norm_ptr, k_lo + kk, k_hi, rstd, NORM)
-        acc += w.to(tl.float32) * x[None, :].to(tl.float32)
+        xv = _normed(x, g, rstd, NORM)
+        acc += w.to(tl.float32) * xv[None, :].to(tl.float32)
         if SILU:
-            acc_up += u.to(tl.float32) * x[None, :].to(tl.float32)
+            acc_up += u.to(tl.float32) * xv[None, :].to(tl.float32)
     else:
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            # the next weight tile is requested before this one is used: two tiles in flight per program
-            # (the compiler pipelines only loads that feed tl.dot through shared memory); past the split it
-            # is all masked
+            # the next tiles of w and x are requested before this one is used: two tiles in flight per
+            # program (the compiler pipelines only loads that feed tl.dot through shared memory), and no
+            # iteration waits on its own x (an L2 round trip); past the split it is all masked
             kn = k0 + BLOCK_K + kk
             next_ok = n_ok[:, None] & (kn < k_hi)[None, :]
             w_next = tl.load(w_rows + kn[None, :], mask=next_ok, other=0.0)
             if SILU:
                 u_next = tl.load(u_rows + kn[None, :], mask=next_ok, other=0.0)
-            x = _x_vector(x_ptr, norm_ptr, k0 + kk, k_hi, rstd, NORM)
-            acc += w.to(tl.float32) * x[None, :].to(tl.float32)
+            x_next = tl.load(x_ptr + kn, mask=kn < k_hi, other=0.0)
+            g_next = x_next
+            if NORM:
+                g_next = tl.load(norm_ptr + kn, mask=kn < k_hi, other=0.0)
+            xv = _normed(x, g, rstd, NORM)
+            acc += w.to(tl.float32) * xv[None, :].to(tl.float32)
             w = w_next
+            x = x_next
+            g = g_next
             if SILU:
-                acc_up += u.to(tl.float32) * x[None, :].to(tl.float32)
+                acc_up += u.to(tl.float32) * xv[None, :].to(tl.float32)
                 u = u_next
     part = tl.sum(acc, axis=1)  # [BLOCK_N] float32
     part_up = tl.sum(acc_up, axis=1)
@@ -290,13 +305,12 @@ def _gemv_epilogue(part, part_up, n, n_ok, y_ptr, res_ptr, SILU: tl.constexpr, R
 
 
 @triton.jit
-def _x_vector(x_ptr, norm_ptr, k, K, rstd, NORM: tl.constexpr):
-    """x[k] of the one row, after the norm, in x's dtype (the roundings of `_x_tile`)."""
-    x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+def _normed(x, g, rstd, NORM: tl.constexpr):
+    """A tile x of the one row after the norm (weights g), in x's dtype (the roundings of `_x_tile`); x
+    itself without NORM."""
     if NORM:
-        weight = tl.load(norm_ptr + k, mask=k < K, other=0.0)
         normed = (x.to(tl.float32) * rstd).to(x.dtype)
-        x = (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+        x = (g.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
     return x
 
 
@@ -383,6 +397,12 @@ def check_args(
             )
 
 
+def norm_block(k: int, num_warps: int) -> int:
+    """x values per load of `_skinny_gemv_kernel`'s RMS pass: K's next power of two, at most
+    NORM_VALUES_PER_THREAD per thread (beyond that the pass loops)."""
+    return max(16, min(triton.next_power_of_2(k), NORM_VALUES_PER_THREAD * 32 * num_warps))
+
+
 def gemv_block_k(cfg: SkinnyConfig, k: int, *, silu_mul: bool = False) -> tuple[int, bool, int]:
     """(BLOCK_K, ONE_TILE, K_SPLIT) of `_skinny_gemv_kernel` for a config and a reduction depth k cut into
     cfg.split_k splits of K_SPLIT inputs each (a multiple of 16, and of BLOCK_K when the split loops): the
@@ -451,7 +471,9 @@ def skinny_linear(
             x, w, y, norm, y if res is None else res, parts, y if counters is None else counters, n, k,
             k_split, float(eps), w.stride(0),
             BLOCK_N=cfg.block_n, BLOCK_K=block_k, NORM=norm_weight is not None, SILU=silu_mul,
-            RESIDUAL=res is not None, ONE_TILE=one_tile, SPLIT_K=cfg.split_k, **launch, **pdl.options(x),
+            RESIDUAL=res is not None, ONE_TILE=one_tile, SPLIT_K=cfg.split_k,
+            NORM_BLOCK=norm_block(k, cfg.num_warps) if norm_weight is not None else 16,
+            **launch, **pdl.options(x),
         )  # fmt: skip
         return y
     _skinny_linear_kernel[(triton.cdiv(n, cfg.block_n),)](

@@ -225,12 +225,12 @@ def _compile_for_sm90_body():
         assert "STL" not in sass, f"the skinny linear kernel spills registers ({consts})"
     # the one-row CUDA-core kernel at the largest tiles its launcher allows (GEMV_ELEMS_PER_THREAD), plain and
     # with the fusions
-    from fspec.kernels.skinny_linear import _skinny_gemv_kernel
+    from fspec.kernels.skinny_linear import _skinny_gemv_kernel, norm_block
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "norm_ptr": "*bf16", "res_ptr": "*bf16"}
     sig.update(part_ptr="*fp32", counter_ptr="*i32", N="i32", K="i32", K_SPLIT="i32", eps="fp32")
     sig.update(stride_wn="i32")
-    names = ("BLOCK_N", "BLOCK_K", "NORM", "SILU", "RESIDUAL", "PDL", "ONE_TILE", "SPLIT_K")
+    names = ("BLOCK_N", "BLOCK_K", "NORM", "SILU", "RESIDUAL", "PDL", "ONE_TILE", "SPLIT_K", "NORM_BLOCK")
     sig.update({name: "constexpr" for name in names})
     # the loop at its largest tiles, and the one-tile kernel at the largest the launcher allows
     # (GEMV_ONE_TILE_ELEMS_PER_THREAD: 16 x 2048 at 8 warps; 16 x 1024 with SiLU * up's two tiles); the
@@ -243,7 +243,9 @@ def _compile_for_sm90_body():
         (1, 0, 0, 16, 1024, 8, 0, 1), (1, 0, 0, 16, 512, 4, 0, 1),
     ):  # fmt: skip
         consts = {"BLOCK_N": block_n, "BLOCK_K": block_k, "NORM": bool(norm), "SILU": bool(silu)}
+        # the RMS pass at its widest load (NORM_VALUES_PER_THREAD per thread: K = 8192 at 8 warps)
         consts.update(RESIDUAL=bool(residual), PDL=True, ONE_TILE=bool(one), SPLIT_K=split)
+        consts.update(NORM_BLOCK=norm_block(8192, warps) if norm else 16)
         attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11)}
         src = ASTSource(fn=_skinny_gemv_kernel, signature=sig, constexprs=consts, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
@@ -442,6 +444,23 @@ def test_one_row_kernel_gets_a_tile_that_fits_in_registers(monkeypatch):
     split = SkinnyConfig(block_n=16, block_k=256, num_warps=8, fma=True, split_k=4)
     skinny_linear(x, w, config=split)
     assert launched[-1] == ((16, 4), 16, 256)  # grid: column blocks x splits
+
+
+def test_one_row_rms_pass_reads_x_in_one_load_where_registers_allow_and_loops_beyond(monkeypatch):
+    """`norm_block`: K's next power of two, capped at NORM_VALUES_PER_THREAD values per thread; past the cap
+    the RMS pass loops, and the fused one-row product still equals the reference."""
+    from fspec.kernels import skinny_linear as sl
+
+    assert sl.norm_block(2048, 8) == 2048 and sl.norm_block(8192, 8) == 8192
+    assert sl.norm_block(8192, 4) == 4096 and sl.norm_block(100, 4) == 128 and sl.norm_block(3, 1) == 16
+    monkeypatch.setattr(sl, "NORM_VALUES_PER_THREAD", 1)  # 128 values per load at 4 warps: K = 513 loops
+    assert sl.norm_block(513, 4) == 128
+    gen = torch.Generator().manual_seed(9)
+    x, w = torch.randn(1, 513, generator=gen) * 2, torch.randn(60, 513, generator=gen) * 513**-0.5
+    kw = dict(norm_weight=torch.rand(513, generator=gen) + 0.5, eps=1e-5, residual=torch.randn(1, 30))
+    for cfg in (SkinnyConfig(block_n=16, block_k=64, fma=True), None):
+        got = skinny_linear(x, w, silu_mul=True, config=cfg, **kw)
+        torch.testing.assert_close(got, skinny_linear_ref(x, w, silu_mul=True, **kw), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("fusion", ["", "norm+silu+residual"])
