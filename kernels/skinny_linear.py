@@ -15,8 +15,10 @@ Design: grid (cdiv(N, BLOCK_N),); a program owns BLOCK_N output columns for all 
 multiplying by the [M_PAD, BLOCK_K] tile of x on the tensor cores (M padded to 16, the smallest tl.dot
 shape; the padding rows are masked loads, no memory traffic). Small BLOCK_N (16) spreads a 2048-column
 weight over 128 programs; a large BLOCK_K (512) keeps 16 KB of w per pipeline stage in flight per program,
-which is what a memory-bound stream needs per SM. No split-K: its second (reduce) launch would cost as much
-as it saves at these sizes. Launch parameters depend on static shapes only (CUDA-graph safe). Under the
+which is what a memory-bound stream needs per SM. One row (batch-1 decode and draft steps) goes to
+`_skinny_gemv_kernel` on the CUDA cores instead (no 16-row tensor-core tile); its optional split reduction
+(`SkinnyConfig.split_k`, combined in the same launch) won no shape of the H200 sweep and stays off.
+Launch parameters depend on static shapes only (CUDA-graph safe). Under the
 Triton interpreter everything is cast to float32 after loading (its bf16 arithmetic is not IEEE).
 
 The fusions exist for the decode step of a Llama layer, where each of RMSNorm, SiLU * up and the residual add
