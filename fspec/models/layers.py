@@ -310,17 +310,21 @@ def use_fused_layer(p: dict, x: torch.Tensor, cfg: ModelConfig, *, cuda: bool | 
     """Whether a pre-norm layer runs as `fused_decoder_layer`: FSPEC_FUSED_LAYER=row (the default, also when
     unset: table `switches`, run j) for one row of x, a batch-1 decode or draft step, where the one-row
     kernel runs it, so that verification's K + 1 rows keep the unfused layer; =1 for 1..16 rows; =0 never;
-    for a layer with fused projections ("qkv", "gate_up"), no biases and no q/k
-    norm, its weights and norms in x's dtype, and the conditions of `use_skinny_linear` for x (CUDA, 1..16
-    rows, inference), wide weights included. Decided when a graph is traced. Any other value of the variable
-    than unset, 0, 1 and row is a ValueError naming it."""
+    for a layer with fused projections ("qkv", "gate_up"), a post-attention norm, no biases and no q/k
+    norm, its weights and norms in x's dtype (the input norm too where the layer has one: an EAGLE head's
+    first layer has none, and `decoder_layer` fuses only what follows its attention), and the conditions of
+    `use_skinny_linear` for x (CUDA, 1..16 rows, inference), wide weights included. Decided when a graph is
+    traced. Any other value of the variable than unset, 0, 1 and row is a ValueError naming it."""
     mode = env_choice("FSPEC_FUSED_LAYER", ("0", "1", "row"), "row")
     if mode == "0" or (mode == "row" and math.prod(x.shape[:-1]) != 1):
         return False
     if "qkv" not in p or "gate_up" not in p or "qkv_bias" in p or "o_bias" in p or cfg.qk_norm:
         return False
-    names = ("qkv", "o", "gate_up", "down", "input_norm", "post_norm")  # one dtype: the kernel's contract
-    same = all(p[n].dtype == x.dtype for n in names)
+    names = ("qkv", "o", "gate_up", "down", "post_norm")
+    if any(n not in p for n in names):
+        return False
+    names += ("input_norm",) if "input_norm" in p else ()
+    same = all(p[n].dtype == x.dtype for n in names)  # one dtype: the kernel's contract
     return same and _skinny_inference(x, p["qkv"], cuda=cuda)
 
 
