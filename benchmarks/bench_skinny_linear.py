@@ -2,6 +2,7 @@
 
     python benchmarks/bench_skinny_linear.py [--sweep] [--rows 1 6 8 16] [--out PATH]
     python benchmarks/bench_skinny_linear.py --fusions        # the fused layer's four calls, M = 1
+    python benchmarks/bench_skinny_linear.py --dependent ...  # each call after a kernel it depends on
     python benchmarks/bench_skinny_linear.py --cpu-smoke      # tiny shapes through the Triton interpreter
 
 Shapes (bf16, nn.Linear layout w [N, K]): the fused q/k/v, o, gate/up and down projections of a
@@ -12,7 +13,10 @@ cache (~50 MB on the H200), so every call reads its weight from HBM as in a real
 --fusions times the calls of fspec.models.layers.fused_decoder_layer (q/k/v with the input norm, o with the
 residual, gate/up with the post norm and SiLU * up, down with the residual) against the same product
 without its fusions (skinny and cuBLAS): what a fusion costs inside the GEMV, to set against the ~1.5 µs
-launch plus gap of the unfused op it replaces.
+launch plus gap of the unfused op it replaces. Without --dependent the graph holds consecutive calls of one
+kernel, which PDL lets overlap (a call's ramp-up under the previous call's tail; cuBLAS's launches do not
+overlap), so fspec's times are optimistic against a decode step's; --dependent runs a small kernel that
+rewrites x ahead of every call and subtracts its own time, so each call starts after a kernel it depends on.
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ if "--cpu-smoke" in sys.argv:  # before triton is imported: the kernel is built 
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+import weakref  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import results_io as RIO  # noqa: E402
@@ -122,11 +128,24 @@ def copy_bandwidth_tbps() -> float:
     return 2 * src.numel() * 4 / (ms * 1e-3) / 1e12
 
 
-def time_per_call_us(call, weights: list[torch.Tensor], smoke: bool) -> float:
-    """Median time of one call, each call on the next weight copy (graph replay on CUDA)."""
+_ALONE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # `before` -> its own time per call, µs
+
+
+def _before(x: torch.Tensor, dependent: bool):
+    """With --dependent, the kernel every timed call waits for: x rewritten in place (x * 1)."""
+    return (lambda: x.mul_(1.0)) if dependent else None
+
+
+def time_per_call_us(call, weights: list[torch.Tensor], smoke: bool, before=None) -> float:
+    """Median time of one call, each call on the next weight copy (graph replay on CUDA). `before` (with
+    --dependent: a small kernel that rewrites x) runs ahead of every call and its own time, measured alone,
+    is subtracted: the call then starts after a kernel it depends on, as in a decode step, instead of
+    overlapping the previous call of itself (fspec's kernels launch with PDL, cuBLAS's do not)."""
 
     def run():
         for w in weights:
+            if before is not None:
+                before()
             call(w)
 
     if smoke:
@@ -136,11 +155,17 @@ def time_per_call_us(call, weights: list[torch.Tensor], smoke: bool) -> float:
             start = time.perf_counter()
             run()
             samples.append((time.perf_counter() - start) / len(weights) * 1e6)
-        return statistics.median(samples)
-    return 1e3 * triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median") / len(weights)
+        us = statistics.median(samples)
+    else:
+        us = 1e3 * triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median") / len(weights)
+    if before is None:
+        return us
+    if before not in _ALONE:  # once per dependency (per shape and row count)
+        _ALONE[before] = time_per_call_us(lambda w: before(), weights, smoke)
+    return us - _ALONE[before]
 
 
-def fusion_rows(smoke: bool, bandwidth: float | None, gen: torch.Generator) -> list[dict]:
+def fusion_rows(smoke: bool, bandwidth: float | None, gen: torch.Generator, dependent: bool) -> list[dict]:
     """Each fused call of the decode layer at M = 1 against the plain product on the same weight."""
     dev, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
     rows = []
@@ -151,6 +176,9 @@ def fusion_rows(smoke: bool, bandwidth: float | None, gen: torch.Generator) -> l
         weights = [torch.randn(n, k, device=dev, dtype=dtype, generator=gen) * k**-0.5 for _ in range(copies)]
         x = torch.randn(1, k, device=dev, dtype=dtype, generator=gen)
         out = n // 2 if "silu" in fusion else n
+        timed = functools.partial(
+            time_per_call_us, weights=weights, smoke=smoke, before=_before(x, dependent)
+        )
         kw = {"silu_mul": "silu" in fusion}
         if "norm" in fusion:
             kw.update(norm_weight=torch.rand(k, device=dev, generator=gen).to(dtype) + 0.5, eps=1e-5)
@@ -163,14 +191,12 @@ def fusion_rows(smoke: bool, bandwidth: float | None, gen: torch.Generator) -> l
             "K": k,
             "M": 1,
             "weight_copies": copies,
-            "fused_us": time_per_call_us(lambda w, x=x, kw=kw: skinny_linear(x, w, **kw), weights, smoke),
-            "fused_tile_us": time_per_call_us(
-                lambda w, x=x, kw=kw, c=tile_config(n, k, kw): skinny_linear(x, w, config=c, **kw),
-                weights,
-                smoke,
+            "fused_us": timed(lambda w, x=x, kw=kw: skinny_linear(x, w, **kw)),
+            "fused_tile_us": timed(
+                lambda w, x=x, kw=kw, c=tile_config(n, k, kw): skinny_linear(x, w, config=c, **kw)
             ),
-            "skinny_us": time_per_call_us(lambda w, x=x: skinny_linear(x, w), weights, smoke),
-            "cublas_us": time_per_call_us(lambda w, x=x: F.linear(x, w), weights, smoke),
+            "skinny_us": timed(lambda w, x=x: skinny_linear(x, w)),
+            "cublas_us": timed(lambda w, x=x: F.linear(x, w)),
         }
         if bandwidth:
             row["floor_us"] = (n * k + k + out) * torch.finfo(dtype).bits / 8 / (bandwidth * 1e12) * 1e6
@@ -193,6 +219,11 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="also time a grid of launch configs")
     p.add_argument("--fusions", action="store_true", help="only the fused layer's calls (M = 1)")
     p.add_argument(
+        "--dependent",
+        action="store_true",
+        help="each call after a small kernel rewriting x, whose own time is subtracted (as in a decode step)",
+    )
+    p.add_argument(
         "--cpu-smoke", action="store_true", help="tiny shapes, Triton interpreter, no timing claims"
     )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/skinny_linear.json"))
@@ -203,13 +234,16 @@ def main(argv=None) -> int:
     dev, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
     bandwidth = None if smoke else copy_bandwidth_tbps()
     gen = torch.Generator(device=dev).manual_seed(0)
-    rows = fusion_rows(smoke, bandwidth, gen) if args.fusions else []
+    rows = fusion_rows(smoke, bandwidth, gen, args.dependent) if args.fusions else []
     for name, (n, k) in {} if args.fusions else (SMOKE_SHAPES if smoke else SHAPES).items():
         nbytes = n * k * torch.finfo(dtype).bits // 8
         copies = 1 if smoke else max(2, -(-2 * L2_BYTES // nbytes))
         weights = [torch.randn(n, k, device=dev, dtype=dtype, generator=gen) * k**-0.5 for _ in range(copies)]
         for m in args.rows:
             x = torch.randn(m, k, device=dev, dtype=dtype, generator=gen)
+            timed = functools.partial(
+                time_per_call_us, weights=weights, smoke=smoke, before=_before(x, args.dependent)
+            )
             err = (skinny_linear(x, weights[0]).float() - F.linear(x, weights[0]).float()).abs().max().item()
             row = {
                 "shape": name,
@@ -218,9 +252,9 @@ def main(argv=None) -> int:
                 "M": m,
                 "weight_copies": copies,
                 "max_abs_diff_vs_cublas": err,
-                "cublas_us": time_per_call_us(lambda w, x=x: F.linear(x, w), weights, smoke),
+                "cublas_us": timed(lambda w, x=x: F.linear(x, w)),
                 "default_config": vars(default_config(n, k, one_row=m == 1)),
-                "skinny_us": time_per_call_us(lambda w, x=x: skinny_linear(x, w), weights, smoke),
+                "skinny_us": timed(lambda w, x=x: skinny_linear(x, w)),
             }
             if bandwidth:
                 floor = (n * k + m * k + m * n) * torch.finfo(dtype).bits / 8 / (bandwidth * 1e12) * 1e6
@@ -231,7 +265,7 @@ def main(argv=None) -> int:
                 for cfg in sweep_configs(m, k):
                     try:
                         call = lambda w, c=cfg, x=x: skinny_linear(x, w, config=c)  # noqa: E731
-                        us = time_per_call_us(call, weights, smoke)
+                        us = timed(call)
                     except Exception as e:  # a config that does not compile (shared memory) is skipped
                         timed.append({"config": vars(cfg), "error": f"{type(e).__name__}: {e}"[:200]})
                         continue
@@ -258,6 +292,7 @@ def main(argv=None) -> int:
             "cpu (Triton interpreter)" if smoke else torch.cuda.get_device_name(),
         ),
         "copy_bandwidth_TBps": bandwidth,
+        "dependent": args.dependent,
         "dtype": str(dtype).removeprefix("torch."),
         "rows": rows,
     }

@@ -4,6 +4,7 @@ so a GPU run does not spend its time discovering a broken script. Each also asse
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -86,6 +87,15 @@ def test_skinny_linear_smoke_agrees_with_cublas_path_on_every_row(tmp_path):
     d = _run("bench_skinny_linear.py", "--cpu-smoke", "--rows", "1", "6", out=tmp_path / "sk.json")
     assert [(r["shape"], r["M"]) for r in d["rows"]] == [(s, m) for s in ("tiny a", "tiny b") for m in (1, 6)]
     assert all(r["max_abs_diff_vs_cublas"] < 1e-4 and r["skinny_us"] > 0 for r in d["rows"])
+
+
+def test_skinny_linear_dependent_smoke_times_calls_after_a_kernel_they_depend_on(tmp_path):
+    """--dependent: every call runs after x is rewritten, that kernel's own time subtracted; the file says
+    so, and the results still equal F.linear's."""
+    d = _run("bench_skinny_linear.py", "--cpu-smoke", "--rows", "1", "--dependent", out=tmp_path / "skd.json")
+    assert d["dependent"] is True and [r["M"] for r in d["rows"]] == [1, 1]
+    assert all(r["max_abs_diff_vs_cublas"] < 1e-4 for r in d["rows"])
+    assert all(math.isfinite(r["skinny_us"]) and math.isfinite(r["cublas_us"]) for r in d["rows"])
 
 
 def test_dispatch_smoke_times_every_op_both_ways_with_equal_results(tmp_path):
