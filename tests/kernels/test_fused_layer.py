@@ -156,11 +156,13 @@ def test_decoder_layer_fuses_what_follows_the_attention(monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_fused_eagle3_head_proposes_what_the_naive_reference_does(monkeypatch):
-    """A whole EAGLE-3 draft loop with a fused-projection head routed through the fused launches."""
+@pytest.mark.parametrize("kind", ["eagle3", "eagle", "mtp"])
+def test_fused_head_proposes_what_the_naive_reference_does(monkeypatch, kind):
+    """A whole draft loop with a fused-projection head routed through the fused launches, for every head
+    kind (an EAGLE head's first layer has no input norm: it fuses what follows its attention)."""
     from draft_setup import naive_propose, scenario, tiny_draft, tiny_target
 
-    draft = tiny_draft(tiny_target(), kind="eagle3", k=3)
+    draft = tiny_draft(tiny_target(), kind=kind, k=3)
     sc = scenario(draft, context_lens=[3, 9, 14], live=[1, 4, 2], temperature=[0.0, 1.0, 0.7], seed=5)
     want_tokens, want_probs = naive_propose(sc)
     fused = dataclasses.replace(draft, params={**draft.params, **fspec.fuse_projections(draft.params)})
