@@ -97,6 +97,9 @@ _TILE_TABLE = (
 MIN_PARTITION, MAX_PARTITION = 64, 2048
 MAX_BLOCK_M = 64  # (query, head) rows per program; more rows go to further programs (prefill-sized num_query)
 PROGRAMS_PER_SM = 4  # split until the grid has about this many programs per SM (memory-level parallelism)
+COMBINE_VALUES_PER_THREAD = (
+    32  # the fused reduction's partial outputs in registers per load (`combine_chunk`)
+)
 
 
 @functools.cache
@@ -132,6 +135,17 @@ def default_config(
     if fused is None:
         fused = os.environ.get("FSPEC_ATTN_FUSED_REDUCE") == "1"
     return dataclasses.replace(cfg, block_m=block_m, partition=partition, fused_reduce=fused)
+
+
+def combine_chunk(splits: int, block_m: int, block_d: int, num_warps: int) -> int:
+    """Splits the fused reduction combines per load: all of them where their [chunk, BLOCK_M, BLOCK_D]
+    partial outputs fit in COMBINE_VALUES_PER_THREAD float32 values per thread, else the largest power of
+    two that does (at least 1)."""
+    fit = COMBINE_VALUES_PER_THREAD * 32 * num_warps // (block_m * block_d)
+    chunk = 1
+    while chunk * 2 <= min(triton.next_power_of_2(splits), fit):
+        chunk *= 2
+    return chunk
 
 
 def min_partition() -> int:
@@ -185,6 +199,7 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,  # next power of two >= max(D, 16)
     UPCAST: tl.constexpr,  # cast loaded q/K/V to float32 (interpreter, or float32 caches)
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
+    COMBINE_CHUNK: tl.constexpr = 1,  # (FUSED_REDUCE) splits combined per load, a power of two
 ):
     pdl_enter(PDL)
     M_TILES: tl.constexpr = (NUM_QUERY * GROUP + BLOCK_M - 1) // BLOCK_M
@@ -260,28 +275,32 @@ def _paged_attention_kernel(
             done = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if done == num_splits - 1:
                 tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
-                m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-                for s_i in range(0, num_splits):
-                    ps = (s_i * T + tok) * (KV_HEADS * GROUP) + head
-                    m_s = tl.load(part_m_ptr + ps, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                    m_max = tl.maximum(m_max, m_s)
-                m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+                # Only splits that start before seq_len saw a key; they are combined COMBINE_CHUNK at a
+                # time (one load of their m, l and acc each), with the running max rescaled per chunk.
+                live_splits = tl.minimum(num_splits, (seq_len + partition - 1) // partition)
+                m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
                 num = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
                 den = tl.zeros([BLOCK_M], dtype=tl.float32)
-                for s_i in range(0, num_splits):
-                    ps = (s_i * T + tok) * (KV_HEADS * GROUP) + head
-                    m_s = tl.load(part_m_ptr + ps, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                    l_s = tl.load(part_l_ptr + ps, mask=row_ok, other=0.0, cache_modifier=".cg")
-                    w = tl.exp2(m_s - m_ref)  # 0 for splits without keys
-                    live_s = row_ok & (m_s > float("-inf"))
+                for c0 in range(0, live_splits, COMBINE_CHUNK):
+                    sc = c0 + tl.arange(0, COMBINE_CHUNK)  # [CHUNK] splits
+                    ps = (sc[:, None] * T + tok[None, :]) * (KV_HEADS * GROUP) + head[None, :]  # [CHUNK, M]
+                    ok = (sc < live_splits)[:, None] & row_ok[None, :]
+                    m_s = tl.load(part_m_ptr + ps, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                    l_s = tl.load(part_l_ptr + ps, mask=ok, other=0.0, cache_modifier=".cg")
+                    live_s = ok & (m_s > float("-inf"))
                     acc_s = tl.load(
-                        part_acc_ptr + ps[:, None] * HEAD_DIM + d[None, :],
-                        mask=live_s[:, None] & d_ok[None, :],
+                        part_acc_ptr + ps[:, :, None] * HEAD_DIM + d[None, None, :],
+                        mask=live_s[:, :, None] & d_ok[None, None, :],
                         other=0.0,
                         cache_modifier=".cg",
-                    )
-                    num += acc_s * w[:, None]
-                    den += tl.where(live_s, l_s * w, 0.0)
+                    )  # [CHUNK, M, BLOCK_D]
+                    m_new = tl.maximum(m_run, tl.max(m_s, axis=0))
+                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp2(m_run - m_ref)  # 0 while nothing was combined
+                    w = tl.exp2(m_s - m_ref[None, :])  # 0 for splits without keys
+                    num = num * alpha[:, None] + tl.sum(acc_s * w[:, :, None], axis=0)
+                    den = den * alpha + tl.sum(tl.where(live_s, l_s * w, 0.0), axis=0)
+                    m_run = m_new
                 o = num / tl.where(den > 0, den, 1.0)[:, None]  # a row that saw no key (padding) -> 0
                 tl.store(
                     out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_on + d[None, :],
@@ -438,6 +457,7 @@ def paged_attention(
         t, cfg.partition, splits, scale * LOG2E,
         NUM_QUERY=num_query, GROUP=group, KV_HEADS=nkv, HEAD_DIM=d, BLOCK_SIZE=block_size, SPLIT=splits > 1,
         FUSED_REDUCE=counters is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+        COMBINE_CHUNK=combine_chunk(splits, cfg.block_m, block_d, cfg.num_warps),
         UPCAST=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch,

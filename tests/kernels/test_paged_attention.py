@@ -160,25 +160,45 @@ def test_attention_switches_of_the_environment(monkeypatch):
             pa.default_config(**sizes)
 
 
-def test_fused_reduce_launches_no_reduce_kernel_and_leaves_the_counters_at_zero(monkeypatch):
+@pytest.mark.parametrize("values_per_thread", [None, 4, 2])
+def test_fused_reduce_launches_no_reduce_kernel_and_leaves_the_counters_at_zero(
+    monkeypatch, values_per_thread
+):
     """With fused_reduce the last split of each tile combines the partials: the reduce kernel is never
     launched, the result equals the two-launch one, and every tile counter is back at zero for the next
-    launch (three calls in a row, the same counters)."""
+    launch (three calls in a row, the same counters). The live splits (up to 3: the 20-token request of
+    "boundaries") are combined all at once, two at a time (a full chunk, then one with a masked slot) or one
+    at a time, the running max rescaled between chunks (COMBINE_VALUES_PER_THREAD)."""
     from fspec.kernels import paged_attention as pa
 
-    q, kc, vc, table, seq, positions, qsl = _case("ragged", 3, torch.float32)
-    args = (q, kc, vc, table, seq, positions, qsl)
-    two = paged_attention(*args, scale=0.3, num_query=3, config=CONFIGS["split_bn4"])
+    if values_per_thread is not None:
+        monkeypatch.setattr(pa, "COMBINE_VALUES_PER_THREAD", values_per_thread)
+    cfg = pa.default_config(
+        batch=4,
+        kv_heads=2,
+        group=2,
+        num_query=3,
+        head_dim=16,
+        capacity=20,
+        override=CONFIGS["split_bn4_fused"],
+    )
+    want_chunk = {None: 4, 4: 2, 2: 1}[values_per_thread]
+    assert pa.combine_chunk(3, cfg.block_m, 16, cfg.num_warps) == want_chunk
 
     class Refuse:
         def __getitem__(self, grid):
             raise AssertionError("the reduce kernel was launched")
 
-    monkeypatch.setattr(pa, "_paged_attention_reduce_kernel", Refuse())
-    for _ in range(3):
-        one = paged_attention(*args, scale=0.3, num_query=3, config=CONFIGS["split_bn4_fused"])
-        torch.testing.assert_close(one, two, rtol=1e-6, atol=1e-6)
-        assert (counters_mod.zeroed_counters(q.device) == 0).all()
+    for lens in LENS:
+        q, kc, vc, table, seq, positions, qsl = _case(lens, 3, torch.float32)
+        args = (q, kc, vc, table, seq, positions, qsl)
+        two = paged_attention(*args, scale=0.3, num_query=3, config=CONFIGS["split_bn4"])
+        with monkeypatch.context() as m:
+            m.setattr(pa, "_paged_attention_reduce_kernel", Refuse())
+            for _ in range(3):
+                one = paged_attention(*args, scale=0.3, num_query=3, config=CONFIGS["split_bn4_fused"])
+                torch.testing.assert_close(one, two, rtol=1e-6, atol=1e-6)
+                assert (counters_mod.zeroed_counters(q.device) == 0).all()
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -435,6 +455,9 @@ def _compile_kernels_for_h200() -> None:
         consts = dict(
             NUM_QUERY=nq, GROUP=group, KV_HEADS=8, HEAD_DIM=d, BLOCK_SIZE=16, SPLIT=split, FUSED_REDUCE=fused,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=triton_next_pow2(d), UPCAST=dtype == "fp32",
+            COMBINE_CHUNK=pa.combine_chunk(
+                -(-4096 // cfg.partition), cfg.block_m, triton_next_pow2(d), cfg.num_warps
+            ) if fused else 1,
         )  # fmt: skip
         ptx = _ptx_for_h200(
             pa._paged_attention_kernel, types, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages
