@@ -117,11 +117,18 @@ def _case(lens: str, num_query: int, dtype, *, kv_heads=2, group=2, head_dim=16,
     return q, kc, vc, table, seq, positions, qsl
 
 
-def _num_splits(cfg: AttentionConfig, *, num_query: int, group: int = 2, head_dim: int = 16) -> int:
-    full = default_config(
+def _full_config(
+    cfg: AttentionConfig, *, num_query: int, group: int = 2, head_dim: int = 16
+) -> AttentionConfig:
+    """The launcher's complete config for the test cases' sizes (4 requests, 2 KV heads, capacity 20)."""
+    return default_config(
         batch=4, kv_heads=2, group=group, num_query=num_query, head_dim=head_dim,
         capacity=MAX_BLOCKS * BLOCK_SIZE, override=cfg,
     )  # fmt: skip
+
+
+def _num_splits(cfg: AttentionConfig, *, num_query: int, group: int = 2, head_dim: int = 16) -> int:
+    full = _full_config(cfg, num_query=num_query, group=group, head_dim=head_dim)
     return math.ceil(MAX_BLOCKS * BLOCK_SIZE / full.partition)
 
 
@@ -173,15 +180,7 @@ def test_fused_reduce_launches_no_reduce_kernel_and_leaves_the_counters_at_zero(
 
     if values_per_thread is not None:
         monkeypatch.setattr(pa, "COMBINE_VALUES_PER_THREAD", values_per_thread)
-    cfg = pa.default_config(
-        batch=4,
-        kv_heads=2,
-        group=2,
-        num_query=3,
-        head_dim=16,
-        capacity=20,
-        override=CONFIGS["split_bn4_fused"],
-    )
+    cfg = _full_config(CONFIGS["split_bn4_fused"], num_query=3)
     want_chunk = {None: 4, 4: 2, 2: 1}[values_per_thread]
     assert pa.combine_chunk(3, cfg.block_m, 16, cfg.num_warps) == want_chunk
 
