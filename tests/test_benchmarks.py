@@ -98,6 +98,32 @@ def test_skinny_linear_dependent_smoke_times_calls_after_a_kernel_they_depend_on
     assert all(math.isfinite(r["skinny_us"]) and math.isfinite(r["cublas_us"]) for r in d["rows"])
 
 
+def test_dependent_timing_runs_the_dependency_before_every_call_and_subtracts_it_once(monkeypatch):
+    """time_per_call_us(before=...): `before` runs ahead of each call of each timed pass, its own time is
+    measured once per dependency (cached) and subtracted."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bsl", ROOT / "benchmarks" / "bench_skinny_linear.py")
+    bsl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bsl)
+    order = []
+    monkeypatch.setattr(bsl.time, "perf_counter", lambda: len(order))  # a fake clock: 1 s per event
+
+    def before():
+        order.append("before")
+
+    weights = [object(), object()]
+    us = bsl.time_per_call_us(lambda w: order.append("call"), weights, True, before=before)
+    # 4 passes of the calls (one warm-up, 3 timed), then 4 passes of the dependency alone
+    assert order[:16] == ["before", "call"] * 8 and order[16:] == ["before"] * 8
+    # per call: 2 s with the dependency (before + call), 1 s for the dependency alone
+    assert us == 1e6
+    count = len(order)
+    bsl.time_per_call_us(lambda w: order.append("call"), weights, True, before=before)
+    assert order[count:] == ["before", "call"] * 8  # the dependency's own time is measured once
+
+
 def test_dispatch_smoke_times_every_op_both_ways_with_equal_results(tmp_path):
     d = _run(
         "bench_dispatch.py", "--device", "cpu", "--calls", "2", "--vocab", "300", out=tmp_path / "d.json"
