@@ -5,19 +5,21 @@
 
 An eager `gumbel_sample_into` (the op vLLM's Gumbel kernel is compared with, table `sampling`) is the
 public function's validation, then the launcher: per-row inputs made contiguous, the result and scratch
-tensors allocated, three Triton launches. At small shapes the GPU finishes each kernel in a few µs, so the
-call costs what the host spends. Per piece this times `--calls` back-to-back calls with the host clock and no
-synchronisation inside the loop (the GPU work of each is tiny: the loop is host-bound), and reports µs per
-call, plus the same with the final drain (`..._drained_us`), which exceeds it where the GPU was the bound.
-Run it alone on the host: another process compiling at the same time inflates every figure.
+tensors allocated, two Triton launches (three before the reduction and the probability write became one). At
+small shapes the GPU finishes each kernel in a few µs, so the call costs what the host spends. Per piece this
+times `--calls` back-to-back calls with the host clock and no synchronisation inside the loop (the GPU work
+of each is tiny: the loop is host-bound), and reports µs per call, plus the same with the final drain
+(`..._drained_us`), which exceeds it where the GPU was the bound. Run it alone on the host: another process
+compiling at the same time inflates every figure.
 
 Pieces (gumbel_sample_into, fp32 logits, K = 5 columns): `empty` one torch.empty, `scratch` the launcher's
-one-allocation scratch of six tensors, `launch_block` / `launch_reduce` / `launch_probs` each Triton launch
-alone (`kernel[grid](...)` with ready arguments), `launch_block_compiled` the first of them through the
-compiled kernel's C launcher alone (CUDA only; the difference is what `JITFunction.run` adds per launch),
-`launcher` the whole launcher (kernels/gumbel.py), `call` through fspec.kernels.dispatch.call (what fspec's
-code runs), `op` through torch.ops.fspec (the dispatcher), `validate` the public function's input checks
-alone (one device sync), `public` the public function (validation + launcher).
+one-allocation scratch of four tensors, `launch_block` / `launch_finish` each Triton launch alone
+(`kernel[grid](...)` with ready arguments; older results have `launch_reduce` / `launch_probs`, the two
+launches `launch_finish` replaced), `launch_block_compiled` the first of them through the compiled kernel's C
+launcher alone (CUDA only; the difference is what `JITFunction.run` adds per launch), `launcher` the whole
+launcher (kernels/gumbel.py), `call` through fspec.kernels.dispatch.call (what fspec's code runs), `op`
+through torch.ops.fspec (the dispatcher), `validate` the public function's input checks alone (one device
+sync), `public` the public function (validation + launcher).
 """
 
 from __future__ import annotations
@@ -103,9 +105,9 @@ def pieces(b: int, v: int, device: str, gen: torch.Generator) -> dict:
     block = gumbel.launch_block(None)
     nb = triton.cdiv(v, block)
     (block_token,) = gumbel.scratch(torch.int64, logits.device, (b, nb))
-    stats = gumbel.scratch(torch.float32, logits.device, *[(b, nb)] * 4, (b,), (b,))
-    block_key, block_hot, block_max, block_sum, row_max, row_sum = stats
+    block_key, block_hot, block_max, block_sum = gumbel.scratch(torch.float32, logits.device, *[(b, nb)] * 4)
     tokens = torch.empty(b, dtype=torch.int64, device=device)
+    next_col = torch.empty_like(col)
     launch = pdl.options(logits)
     fast_log = logits.is_cuda
 
@@ -115,17 +117,11 @@ def pieces(b: int, v: int, device: str, gen: torch.Generator) -> dict:
             block_hot, v, nb, SALT=0, WITH_STATS=True, BLOCK=block, FAST_LOG=fast_log, **launch,
         )  # fmt: skip
 
-    def launch_reduce():
-        gumbel._gumbel_reduce_kernel[(b,)](
-            block_key, block_token, block_max, block_sum, block_hot, tokens, tokens_out, col, row_max,
-            row_sum, tokens, tokens, v, nb, K, WITH_STATS=True, MAP=False,
-            NB_POW2=triton.next_power_of_2(nb), **launch,
-        )  # fmt: skip
-
-    def launch_probs():
-        gumbel._gumbel_probs_kernel[(b, nb)](
-            logits, logits.stride(0), temp, tokens, row_max, row_sum, probs_out, col, v, K, BLOCK=block,
-            **launch,
+    def launch_finish():
+        gumbel._gumbel_finish_kernel[(b, nb)](
+            logits, logits.stride(0), temp, block_key, block_token, block_max, block_sum, block_hot, tokens,
+            tokens_out, probs_out, col, next_col, tokens, tokens, v, nb, K, MAP=False, NEXT_COL=True,
+            NB_POW2=triton.next_power_of_2(nb), BLOCK=block, **launch,
         )  # fmt: skip
 
     into = dict(out_tokens=tokens_out, out_probs=probs_out, col=col)
@@ -137,10 +133,9 @@ def pieces(b: int, v: int, device: str, gen: torch.Generator) -> dict:
             print(f"launch_block_compiled skipped: {type(e).__name__}: {e}", flush=True)
     return {
         "empty": lambda: torch.empty(b, dtype=torch.int64, device=device),
-        "scratch": lambda: gumbel.scratch(torch.float32, logits.device, *[(b, nb)] * 4, (b,), (b,)),
+        "scratch": lambda: gumbel.scratch(torch.float32, logits.device, *[(b, nb)] * 4),
         "launch_block": launch_block,
-        "launch_reduce": launch_reduce,
-        "launch_probs": launch_probs,
+        "launch_finish": launch_finish,
         **direct,
         "launcher": lambda: gumbel.gumbel_sample(logits, temp, seed, pos, **into),
         "call": lambda: call("gumbel_sample_into", logits, temp, seed, pos, 0, tokens_out, probs_out, col),

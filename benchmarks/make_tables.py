@@ -183,6 +183,7 @@ def skinny_fusions(d: dict) -> list[str]:
 
 def host_overhead(d: dict) -> list[str]:
     names = ["empty", "scratch", "launch_block", "launch_block_compiled", "launch_reduce", "launch_probs"]
+    names += ["launch_finish"]
     names += ["launcher", "call", "op", "validate", "public"]
     names = [n for n in names if any(f"{n}_us" in r for r in d["rows"])]  # columns added since older runs
     out = ["| B | V | " + " | ".join(f"{n} µs" for n in names) + " |", "|---:|---:|" + "---:|" * len(names)]
@@ -248,6 +249,8 @@ ALIASES = {
     "skinny_linear_one_row": "skinny_linear",
     "draft_loop_b1_b32": "draft_loop",
     "host_overhead_torch_checks": "host_overhead",
+    "draft_loop_b1_b32_rows": "draft_loop",
+    "switches_m": "switches",
 }  # result files drawn by another's renderer
 
 
@@ -256,6 +259,7 @@ NAMES = [
     "sampling",
     "draft_loop",
     "draft_loop_b1_b32",
+    "draft_loop_b1_b32_rows",
     "generate",
     "call_overhead",
     "skinny_linear",
@@ -264,6 +268,7 @@ NAMES = [
     "host_overhead",
     "host_overhead_torch_checks",
     "switches",
+    "switches_m",
     "dispatch",
     "acceptance",
     "acceptance_h200",

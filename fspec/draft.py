@@ -27,12 +27,12 @@ import torch
 
 from fspec.cache import KVCache, check_cache
 from fspec.config import DraftConfig
+from fspec.kernels.ops import call
 from fspec.kernels.salts import SALT_DRAFT
 from fspec.metadata import decode_after
 from fspec.models import _head_forward, check_head_params
 from fspec.models.eagle3 import _draft_to_target
 from fspec.pytree import replace
-from fspec.sampling import gumbel_sample
 from fspec.state import AttnMetadata, DraftState, check_positive_int, validate_draft_state
 
 
@@ -82,28 +82,33 @@ def _step(
     )  # [B, Vd], [T, H]
     hidden = hidden_all.index_select(0, rows)  # [B, H]
     # 4. sample into column `step`: the column comes from the tensor, never from a Python int.
-    position = attn.seq_lens.to(torch.int64) + 1  # position of the token being sampled
     d2t = params["d2t"] if cfg.kind == "eagle3" else None  # reduced draft vocabulary: emit TARGET ids
     if cfg.greedy_drafts:
         tokens = logits.float().nan_to_num(nan=float("-inf")).argmax(-1)  # q is one-hot: nothing to store
         if d2t is not None:
             tokens = _draft_to_target(tokens, d2t)
         _write_column(state.draft_tokens, state.step, tokens)
-    else:  # the sampling kernels write the (mapped) ids into column `step` themselves
-        tokens = gumbel_sample(
+        step = state.step + 1
+    else:
+        # the sampling kernels write the (mapped) ids into column `step` themselves and return step + 1; the
+        # sampled token's position (seq_lens + 1, the Philox counter) is added in the kernel: no launch of
+        # its own for either on a step's dependent chain (the state was validated: the op is called as is)
+        tokens, step = call(
+            "gumbel_sample_into",
             logits,
             state.temperature,
             state.seed,
-            position,
-            salt=SALT_DRAFT,
-            out_tokens=state.draft_tokens,
-            out_probs=state.draft_probs,
-            col=state.step,
-            d2t=d2t,
+            attn.seq_lens,
+            SALT_DRAFT,
+            state.draft_tokens,
+            state.draft_probs,
+            state.step,
+            d2t,
+            1,
         )
     # 5. the next state; its metadata is a pure function of this step's.
     nxt = decode_after(attn, block_size=cfg.block_size, max_model_len=cfg.max_model_len)
-    return replace(state, input_ids=tokens, hidden=hidden, attn=nxt, step=state.step + 1), cache
+    return replace(state, input_ids=tokens, hidden=hidden, attn=nxt, step=step), cache
 
 
 def _validate(params: dict, state: DraftState, cache: KVCache, *, cfg: DraftConfig, max_context) -> None:

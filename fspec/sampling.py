@@ -225,4 +225,4 @@ def gumbel_sample(
     if out_tokens is None:
         return call("gumbel_sample", logits, temperature, seed, positions, salt)
     args = (logits, temperature, seed, positions, salt, out_tokens, out_probs, col)
-    return call("gumbel_sample_into", *args, d2t)
+    return call("gumbel_sample_into", *args, d2t)[0]

@@ -14,7 +14,9 @@ softmax(logits / T) (one-hot at the token when T = 0) to `out_probs[:, col, :]`;
 
 Two-stage argmax (vLLM's shape): grid (N, cdiv(V, BLOCK)) computes block maxima, a per-row kernel picks the
 first maximal block. One program per row over the vocabulary took 218 us at 8 x 32000 on an H200 versus 41 us
-for eager PyTorch (COMPILE-FACTS.md), so the vocabulary is split over programs.
+for eager PyTorch (COMPILE-FACTS.md), so the vocabulary is split over programs. With the out buffers the
+second stage is grid (N, cdiv(V, BLOCK)) as well: each program reduces its row's block results (a few dozen
+values from L2) and writes its block of probabilities, so a sample into a column is two launches, not three.
 """
 
 import math
@@ -129,7 +131,7 @@ def _gumbel_block_kernel(
     stride_row,  # elements between consecutive rows of logits
     temperature_ptr,  # [N] float32, 0 = greedy
     seed_ptr,  # [N] int64 Philox key per row
-    positions_ptr,  # [N] int64 position per row (Philox counter)
+    positions_ptr,  # [N] int position per row (Philox counter), POS_OFFSET added
     block_key_ptr,  # [N, NB] float32 out: block max of logits / T + noise (logits for greedy rows)
     block_token_ptr,  # [N, NB] int64 out: smallest token id attaining that max
     block_max_ptr,  # [N, NB] float32 out (WITH_STATS): block max of logits / T
@@ -142,6 +144,7 @@ def _gumbel_block_kernel(
     BLOCK: tl.constexpr,  # tokens per program, a power of two >= 4
     FAST_LOG: tl.constexpr,  # GPU launch: approximate logs (philox_gumbel_tile), NaN masked by max.f32
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
+    POS_OFFSET: tl.constexpr = 0,  # added to every position (a draft step passes seq_lens and 1)
 ):
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -157,7 +160,7 @@ def _gumbel_block_kernel(
     hot = tl.full([], float("-inf"), tl.float32)
     if t > 0:  # greedy rows skip Philox entirely
         seed = tl.load(seed_ptr + row)
-        position = tl.load(positions_ptr + row)
+        position = tl.load(positions_ptr + row).to(tl.int64) + POS_OFFSET
         key = raw * inv_t + philox_gumbel_tile(seed, position, SALT, start, GROUPS, FAST_LOG)  # one FMA
         # max(logits / T) = max(logits) / T (multiplying by 1 / T > 0 is monotone, rounding included)
         if tl.max(tl.max(raw, axis=1), axis=0) * inv_t == float("inf"):
@@ -178,29 +181,9 @@ def _gumbel_block_kernel(
 
 
 @triton.jit
-def _gumbel_reduce_kernel(
-    block_key_ptr,  # [N, NB] float32: block maxima of the sampling key
-    block_token_ptr,  # [N, NB] int64: their token ids
-    block_max_ptr,  # [N, NB] float32 (WITH_STATS): block max of logits / T
-    block_sum_ptr,  # [N, NB] float32 (WITH_STATS): block sum of exp(logits / T - block max)
-    block_hot_ptr,  # [N, NB] float32: a block's max logit where logits / T reaches +inf, else -inf
-    tokens_ptr,  # [N] int64 out: sampled tokens
-    out_tokens_ptr,  # [N, K] int64 out (WITH_STATS): column col receives the tokens
-    col_ptr,  # [] int64 (WITH_STATS): the column, loaded here, never a Python int
-    row_max_ptr,  # [N] float32 out (WITH_STATS): max of logits / T over the row
-    row_sum_ptr,  # [N] float32 out (WITH_STATS): sum of exp(logits / T - row max)
-    d2t_ptr,  # [V] int32/int64 (MAP): id offsets; the emitted id of token t is t + d2t[t]
-    mapped_ptr,  # [N] int64 out (MAP): the emitted ids
-    V,  # vocabulary size (sentinel token id)
-    NB,  # number of vocabulary blocks
-    K,  # columns of out_tokens
-    WITH_STATS: tl.constexpr,  # write out_tokens[:, col] and the row softmax statistics
-    MAP: tl.constexpr,  # emit t + d2t[t] (EAGLE-3's draft-to-target ids) to mapped and out_tokens
-    NB_POW2: tl.constexpr,  # next power of two >= NB
-    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
-):
-    pdl_enter(PDL)
-    row = tl.program_id(0).to(tl.int64)
+def _row_token(block_key_ptr, block_token_ptr, block_hot_ptr, row, V, NB, NB_POW2: tl.constexpr):
+    """A row's sampled token (int64) from its blocks' maxima: the first maximal block's token, or, where
+    logits / T reaches +inf in some block, the first raw argmax among those blocks."""
     nb = tl.arange(0, NB_POW2)
     in_row = nb < NB
     key = tl.load(block_key_ptr + row * NB + nb, mask=in_row, other=float("-inf"))
@@ -212,55 +195,105 @@ def _gumbel_reduce_kernel(
     hot = tl.load(block_hot_ptr + row * NB + nb, mask=in_row, other=float("-inf"))
     hot_best = tl.max(hot, axis=0)
     hot_token = tl.min(tl.where(in_row & (hot == hot_best), tok, V), axis=0)
-    token = tl.where(hot_best > float("-inf"), hot_token, token)
-    tl.store(tokens_ptr + row, token)
+    return tl.where(hot_best > float("-inf"), hot_token, token)
+
+
+@triton.jit
+def _row_softmax_stats(block_max_ptr, block_sum_ptr, row, NB, NB_POW2: tl.constexpr):
+    """(max of logits / T over the row, sum of exp(logits / T - that max)) from the blocks' statistics."""
+    nb = tl.arange(0, NB_POW2)
+    in_row = nb < NB
+    bmax = tl.load(block_max_ptr + row * NB + nb, mask=in_row, other=float("-inf"))
+    bsum = tl.load(block_sum_ptr + row * NB + nb, mask=in_row, other=0.0)
+    m = tl.max(bmax, axis=0)
+    return m, tl.sum(bsum * tl.exp(bmax - softmax_shift(m)), axis=0)
+
+
+@triton.jit
+def _emit(token, row, d2t_ptr, mapped_ptr, MAP: tl.constexpr):
+    """The emitted id of `token`: token + d2t[token] (stored to mapped[row]) with MAP, else the token."""
     emitted = token
     if MAP:
         emitted = token + tl.load(d2t_ptr + token).to(tl.int64)
         tl.store(mapped_ptr + row, emitted)
-    if WITH_STATS:
-        col = tl.load(col_ptr)
-        tl.store(out_tokens_ptr + row * K + col, emitted)
-        bmax = tl.load(block_max_ptr + row * NB + nb, mask=in_row, other=float("-inf"))
-        bsum = tl.load(block_sum_ptr + row * NB + nb, mask=in_row, other=0.0)
-        m = tl.max(bmax, axis=0)
-        s = tl.sum(bsum * tl.exp(bmax - softmax_shift(m)), axis=0)
-        tl.store(row_max_ptr + row, m)
-        tl.store(row_sum_ptr + row, s)
+    return emitted
 
 
 @triton.jit
-def _gumbel_probs_kernel(
-    logits_ptr,  # [N, V] float32/bfloat16/float16, vocabulary stride 1
-    stride_row,  # elements between consecutive rows of logits
-    temperature_ptr,  # [N] float32
-    tokens_ptr,  # [N] int64: sampled tokens (the one-hot of greedy rows)
-    row_max_ptr,  # [N] float32: max of logits / T
-    row_sum_ptr,  # [N] float32: sum of exp(logits / T - row max)
-    out_probs_ptr,  # [N, K, V] float32 out: column col receives the processed probabilities
-    col_ptr,  # [] int64: the column
-    V,  # vocabulary size
-    K,  # columns of out_probs
-    BLOCK: tl.constexpr,  # tokens per program
+def _gumbel_reduce_kernel(
+    block_key_ptr,  # [N, NB] float32: block maxima of the sampling key
+    block_token_ptr,  # [N, NB] int64: their token ids
+    block_hot_ptr,  # [N, NB] float32: a block's max logit where logits / T reaches +inf, else -inf
+    tokens_ptr,  # [N] int64 out: sampled tokens
+    d2t_ptr,  # [V] int32/int64 (MAP): id offsets; the emitted id of token t is t + d2t[t]
+    mapped_ptr,  # [N] int64 out (MAP): the emitted ids
+    V,  # vocabulary size (sentinel token id)
+    NB,  # number of vocabulary blocks
+    MAP: tl.constexpr,  # emit t + d2t[t] (EAGLE-3's draft-to-target ids) to mapped
+    NB_POW2: tl.constexpr,  # next power of two >= NB
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
-    token = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    valid = token < V
-    x = tl.load(logits_ptr + row * stride_row + token, mask=valid, other=float("-inf")).to(tl.float32)
+    token = _row_token(block_key_ptr, block_token_ptr, block_hot_ptr, row, V, NB, NB_POW2)
+    tl.store(tokens_ptr + row, token)
+    _emit(token, row, d2t_ptr, mapped_ptr, MAP)
+
+
+@triton.jit
+def _gumbel_finish_kernel(
+    logits_ptr,  # [N, V] float32/bfloat16/float16, vocabulary stride 1
+    stride_row,  # elements between consecutive rows of logits
+    temperature_ptr,  # [N] float32
+    block_key_ptr,  # [N, NB] float32: block maxima of the sampling key
+    block_token_ptr,  # [N, NB] int64: their token ids
+    block_max_ptr,  # [N, NB] float32: block max of logits / T
+    block_sum_ptr,  # [N, NB] float32: block sum of exp(logits / T - block max)
+    block_hot_ptr,  # [N, NB] float32: a block's max logit where logits / T reaches +inf, else -inf
+    tokens_ptr,  # [N] int64 out: sampled tokens
+    out_tokens_ptr,  # [N, K] int64 out: column col receives the (emitted) tokens
+    out_probs_ptr,  # [N, K, V] float32 out: column col receives the processed probabilities
+    col_ptr,  # [] int64: the column, loaded here, never a Python int
+    next_col_ptr,  # [] int64 out (NEXT_COL): col + 1 (a draft step's next step counter)
+    d2t_ptr,  # [V] int32/int64 (MAP): id offsets; the emitted id of token t is t + d2t[t]
+    mapped_ptr,  # [N] int64 out (MAP): the emitted ids
+    V,  # vocabulary size
+    NB,  # number of vocabulary blocks
+    K,  # columns of out_tokens and out_probs
+    MAP: tl.constexpr,  # emit t + d2t[t] to mapped and out_tokens
+    NEXT_COL: tl.constexpr,  # write col + 1 to next_col
+    NB_POW2: tl.constexpr,  # next power of two >= NB
+    BLOCK: tl.constexpr,  # tokens per program
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
+):
+    pdl_enter(PDL)
+    # Reduction and probability write in one launch, grid (N, NB): every program reduces its row's block
+    # results itself (NB values from L2: the token, for greedy rows' one-hot, and the softmax statistics)
+    # and writes its block of out_probs[:, col]; block 0 also writes the token, and program (0, 0) col + 1.
+    # One launch instead of a per-row reduction followed by the probability write: on a draft step's
+    # dependent chain each launch costs ~1-1.5 us on the H200 (benchmarks/results/timelines/).
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    token = _row_token(block_key_ptr, block_token_ptr, block_hot_ptr, row, V, NB, NB_POW2)
+    m, s = _row_softmax_stats(block_max_ptr, block_sum_ptr, row, NB, NB_POW2)
+    col = tl.load(col_ptr)
+    if blk == 0:
+        tl.store(tokens_ptr + row, token)
+        tl.store(out_tokens_ptr + row * K + col, _emit(token, row, d2t_ptr, mapped_ptr, MAP))
+        if NEXT_COL and row == 0:
+            tl.store(next_col_ptr, col + 1)
+    offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < V
+    x = tl.load(logits_ptr + row * stride_row + offs, mask=valid, other=float("-inf")).to(tl.float32)
     x = tl.where(x != x, float("-inf"), x)
     t = tl.load(temperature_ptr + row)
-    m = tl.load(row_max_ptr + row)
-    s = tl.load(row_sum_ptr + row)
-    one_hot = tl.where(token == tl.load(tokens_ptr + row), 1.0, 0.0)
+    one_hot = tl.where(offs == token, 1.0, 0.0)
     # greedy rows, rows without a finite logit, rows whose logits / T reach +inf: the one-hot of their token
     soft = (t > 0) & (m > float("-inf")) & (m < float("inf"))
     # exp(-inf) = 0 where the one-hot is used: no overflow in greedy rows, no -inf - -inf in dead rows
     z = tl.where(soft, x * inv_temperature(t) - tl.where(soft, m, 0.0), float("-inf"))
     p = tl.exp(z) * (1.0 / tl.where(soft, s, 1.0))
-    col = tl.load(col_ptr)
-    tl.store(out_probs_ptr + (row * K + col) * V + token, tl.where(soft, p, one_hot), mask=valid)
+    tl.store(out_probs_ptr + (row * K + col) * V + offs, tl.where(soft, p, one_hot), mask=valid)
 
 
 def gumbel_sample(
@@ -275,13 +308,18 @@ def gumbel_sample(
     col: Tensor | None = None,
     d2t: Tensor | None = None,
     block: int | None = None,
+    position_offset: int = 0,
+    next_col: Tensor | None = None,
 ) -> Tensor:
     """Launch the Gumbel kernels; returns tokens [N] int64 and, with out buffers, writes column `col`.
 
     Inputs are assumed validated (fspec.sampling.gumbel_sample checks them); out_tokens [N, K] and
     out_probs [N, K, V] must be contiguous. With `d2t` [V] (int offsets) the returned ids and out_tokens'
     column are t + d2t[t] (EAGLE-3's target ids; out_probs stays over the sampled vocabulary). `block` is a
-    power of two >= 4 (None: `launch_block`).
+    power of two >= 4 (None: `launch_block`). The Philox counter of row r is positions[r] + position_offset
+    (positions of any integer dtype). With the out buffers, `next_col` (0-d int64, or None: not written)
+    receives col + 1. Two launches: the block kernel, then the per-row reduction or, with the out
+    buffers, the reduction and probability write in one (`_gumbel_finish_kernel`).
     """
     block = launch_block(block)
     n, v = logits.shape
@@ -294,33 +332,33 @@ def gumbel_sample(
     tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
     mapped = tokens if d2t is None else torch.empty_like(tokens)
     if n == 0:
+        if next_col is not None:
+            next_col.copy_(col + 1)
         return mapped
     (block_token,) = scratch(torch.int64, logits.device, (n, nb))
     if into:
-        block_key, block_hot, block_max, block_sum, row_max, row_sum = scratch(
-            torch.float32, logits.device, *[(n, nb)] * 4, (n,), (n,)
-        )
+        block_key, block_hot, block_max, block_sum = scratch(torch.float32, logits.device, *[(n, nb)] * 4)
     else:  # the statistics' pointers are never followed
         block_key, block_hot = scratch(torch.float32, logits.device, (n, nb), (n, nb))
-        block_max = block_sum = row_max = row_sum = block_key
-    k = out_tokens.shape[1] if into else 0
+        block_max = block_sum = block_key
     launch = pdl.options(logits)  # one environment read for the call's launches
     _gumbel_block_kernel[(n, nb)](
         logits, logits.stride(0), temperature, seed, positions, block_key, block_token, block_max,
         block_sum, block_hot, v, nb, SALT=salt, WITH_STATS=into, BLOCK=block, FAST_LOG=logits.is_cuda,
-        **launch,
+        POS_OFFSET=position_offset, **launch,
     )  # fmt: skip
-    _gumbel_reduce_kernel[(n,)](
-        block_key, block_token, block_max, block_sum, block_hot, tokens,
-        out_tokens if into else tokens, col if into else tokens, row_max, row_sum,
-        tokens if d2t is None else d2t.contiguous(), mapped, v, nb, k,
-        WITH_STATS=into, MAP=d2t is not None, NB_POW2=triton.next_power_of_2(nb),
-        **launch,
-    )  # fmt: skip
+    d2t_arg = tokens if d2t is None else d2t.contiguous()
     if into:
-        _gumbel_probs_kernel[(n, nb)](
-            logits, logits.stride(0), temperature, tokens, row_max, row_sum, out_probs, col, v, k,
-            BLOCK=block, **launch,
+        _gumbel_finish_kernel[(n, nb)](
+            logits, logits.stride(0), temperature, block_key, block_token, block_max, block_sum, block_hot,
+            tokens, out_tokens, out_probs, col, col if next_col is None else next_col, d2t_arg, mapped,
+            v, nb, out_tokens.shape[1], MAP=d2t is not None, NEXT_COL=next_col is not None,
+            NB_POW2=triton.next_power_of_2(nb), BLOCK=block, **launch,
+        )  # fmt: skip
+    else:
+        _gumbel_reduce_kernel[(n,)](
+            block_key, block_token, block_hot, tokens, d2t_arg, mapped, v, nb, MAP=d2t is not None,
+            NB_POW2=triton.next_power_of_2(nb), **launch,
         )  # fmt: skip
     return mapped
 
@@ -368,8 +406,12 @@ def gumbel_sample_ref(
     out_probs: Tensor | None = None,
     col: Tensor | None = None,
     d2t: Tensor | None = None,
+    position_offset: int = 0,
+    next_col: Tensor | None = None,
 ) -> Tensor:
-    """Plain-PyTorch twin of `gumbel_sample` (same noise, ties, NaN handling, id map and column write)."""
+    """Plain-PyTorch twin of `gumbel_sample` (same noise, ties, NaN handling, id map, column write, position
+    offset and col + 1 into `next_col`)."""
+    positions = positions.to(torch.int64) + position_offset
     x = clean_logits_ref(logits)  # [N, V]
     scaled = x * inv_temperature_ref(temperature)[:, None]
     # rows whose logits / T reach +inf are decided greedily, by the raw logits (the T -> 0 limit)
@@ -383,4 +425,6 @@ def gumbel_sample_ref(
         probs = torch.where(sampled & (m > float("-inf"))[:, None], probs, one_hot)  # [N, V]
         out_tokens.index_copy_(1, col.view(1), emitted[:, None])
         out_probs.index_copy_(1, col.view(1), probs[:, None, :])
+        if next_col is not None:
+            next_col.copy_(col + 1)
     return emitted

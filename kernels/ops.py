@@ -10,7 +10,8 @@ Ops never return an alias of an input (custom ops cannot), and `mutates_args` na
 kernel writes; callers pass whole buffers plus the column tensor, never views (pytorch#198031).
 
     fspec::gumbel_sample        (logits, temperature, seed, positions, salt) -> tokens [N]
-    fspec::gumbel_sample_into   (... , out_tokens!, out_probs!, col, d2t?) -> tokens [N] (fresh tensor)
+    fspec::gumbel_sample_into   (... , out_tokens!, out_probs!, col, d2t?, position_offset) -> (tokens [N],
+                                col + 1) (fresh tensors)
     fspec::rejection_sample     (target_logits, draft_tokens, draft_probs?, temperature, seed, positions)
                                 -> (tokens [B, K+1], num_accepted [B])
     fspec::skinny_linear        (x [M, K], w [N, K], norm_weight?, eps, silu_mul, residual?) -> [M, N]:
@@ -20,6 +21,8 @@ kernel writes; callers pass whole buffers plus the column tensor, never views (p
                                 (kernels/step_metadata.py)
     fspec::rope_cos_sin         (positions [...], inv_freq [D/2], dtype) -> (cos, sin) [..., D]
                                 (kernels/rope_cos_sin.py)
+    fspec::rope_tables          (positions [...], dtype, rope parameters) -> (cos, sin) [..., D], the
+                                inverse frequencies kept per device by the op
     fspec::value_flags          (logits, temperature, positions, span, col?, ncols, draft_tokens?,
                                 draft_probs?, d2t?) -> int32 [1]: the public functions' value checks, one bit
                                 each (kernels/value_flags.py)
@@ -64,14 +67,20 @@ def gumbel_sample_into(
     out_probs: Tensor,
     col: Tensor,
     d2t: Tensor | None = None,
-) -> Tensor:
-    """Gumbel-max sample, also written to out_tokens[:, col] and out_probs[:, col, :]; fresh tokens [N]
-    (with d2t: ids t + d2t[t], in the return value and out_tokens)."""
+    position_offset: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """Gumbel-max sample, also written to out_tokens[:, col] and out_probs[:, col, :]; fresh (tokens [N],
+    col + 1) (with d2t: ids t + d2t[t], in the tokens and out_tokens). Row r's Philox counter is
+    positions[r] + position_offset (positions of any integer dtype: a draft step passes its seq_lens and 1,
+    no kernel of its own for the sum); col + 1 is a draft step's next step counter, written by the same
+    launch."""
     impl = gumbel.gumbel_sample if _use_triton(logits) else gumbel.gumbel_sample_ref
-    return impl(
+    next_col = torch.empty_like(col)
+    tokens = impl(
         logits, temperature, seed, positions, salt=salt, out_tokens=out_tokens, out_probs=out_probs, col=col,
-        d2t=d2t,
+        d2t=d2t, position_offset=position_offset, next_col=next_col,
     )  # fmt: skip
+    return tokens, next_col
 
 
 @gumbel_sample_into.register_fake
@@ -85,8 +94,9 @@ def _(
     out_probs: Tensor,
     col: Tensor,
     d2t: Tensor | None = None,
-) -> Tensor:
-    return logits.new_empty(logits.shape[0], dtype=torch.int64)
+    position_offset: int = 0,
+) -> tuple[Tensor, Tensor]:
+    return logits.new_empty(logits.shape[0], dtype=torch.int64), torch.empty_like(col)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -253,6 +263,50 @@ def _rope_cos_sin_vmap(info, in_dims, positions, inv_freq, dtype):
 
 
 rope_cos_sin.register_vmap(_rope_cos_sin_vmap)
+
+
+@register("fspec::rope_tables", mutates_args=())
+def rope_tables(
+    positions: Tensor,
+    dtype: torch.dtype,
+    head_dim: int,
+    theta: float,
+    rope_type: str,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max: int,
+) -> tuple[Tensor, Tensor]:
+    """`rope_cos_sin` with the inverse frequencies of the rope parameters (`rope_cos_sin.inv_freq`), kept per
+    device by the op (`cached_inv_freq`): a compiled graph holds no kernel that computes them."""
+    key = (head_dim, theta, rope_type, factor, low_freq_factor, high_freq_factor, original_max)
+    impl = _rcs.rope_cos_sin if _use_triton(positions) else _rcs.rope_cos_sin_ref
+    return impl(positions, _rcs.cached_inv_freq(key, positions.device), dtype)
+
+
+@rope_tables.register_fake
+def _(
+    positions: Tensor,
+    dtype: torch.dtype,
+    head_dim: int,
+    theta: float,
+    rope_type: str,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max: int,
+) -> tuple[Tensor, Tensor]:
+    shape = (*positions.shape, 2 * (head_dim // 2))
+    return positions.new_empty(shape, dtype=dtype), positions.new_empty(shape, dtype=dtype)
+
+
+def _rope_tables_vmap(info, in_dims, positions, dtype, *key):
+    """Batched positions (the only tensor) through the reference, batch dim first."""
+    positions = positions.movedim(in_dims[0], 0)
+    return _rcs.rope_cos_sin_ref(positions, _rcs.cached_inv_freq(key, positions.device), dtype), (0, 0)
+
+
+rope_tables.register_vmap(_rope_tables_vmap)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -12,6 +12,9 @@ recomputed them in front of each op: one ~1.3 µs kernel per layer of a 1B-shape
 (16 per token; benchmarks/kernel_timeline.py). An op's outputs are buffers: computed once per forward.
 """
 
+import math
+import threading
+
 import torch
 import triton
 import triton.language as tl
@@ -21,6 +24,77 @@ from . import pdl
 from .pdl import pdl_enter
 
 BLOCK_T = 16  # positions per program
+
+
+def inv_freq(
+    head_dim: int,
+    theta: float,
+    rope_type: str,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max: int,
+    device: torch.device | str,
+) -> Tensor:
+    """[D/2] fp32 inverse frequencies for rope_type "default", "linear" (divided by factor) or "llama3"
+    (transformers' `_compute_llama3_parameters`: wavelengths shorter than original_max / high_freq_factor
+    are kept, longer than original_max / low_freq_factor divided by `factor`, and the band between
+    interpolated with smooth = (original_max / wavelen - low) / (high - low))."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    freq = 1.0 / (theta**exponent)
+    if rope_type == "linear":
+        return freq / factor
+    if rope_type == "default":
+        return freq
+    low, high = low_freq_factor, high_freq_factor
+    low_freq_wavelen, high_freq_wavelen = original_max / low, original_max / high
+    wavelen = 2 * math.pi / freq
+    scaled = torch.where(wavelen > low_freq_wavelen, freq / factor, freq)
+    smooth = (original_max / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+_INV_FREQ: dict[tuple, Tensor] = {}
+
+
+def cached_inv_freq(key: tuple, device: torch.device) -> Tensor:
+    """`inv_freq(*key, device)`, computed once per key and device and kept (a few hundred bytes each): what
+    `fspec::rope_tables` multiplies positions by. Computed on the device, as an uncached call would. On a
+    CUDA device a miss computes in a helper thread (and waits for it), so the kept tensor is an ordinary
+    allocation even during a CUDA-graph tree's warm-up run, which sends every allocation of its thread to the
+    graph's private pool, where a tensor that outlives the run is an untracked allocation the trees refuse
+    (torch 2.11: "Detected 1 tensor(s) in the cudagraph pool not tracked as outputs"); a miss during capture
+    computes on the capturing stream without keeping (the graph replays the computation)."""
+    entry = (key, str(device))
+    cached = _INV_FREQ.get(entry)
+    if cached is not None:
+        return cached
+    if device.type != "cuda":
+        freq = _INV_FREQ[entry] = inv_freq(*key, device)
+        return freq
+    if torch.cuda.is_current_stream_capturing():
+        return inv_freq(*key, device)
+    torch.cuda.current_stream(device).synchronize()  # whatever the caller queued is done (warm-up, eager)
+
+    errors = []
+
+    def compute() -> None:
+        try:
+            with torch.cuda.device(device):
+                freq = inv_freq(*key, device)
+                torch.cuda.current_stream(device).synchronize()
+            _INV_FREQ[entry] = freq
+        except Exception as e:  # re-raised in the caller's thread
+            errors.append(e)
+
+    helper = threading.Thread(target=compute, name="fspec-rope-inv-freq")
+    helper.start()
+    helper.join()
+    if errors:
+        raise errors[0]
+    return _INV_FREQ[entry]
 
 
 @triton.jit

@@ -56,6 +56,10 @@ GEMV_ELEMS_PER_THREAD = 64
 GEMV_ONE_TILE_ELEMS_PER_THREAD = 128
 MAX_SPLIT_K = 64  # programs one column block's reduction may be cut into (`SkinnyConfig.split_k`)
 NORM_VALUES_PER_THREAD = 32  # the one-row kernel's RMS pass: x values per thread per load (`norm_block`)
+FMA_MAX_ROWS = 8  # rows of x the CUDA-core kernels take (`_skinny_rows_kernel` from 2 rows); more: the tile
+# `_skinny_rows_kernel` keeps a [M_POW2, BLOCK_N, BLOCK_K] float32 product per tile: at most this many of its
+# elements per thread (twice the tiles with SiLU * up; sm_90 compile without spills: tests/kernels)
+ROWS_ELEMS_PER_THREAD = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +80,7 @@ class SkinnyConfig:
     split_k: int = 1
 
 
-def default_config(n: int, k: int, *, one_row: bool = False) -> SkinnyConfig:
+def default_config(n: int, k: int, *, one_row: bool = False, rows: int = 0) -> SkinnyConfig:
     """Launch parameters from the shapes alone, from the sweeps on the H200 (`bench_skinny_linear.py
     --sweep`, benchmarks/results/skinny_linear.json and, for one row, skinny_linear_one_row.json).
     Several rows: the tensor-core tile, 16 output columns per program up to N = 2048, 32 up to 4096, 64
@@ -86,9 +90,11 @@ def default_config(n: int, k: int, *, one_row: bool = False) -> SkinnyConfig:
     has its whole 2048-deep reduction in flight at once (1B o 4.1 -> 3.3 us, down 12.3 -> 9.4); up to 4096
     BLOCK_K 512, eight warps; up to 8192 four warps; up to 16384 BLOCK_K 256, eight warps; wider four warps,
     BLOCK_K 256 over deep reductions (the 8B head's gate/up) and 512 over K <= 2048 (a 32000-token draft LM
-    head). The split reduction (`split_k`) won no shape of the sweep: it stays off."""
+    head). The split reduction (`split_k`) won no shape of the sweep: it stays off. `rows` of x from 2 to
+    FMA_MAX_ROWS: the one-row configuration on the CUDA-core `_skinny_rows_kernel` (its BLOCK_K shrinks to
+    fit the rows, `rows_block_k`)."""
     kmax = max(16, triton.next_power_of_2(k))
-    if one_row:
+    if one_row or 2 <= rows <= FMA_MAX_ROWS:
         block_k, warps = (
             (1024, 8) if n <= 2048
             else (512, 8) if n <= 4096
@@ -292,6 +298,99 @@ def _skinny_gemv_kernel(
 
 
 @triton.jit
+def _skinny_rows_kernel(
+    x_ptr,  # [M, K] rows of the input, K-stride 1
+    w_ptr,  # [N, K] weight, K-stride 1 ([2N, K]: gate rows, then up rows, when SILU)
+    y_ptr,  # [M, N] out, N-stride 1
+    norm_ptr,  # [K] (NORM): RMSNorm weight applied to x first
+    res_ptr,  # [M, N] (RESIDUAL): added to the product, N-stride 1
+    M,  # rows (<= M_POW2)
+    N,  # output features (SILU: of silu(gate) * up)
+    K,  # input features
+    eps,  # (NORM) RMSNorm epsilon
+    stride_xm,  # elements between rows of x
+    stride_wn,  # elements between rows of w
+    stride_ym,  # elements between rows of y
+    stride_rm,  # (RESIDUAL) elements between rows of the residual
+    M_POW2: tl.constexpr,  # next power of two >= M (at most FMA_MAX_ROWS)
+    BLOCK_N: tl.constexpr,  # output columns per program, a power of two
+    BLOCK_K: tl.constexpr,  # reduction depth per tile, a power of two
+    NORM: tl.constexpr = False,
+    SILU: tl.constexpr = False,
+    RESIDUAL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+    NORM_BLOCK: tl.constexpr = 16,  # (NORM) x values per row and load of the RMS pass
+):
+    """`_skinny_gemv_kernel` for 2..FMA_MAX_ROWS rows (a first draft step's K + 1 rows, verification at
+    batch 1) on the CUDA cores: each [BLOCK_N, BLOCK_K] weight tile is loaded once and multiplied by every
+    row of the [M_POW2, BLOCK_K] x tile as a [M_POW2, BLOCK_N, BLOCK_K] product reduced over K per tile
+    (no 16-row tensor-core tile, no trip of x through shared memory: the tiles are loaded in the product's
+    3-d layout, x replicated across the warps that split the columns). Same fusions and roundings."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    kk = tl.arange(0, BLOCK_K)
+    m = tl.arange(0, M_POW2)
+    m_ok = m < M
+    # 3-d index tiles: rows [M, 1, 1], columns [1, N, 1], depth [1, 1, K]
+    n3 = n[None, :, None]
+    k3 = kk[None, None, :]
+    m3 = m[:, None, None]
+    w_rows = w_ptr + n3.to(tl.int64) * stride_wn  # [1, BLOCK_N, 1]
+    w_ok = n_ok[None, :, None] & (k3 < K)
+    w = tl.load(w_rows + k3, mask=w_ok, other=0.0)  # weights are constant: before the wait
+    if SILU:
+        u_rows = w_rows + N.to(tl.int64) * stride_wn
+        u = tl.load(u_rows + k3, mask=w_ok, other=0.0)
+    pdl_enter(PDL)
+    x_rows = x_ptr + m3 * stride_xm  # [M_POW2, 1, 1]
+    x_ok = m_ok[:, None, None] & (k3 < K)
+    x = tl.load(x_rows + k3, mask=x_ok, other=0.0)  # [M_POW2, 1, BLOCK_K]
+    g = x
+    if NORM:
+        g = tl.load(norm_ptr + k3, mask=k3 < K, other=0.0)  # [1, 1, BLOCK_K]
+    rstd = tl.zeros([M_POW2, 1, 1], dtype=tl.float32)
+    if NORM:  # every program reads the M rows of x once more (from L2), NORM_BLOCK values per row and load
+        kr = tl.arange(0, NORM_BLOCK)[None, None, :]
+        ss = tl.zeros([M_POW2, 1, NORM_BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, NORM_BLOCK):
+            xs = tl.load(x_rows + k0 + kr, mask=m_ok[:, None, None] & (k0 + kr < K), other=0.0)
+            xs = xs.to(tl.float32)
+            ss += xs * xs
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=2, keep_dims=True) / K + eps)
+    acc = tl.zeros([M_POW2, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([M_POW2, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        # the next tiles are requested before this one is used (two tiles in flight per program)
+        kn = k0 + BLOCK_K + k3
+        next_ok = n_ok[None, :, None] & (kn < K)
+        w_next = tl.load(w_rows + kn, mask=next_ok, other=0.0)
+        if SILU:
+            u_next = tl.load(u_rows + kn, mask=next_ok, other=0.0)
+        x_next = tl.load(x_rows + kn, mask=m_ok[:, None, None] & (kn < K), other=0.0)
+        g_next = x_next
+        if NORM:
+            g_next = tl.load(norm_ptr + kn, mask=kn < K, other=0.0)
+        xv = _normed(x, g, rstd, NORM).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * xv, axis=2)
+        if SILU:
+            acc_up += tl.sum(u.to(tl.float32) * xv, axis=2)
+            u = u_next
+        w = w_next
+        x = x_next
+        g = g_next
+    out_ok = m_ok[:, None] & n_ok[None, :]
+    y = acc.to(y_ptr.dtype.element_ty)  # [M_POW2, BLOCK_N]
+    if SILU:
+        gate = y.to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(y.dtype)
+        y = (silu.to(tl.float32) * acc_up.to(y.dtype).to(tl.float32)).to(y.dtype)
+    if RESIDUAL:
+        r = tl.load(res_ptr + m[:, None] * stride_rm + n[None, :], mask=out_ok, other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], y, mask=out_ok)
+
+
+@triton.jit
 def _gemv_epilogue(part, part_up, n, n_ok, y_ptr, res_ptr, SILU: tl.constexpr, RESIDUAL: tl.constexpr):
     """y[n] from the float32 sums: rounded to y's dtype, then SiLU * up and the residual with the unfused
     ops' roundings."""
@@ -422,6 +521,24 @@ def gemv_block_k(cfg: SkinnyConfig, k: int, *, silu_mul: bool = False) -> tuple[
     return block_k, False, -(-depth // block_k) * block_k
 
 
+def rows_block_k(cfg: SkinnyConfig, m: int, k: int, *, silu_mul: bool = False) -> int:
+    """BLOCK_K of `_skinny_rows_kernel` for m rows: cfg.block_k (at most K's next power of two) shrunk until
+    the [M_POW2, BLOCK_N, BLOCK_K] product fits ROWS_ELEMS_PER_THREAD per thread (twice with SiLU * up)."""
+    tiles = 2 if silu_mul else 1
+    per_row = cfg.block_n * triton.next_power_of_2(m) * tiles
+    block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
+    while per_row * block_k > ROWS_ELEMS_PER_THREAD * 32 * cfg.num_warps and block_k > 16:
+        block_k //= 2
+    return block_k
+
+
+def rows_norm_block(m: int, k: int, num_warps: int) -> int:
+    """x values per row and load of `_skinny_rows_kernel`'s RMS pass: K's next power of two, at most
+    NORM_VALUES_PER_THREAD per thread over the rows."""
+    cap = NORM_VALUES_PER_THREAD * 32 * num_warps // triton.next_power_of_2(m)
+    return max(16, min(triton.next_power_of_2(k), cap))
+
+
 def skinny_linear(
     x: Tensor,
     w: Tensor,
@@ -449,15 +566,26 @@ def skinny_linear(
     res = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
     if config is not None:
         check_config(config)
-    cfg = config or default_config(rows, k, one_row=m == 1)
+    cfg = config or default_config(rows, k, one_row=m == 1, rows=m)
     if silu_mul and config is None:  # a program reads block_n gate rows and block_n up rows
         cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
-    if norm_weight is not None and config is None and not (cfg.fma and m == 1):
+    if norm_weight is not None and config is None and not (cfg.fma and m <= FMA_MAX_ROWS):
         # the tile kernel's normalised x tile also lives in registers (the one-row kernel's is a vector)
         cfg = dataclasses.replace(cfg, block_k=min(cfg.block_k, NORM_MAX_BLOCK_K))
     interpreted = isinstance(_skinny_linear_kernel, InterpretedFunction)
     upcast = interpreted or x.dtype == torch.float32
     launch = {} if interpreted else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.fma and 2 <= m <= FMA_MAX_ROWS:
+        block_k = rows_block_k(cfg, m, k, silu_mul=silu_mul)
+        _skinny_rows_kernel[(triton.cdiv(n, cfg.block_n),)](
+            x, w, y, norm, y if res is None else res, m, n, k, float(eps), x.stride(0), w.stride(0),
+            y.stride(0), 0 if res is None else res.stride(0),
+            M_POW2=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+            NORM=norm_weight is not None, SILU=silu_mul, RESIDUAL=res is not None,
+            NORM_BLOCK=rows_norm_block(m, k, cfg.num_warps) if norm_weight is not None else 16,
+            **launch, **pdl.options(x),
+        )  # fmt: skip
+        return y
     if cfg.fma and m == 1:
         blocks = triton.cdiv(n, cfg.block_n)
         counters = zeroed_counters(x.device) if cfg.split_k > 1 and blocks <= COUNTER_SLOTS else None

@@ -165,7 +165,7 @@ def test_host_overhead_smoke_times_every_piece_of_an_eager_sampling_call(tmp_pat
     """Every piece of an eager gumbel_sample_into (allocations, each launch, launcher, dispatch, validation,
     public function) gets a host time per call and one with the drain, on every shape."""
     d = _run("bench_host_overhead.py", "--cpu-smoke", out=tmp_path / "ho.json")
-    pieces = ["empty", "scratch", "launch_block", "launch_reduce", "launch_probs", "launcher", "call", "op"]
+    pieces = ["empty", "scratch", "launch_block", "launch_finish", "launcher", "call", "op"]
     pieces += ["validate", "public"]
     assert [(r["B"], r["V"]) for r in d["rows"]] == [(1, 50), (3, 70)]
     for r in d["rows"]:

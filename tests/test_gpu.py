@@ -117,6 +117,31 @@ def test_whole_draft_loop_is_one_cuda_graph_equal_to_eager():
     torch._inductor.config.triton.cudagraph_or_error = False
 
 
+def test_rope_frequencies_kept_by_a_graphs_first_call_are_not_graph_pool_allocations():
+    """A reduce-overhead graph whose first (warm-up) call misses the inverse-frequency cache of
+    `fspec::rope_tables`: the kept tensor must not come from the graph's private pool (CUDA-graph trees
+    refuse an untracked allocation there, as torch 2.11 did in the draft benchmark); replays give the
+    reference's tables, and the kept frequencies are the ones computed on the device."""
+    from fspec.kernels import rope_cos_sin as rcs
+    from fspec.models import layers as L
+
+    cfg = tiny_target().cfg
+    rcs._INV_FREQ.clear()
+    torch._dynamo.reset()
+    tables = torch.compile(
+        lambda p: L.rope_cos_sin(p, cfg=cfg, dtype=torch.float32), mode="reduce-overhead", fullgraph=True
+    )
+    for step in range(4):  # warm-up, capture, replays
+        positions = torch.arange(5, device="cuda") + 100 * step
+        torch.compiler.cudagraph_mark_step_begin()
+        cos, sin = tables(positions)
+        want = rcs.rope_cos_sin_ref(positions, L.rope_inv_freq(cfg, "cuda"), torch.float32)
+        for got, w in zip((cos, sin), want):  # positions < 400: a few float32 ulps of cos / sin
+            torch.testing.assert_close(got, w, rtol=0, atol=1e-4)
+    kept = rcs._INV_FREQ[(L.rope_key(cfg), "cuda:0")]
+    assert torch.equal(kept, L.rope_inv_freq(cfg, "cuda"))
+
+
 def _on_cuda(target, draft):
     """The same models with every weight on the GPU; the head keeps sharing the target's embedding/lm_head."""
     cuda = lambda p: torch.nn.Parameter(p.detach().cuda(), requires_grad=False)  # noqa: E731

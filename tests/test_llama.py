@@ -123,6 +123,36 @@ def test_rope_inv_freq_equals_transformers(rope):
         assert ratio[0] == 1.0 and 1.0 < ratio[1] < 8.0 and ratio[-1] == pytest.approx(8.0)
 
 
+def test_compiled_rope_tables_hold_no_inv_freq_computation():
+    """A traced `rope_cos_sin` holds no arange / pow / reciprocal: the inverse frequencies are kept by the
+    `fspec::rope_tables` op per rope parameters and device (computed once), not a kernel of every compiled
+    forward or draft step; the tables equal the reference's."""
+    from fspec.kernels import rope_cos_sin as rcs
+
+    cfg = tiny_cfg(rope="llama3")
+    graphs = []
+
+    def backend(gm, _inputs):
+        graphs.append(gm)
+        return gm
+
+    tables = torch.compile(
+        lambda p: L.rope_cos_sin(p, cfg=cfg, dtype=torch.float32), backend=backend, fullgraph=True
+    )
+    positions = torch.tensor([0, 3, 17])
+    cos, sin = tables(positions)
+    targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    computed = [t for t in targets if any(w in t for w in ("arange", "pow", "reciprocal", "truediv"))]
+    assert not computed and any("rope_tables" in t for t in targets), targets
+    want = rcs.rope_cos_sin_ref(positions, L.rope_inv_freq(cfg, "cpu"), torch.float32)
+    assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])
+    kept = rcs.cached_inv_freq(L.rope_key(cfg), torch.device("cpu"))
+    assert kept is rcs.cached_inv_freq(L.rope_key(cfg), torch.device("cpu"))  # computed once
+    assert torch.equal(kept, L.rope_inv_freq(cfg, "cpu"))
+    other = rcs.cached_inv_freq(L.rope_key(tiny_cfg(rope="default")), torch.device("cpu"))
+    assert not torch.equal(other, kept)  # keyed by the parameters
+
+
 def test_aux_hidden_is_the_input_of_the_requested_layers(tmp_path):
     """aux = the hidden entering layers (i, j, k), in order (HF hidden_states[i]; id L is HF's
     hidden_states[L], the normed output); last = normed output."""

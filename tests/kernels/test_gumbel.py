@@ -101,6 +101,40 @@ def test_gumbel_kernel_maps_ids_through_d2t_into_the_return_and_the_column(n, v,
     assert bool((got != plain).any())  # the map really moved some ids
 
 
+@pytest.mark.parametrize("n, v, block", [(7, 401, 128), (3, 1031, 256), (0, 64, 16)])
+def test_gumbel_kernel_offsets_int32_positions_and_writes_the_next_column(n, v, block):
+    """A draft step's call: int32 positions (its seq_lens) plus position_offset draw exactly what int64
+    positions + offset draw, and next_col receives col + 1 (also for N = 0, where nothing launches)."""
+    logits, temperature, seeds, positions = _inputs(n, v, torch.float32, seed=5)
+    seq_lens = (positions % 100_000).to(torch.int32)
+    k, col = 4, torch.tensor(2)
+    got_tokens, got_probs = _buffers(n, k, v)
+    next_col = torch.tensor(-9)
+    got = gumbel_sample(
+        logits, temperature, seeds, seq_lens, out_tokens=got_tokens, out_probs=got_probs, col=col,
+        block=block, position_offset=1, next_col=next_col,
+    )  # fmt: skip
+    want_tokens, want_probs = _buffers(n, k, v)
+    want = gumbel_sample(
+        logits, temperature, seeds, seq_lens.long() + 1, out_tokens=want_tokens, out_probs=want_probs,
+        col=col, block=block,
+    )  # fmt: skip
+    assert int(next_col) == 3
+    assert (
+        torch.equal(got, want) and torch.equal(got_tokens, want_tokens) and torch.equal(got_probs, want_probs)
+    )
+    ref_next = torch.tensor(-9)
+    ref_tokens, ref_probs = _buffers(n, k, v)
+    ref = gumbel_sample_ref(
+        logits, temperature, seeds, seq_lens, out_tokens=ref_tokens, out_probs=ref_probs, col=col,
+        position_offset=1, next_col=ref_next,
+    )  # fmt: skip
+    assert torch.equal(got, ref) and torch.equal(got_tokens, ref_tokens) and int(ref_next) == 3
+    if n:  # the offset is really applied: without it, some sampled row draws another token
+        plain = gumbel_sample(logits, temperature, seeds, seq_lens.long(), block=block)
+        assert not torch.equal(plain, got)
+
+
 def test_gumbel_kernel_without_out_buffers_matches_reference_and_salt_matters():
     """The tokens-only launch equals the reference; another salt draws different tokens."""
     logits, temperature, seeds, positions = _inputs(7, 401, torch.float32, seed=1)

@@ -38,6 +38,10 @@ def test_ops_pass_torch_library_opcheck():
         torch.ops.fspec.gumbel_sample_into.default,
         (logits, t, seeds, positions, 0, out_tokens, out_probs, torch.tensor(1), d2t),
     )
+    torch.library.opcheck(  # a draft step's call: int32 seq_lens and the position offset
+        torch.ops.fspec.gumbel_sample_into.default,
+        (logits, t, seeds, positions.int(), 0, out_tokens, out_probs, torch.tensor(2), d2t, 1),
+    )
     args = _rejection_args()
     torch.library.opcheck(torch.ops.fspec.rejection_sample.default, args)
     torch.library.opcheck(torch.ops.fspec.rejection_sample.default, (*args[:2], None, *args[3:]))
@@ -59,6 +63,10 @@ def test_metadata_and_rope_ops_pass_opcheck():
     for dtype in (torch.float32, torch.bfloat16):
         torch.library.opcheck(
             torch.ops.fspec.rope_cos_sin.default, (torch.tensor([[0, 7], [-1, 300]]), inv_freq, dtype)
+        )
+        rope = (6, 500000.0, "llama3", 8.0, 1.0, 4.0, 8192)  # head dim 6, Llama-3.1's scaling
+        torch.library.opcheck(
+            torch.ops.fspec.rope_tables.default, (torch.tensor([[0, 7], [-1, 300]]), dtype, *rope)
         )
 
 

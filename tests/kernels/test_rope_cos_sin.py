@@ -51,7 +51,7 @@ def test_kernel_equals_reference(shape, head_dim, dtype):
 
 
 def test_model_layers_call_one_op_per_forward_and_keep_vmap():
-    """`layers.rope_cos_sin` goes through one `fspec::rope_cos_sin` op (what a compiled forward computes once
+    """`layers.rope_cos_sin` goes through one `fspec::rope_tables` op (what a compiled forward computes once
     for all its layers), equals the reference, and maps over batched positions."""
     cfg = _cfg(64)
     positions = torch.tensor([[4, -1, 130], [7, 8, 9]])
@@ -67,7 +67,7 @@ def test_model_layers_call_one_op_per_forward_and_keep_vmap():
 
     torch._dynamo.reset()
     got = torch.compile(forward16, backend=count, fullgraph=True)(positions)
-    assert sum(t.startswith("fspec.rope_cos_sin") for t in targets) == 1
+    assert sum(t.startswith("fspec.rope_tables") for t in targets) == 1
     assert got == forward16(positions)
     want = rope_cos_sin_ref(positions, L.rope_inv_freq(cfg, "cpu"), torch.float32)
     for g_, w in zip(L.rope_cos_sin(positions, cfg=cfg, dtype=torch.float32), want):

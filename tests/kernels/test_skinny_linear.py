@@ -12,6 +12,7 @@ from fresh_process import in_fresh_process
 
 from fspec.kernels import ops  # noqa: F401  (registers torch.ops.fspec)
 from fspec.kernels.skinny_linear import (
+    FMA_MAX_ROWS,
     NORM_MAX_BLOCK_K,
     SkinnyConfig,
     default_config,
@@ -25,8 +26,9 @@ from fspec.models import layers
 @pytest.mark.parametrize(("n", "k"), [(16, 16), (37, 200), (100, 513)])
 def test_kernel_equals_reference_on_irregular_shapes(m, n, k):
     """Every row count up to the tile, output and reduction sizes that are not multiples of the tiles (masked
-    columns, a partial last K tile), one and several K iterations, two tile widths; the CUDA-core kernel
-    for one row (`fma`; more rows fall back to the tile kernel)."""
+    columns, a partial last K tile), one and several K iterations, two tile widths; the CUDA-core kernels
+    (`fma`: one row, and 2..FMA_MAX_ROWS rows as `_skinny_rows_kernel`; more rows fall back to the tile
+    kernel)."""
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
     want = skinny_linear_ref(x, w)
@@ -119,6 +121,15 @@ def test_linear_routes_only_small_inference_products_on_cuda_when_asked(monkeypa
     assert layers.use_skinny_linear(row, torch.randn(widest, 8), cuda=True)
     assert layers.use_skinny_linear(x, torch.randn(k, k), cuda=True)
     assert not layers.use_skinny_linear(torch.randn(2, 8), torch.randn(16, 8), cuda=True)
+    # "rows": 1..FMA_MAX_ROWS rows (a first draft step's K + 1), at most SKINNY_ROW_MAX_OUT outputs
+    monkeypatch.setenv("FSPEC_SKINNY_LINEAR", "rows")
+    most = FMA_MAX_ROWS
+    assert layers.use_skinny_linear(row, torch.randn(widest, 8), cuda=True)
+    assert layers.use_skinny_linear(torch.randn(2, 3, 8), torch.randn(widest, 8), cuda=True)  # 6 rows
+    assert layers.use_skinny_linear(torch.randn(most, 8), torch.randn(16, 8), cuda=True)
+    assert not layers.use_skinny_linear(torch.randn(most + 1, 8), torch.randn(16, 8), cuda=True)
+    assert not layers.use_skinny_linear(torch.randn(6, 8), torch.randn(widest + 1, 8), cuda=True)
+    assert not layers.use_skinny_linear(torch.randn(6, 8), torch.randn(16, 8), cuda=False)
     # never under a torch.func transform (the op has no vmap rule) nor for a weight strided along K
     monkeypatch.delenv("FSPEC_SKINNY_LINEAR")
     w16 = torch.randn(16, 8)
@@ -128,7 +139,7 @@ def test_linear_routes_only_small_inference_products_on_cuda_when_asked(monkeypa
     _assert_routed(row, torch.randn(8, 16).t(), False)
     monkeypatch.setenv("FSPEC_SKINNY_LINEAR", "yes")  # no mode: refused, naming the variable
     with pytest.raises(
-        ValueError, match=r"FSPEC_SKINNY_LINEAR: expected one of 0, 1, deep, row, rowdeep, got 'yes'"
+        ValueError, match=r"FSPEC_SKINNY_LINEAR: expected one of 0, 1, deep, row, rowdeep, rows, got 'yes'"
     ):
         layers.use_skinny_linear(x, torch.randn(k, k), cuda=True)
 
@@ -255,6 +266,35 @@ def _compile_for_sm90_body():
             run = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True)
         assert "STL" not in run.stdout, f"the one-row kernel spills registers ({consts}, {warps} warps)"
         assert ("ATOM" in run.stdout) == (split > 1), f"the counter's atomic ({consts})"
+    # the 2..FMA_MAX_ROWS-row CUDA-core kernel at the tiles its launcher picks for the layer's products of
+    # a 1B-shaped head (and a 32000-token LM head), at 2, 4 and 8 padded rows, plain and with the fusions
+    from fspec.kernels.skinny_linear import _skinny_rows_kernel, rows_block_k, rows_norm_block
+
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "norm_ptr": "*bf16", "res_ptr": "*bf16"}
+    sig.update(M="i32", N="i32", K="i32", eps="fp32", stride_xm="i32", stride_wn="i32", stride_ym="i32")
+    sig.update(stride_rm="i32")
+    names = ("M_POW2", "BLOCK_N", "BLOCK_K", "NORM", "SILU", "RESIDUAL", "PDL", "NORM_BLOCK")
+    sig.update({name: "constexpr" for name in names})
+    for m, n, k, norm, silu, residual in (
+        (8, 3072, 2048, 1, 0, 0), (6, 8192, 2048, 1, 1, 0), (8, 2048, 8192, 0, 0, 1),
+        (4, 3072, 2048, 1, 0, 0), (2, 8192, 2048, 1, 1, 1), (6, 32000, 2048, 0, 0, 0),
+        (2, 2048, 8192, 0, 0, 1),
+    ):  # fmt: skip
+        cfg = default_config(2 * n if silu else n, k, rows=m)
+        if silu:  # as the launcher: block_n gate rows and block_n up rows
+            cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
+        consts = {"M_POW2": triton.next_power_of_2(m), "BLOCK_N": cfg.block_n, "NORM": bool(norm)}
+        consts.update(BLOCK_K=rows_block_k(cfg, m, k, silu_mul=bool(silu)), SILU=bool(silu))
+        consts.update(RESIDUAL=bool(residual), PDL=True)
+        consts.update(NORM_BLOCK=rows_norm_block(m, k, cfg.num_warps) if norm else 16)
+        attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 9, 10, 11, 12)}
+        src = ASTSource(fn=_skinny_rows_kernel, signature=sig, constexprs=consts, attrs=attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            run = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True)
+        assert "STL" not in run.stdout, f"the rows kernel spills registers ({consts}, {cfg.num_warps} warps)"
 
 
 def test_kernel_compiles_for_sm90():
@@ -422,7 +462,7 @@ def test_one_row_kernel_gets_a_tile_that_fits_in_registers(monkeypatch):
     assert launched[-1] == ((16, 1), 16, 1024)  # no NORM_MAX_BLOCK_K cap: the one-row kernel's x is a vector
     count = len(launched)
     assert skinny_linear(torch.randn(2, 2048), w, config=cfg).shape == (2, 256)
-    assert len(launched) == count  # two rows: the tile kernel
+    assert len(launched) == count  # two rows: `_skinny_rows_kernel`
     # one_tile: the whole reduction (K's next power of two) when it fits in GEMV_ONE_TILE_ELEMS_PER_THREAD
     one = SkinnyConfig(block_n=16, block_k=512, num_warps=8, fma=True, one_tile=True)
     assert sl.gemv_block_k(one, 2048) == (2048, True, 2048)  # 16 x 2048 / 256 threads = 128

@@ -83,7 +83,7 @@ import inspect
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from fspec.kernels.gumbel import _gumbel_reduce_kernel
+from fspec.kernels.gumbel import _gumbel_finish_kernel, _gumbel_reduce_kernel
 from fspec.kernels.rejection import _rejection_decide_kernel, _rejection_finalize_kernel
 from fspec.kernels.rope_cos_sin import _rope_cos_sin_kernel
 from fspec.kernels.step_metadata import _step_metadata_kernel
@@ -104,9 +104,12 @@ for has_q in (True, False):
     compile_sm90(_rejection_decide_kernel, i64, {"HAS_Q": has_q, "K1_POW2": 8, "NB_POW2": 64})
 compile_sm90(_rejection_finalize_kernel, i64, {"NB_POW2": 64})
 reduce_types = {"block_token_ptr": "*i64", "tokens_ptr": "*i64", "out_tokens_ptr": "*i64", "col_ptr": "*i64",
-                "d2t_ptr": "*i64", "mapped_ptr": "*i64"}
-for stats, mapped in ((True, True), (True, False), (False, False)):
-    compile_sm90(_gumbel_reduce_kernel, reduce_types, {"WITH_STATS": stats, "MAP": mapped, "NB_POW2": 32})
+                "next_col_ptr": "*i64", "d2t_ptr": "*i64", "mapped_ptr": "*i64", "logits_ptr": "*bf16"}
+for mapped in (True, False):
+    compile_sm90(_gumbel_reduce_kernel, reduce_types, {"MAP": mapped, "NB_POW2": 32})
+    for next_col in (True, False):
+        consts = {"MAP": mapped, "NEXT_COL": next_col, "NB_POW2": 32, "BLOCK": 2048}
+        compile_sm90(_gumbel_finish_kernel, reduce_types, consts)
 meta = {"start_ptr": "*i64", "count_ptr": "*i64", "block_table_ptr": "*i32", "positions_ptr": "*i64",
         "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "slot_mapping_ptr": "*i64"}
 for mode, q in ((0, 1), (1, 1), (2, 6), (3, 1)):
