@@ -191,12 +191,20 @@ def _paged_kernels(
     layer: int,
     max_query_len: int | None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rope_params: tuple | None = None,
 ) -> torch.Tensor:
     """The "paged" backend: the registered ops `fspec::kv_write` (or `fspec::rope_kv_write`, given
-    rope = (cos, sin) [T, D] and un-rotated q, k) and `fspec::paged_attention` (kernels/; Triton on CUDA,
-    their PyTorch references elsewhere). The kernels read block_table, seq_lens and positions on the device;
-    keys past seq_lens are never read."""
-    if rope is None:
+    rope = (cos, sin) [T, D] and un-rotated q, k; or `fspec::rope_pos_kv_write`, given also the rope
+    parameters `rope_params` (`layers.rope_key` without the head dim): cos / sin from meta.positions in the
+    kernel, so that the tables, read by nothing else, are never computed) and `fspec::paged_attention`
+    (kernels/; Triton on CUDA, their PyTorch references elsewhere). The kernels read block_table, seq_lens
+    and positions on the device; keys past seq_lens are never read."""
+    if rope is not None and rope_params is not None:
+        q_cache = call(
+            "rope_pos_kv_write", q, k, v, meta.positions, cache.k, cache.v, meta.slot_mapping, rope[0].dtype,
+            *rope_params, layer=layer,
+        )  # fmt: skip
+    elif rope is None:
         call(
             "kv_write",
             k.to(cache.k.dtype),
@@ -285,9 +293,12 @@ def bind(
     backend: str = "auto",
     max_query_len: int | None = None,
     max_context: int | None = None,
+    rope: tuple | None = None,
 ) -> Attend:
     """`attend(q, k, v, layer, cos, sin) -> out` over `meta` and `cache`, for a model's layers (q, k not yet
     rotated). The "paged" backend rotates them in its cache-write kernel; the others with `rope_qk` first.
+    `rope` (`fspec.models.layers.rope_key` of the model's config, whose cos / sin the layers pass, computed
+    from meta.positions): the paged kernel computes cos / sin itself instead of reading the tables.
 
     The cache is donated (written in place), so the caller returns the `cache` it passed in.
     """
@@ -302,8 +313,9 @@ def bind(
     ) -> torch.Tensor:
         if fused:
             return _paged_kernels(
-                q, k, v, meta, cache, layer=layer, max_query_len=max_query_len, rope=(cos, sin)
-            )
+                q, k, v, meta, cache, layer=layer, max_query_len=max_query_len, rope=(cos, sin),
+                rope_params=None if rope is None else tuple(rope[1:]),
+            )  # fmt: skip
         q, k = rope_qk(q, k, cos, sin)
         return _attention(
             q,

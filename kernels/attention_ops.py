@@ -3,6 +3,8 @@
     fspec::kv_write        (k, v, k_cache!, v_cache!, slot_mapping, *, layer=0) -> ()
     fspec::rope_kv_write   (q, k, v, cos, sin, k_cache!, v_cache!, slot_mapping, *, layer=0)
                            -> q_out [T, N, D] (RoPE'd q in the cache's dtype)
+    fspec::rope_pos_kv_write (q, k, v, positions, k_cache!, v_cache!, slot_mapping, table_dtype, rope
+                           parameters, *, layer=0) -> q_out: cos / sin computed in the kernel
     fspec::paged_attention (q, k_cache, v_cache, block_table, seq_lens, positions, query_start_loc,
                             *, scale, num_query, layer=0) -> out [T, N, D]
 
@@ -14,8 +16,9 @@ implementations let `torch.compile(fullgraph=True)` trace through the ops.
 Callers pass the whole cache buffers ([num_blocks, block_size, Nkv, D], or the stacked [L, ...] with
 `layer`), never views: a view of a buffer that a compiled graph cloned can be rewritten to the original
 (pytorch#198031).
-`kv_write` and `rope_kv_write` mutate exactly k_cache and v_cache (the cache is donated; `rope_kv_write`
-returns a fresh q_out, never an alias); `paged_attention` mutates nothing and returns a fresh tensor.
+`kv_write`, `rope_kv_write` and `rope_pos_kv_write` mutate exactly k_cache and v_cache (the cache is
+donated; the RoPE ops return a fresh q_out, never an alias); `paged_attention` mutates nothing and returns a
+fresh tensor.
 """
 
 import torch
@@ -23,6 +26,7 @@ from torch import Tensor
 
 from . import kv_write as _kv
 from . import paged_attention as _pa
+from . import rope_cos_sin as _rcs
 from . import rope_kv_write as _rkv
 from .dispatch import kernels_interpreted, register  # noqa: F401  (kernels_interpreted re-exported)
 from .dispatch import use_triton as _use_triton
@@ -73,6 +77,56 @@ def _(
     k_cache: Tensor,
     v_cache: Tensor,
     slot_mapping: Tensor,
+    *,
+    layer: int = 0,
+) -> Tensor:
+    return q.new_empty(q.shape, dtype=k_cache.dtype)
+
+
+@register("fspec::rope_pos_kv_write", mutates_args=("k_cache", "v_cache"))
+def rope_pos_kv_write(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    positions: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    table_dtype: torch.dtype,
+    theta: float,
+    rope_type: str,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max: int,
+    *,
+    layer: int = 0,
+) -> Tensor:
+    """`rope_kv_write` with RoPE's cos / sin computed in the kernel from positions [T] and the rope
+    parameters (inverse frequencies kept per device, `rope_cos_sin.cached_inv_freq`), rounded to
+    `table_dtype` as the tables would be (kernels/rope_kv_write.py)."""
+    key = (q.shape[-1], theta, rope_type, factor, low_freq_factor, high_freq_factor, original_max)
+    inv_freq = _rcs.cached_inv_freq(key, q.device)
+    impl = _rkv.rope_pos_kv_write if _use_triton(k_cache) else _rkv.rope_pos_kv_write_ref
+    return impl(q, k, v, positions, inv_freq, table_dtype, k_cache, v_cache, slot_mapping, layer=layer)
+
+
+@rope_pos_kv_write.register_fake
+def _(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    positions: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    table_dtype: torch.dtype,
+    theta: float,
+    rope_type: str,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max: int,
     *,
     layer: int = 0,
 ) -> Tensor:

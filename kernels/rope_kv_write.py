@@ -30,6 +30,7 @@ from torch import Tensor
 from . import pdl
 from .kv_write import kv_write_ref, layer_view
 from .pdl import pdl_enter
+from .rope_cos_sin import rope_cos_sin_ref
 
 
 @triton.jit
@@ -39,6 +40,8 @@ def _rope_kv_write_kernel(
     v_ptr,  # [T, Nkv, D] values in the cache's dtype, head-dim stride 1
     cos_ptr,  # [T, D] cos of each token's position (rotate-half layout), dim stride 1
     sin_ptr,  # [T, D] sin of each token's position
+    positions_ptr,  # [T] int (FROM_POSITIONS): each token's position, negative = padding (position 0)
+    inv_freq_ptr,  # [D/2] float32 (FROM_POSITIONS): RoPE's inverse frequencies
     q_out_ptr,  # [T, N, D] rotated queries, contiguous, the cache's dtype (written)
     k_cache_ptr,  # [num_blocks, block_size, Nkv, D] this layer's K cache, contiguous (written)
     v_cache_ptr,  # [num_blocks, block_size, Nkv, D] this layer's V cache, contiguous (written)
@@ -56,6 +59,8 @@ def _rope_kv_write_kernel(
     HALF: tl.constexpr,  # D / 2
     BLOCK_HALF: tl.constexpr,  # next power of two >= D / 2
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
+    FROM_POSITIONS: tl.constexpr = False,  # cos / sin from positions and inv_freq instead of the tables
+    TABLE_DTYPE: tl.constexpr = tl.float32,  # (FROM_POSITIONS) the dtype the tables would have
 ):
     pdl_enter(PDL)
     # grid (T, N + Nkv): program (t, h) rotates query head h (h < N) or rotates KV head h - N and writes it
@@ -65,10 +70,18 @@ def _rope_kv_write_kernel(
     h = tl.program_id(1)
     j = tl.arange(0, BLOCK_HALF)  # index into each half of the head dim
     ok = j < HALF
-    cos1 = tl.load(cos_ptr + t * stride_ct + j, mask=ok).to(tl.float32)
-    cos2 = tl.load(cos_ptr + t * stride_ct + HALF + j, mask=ok).to(tl.float32)
-    sin1 = tl.load(sin_ptr + t * stride_st + j, mask=ok).to(tl.float32)
-    sin2 = tl.load(sin_ptr + t * stride_st + HALF + j, mask=ok).to(tl.float32)
+    if FROM_POSITIONS:  # the tables' arithmetic (kernels/rope_cos_sin.py), rounded to their dtype
+        pos = tl.maximum(tl.load(positions_ptr + t), 0).to(tl.float32)
+        freqs = pos * tl.load(inv_freq_ptr + j, mask=ok, other=0.0)
+        cos1 = tl.cos(freqs).to(TABLE_DTYPE).to(tl.float32)
+        sin1 = tl.sin(freqs).to(TABLE_DTYPE).to(tl.float32)
+        cos2 = cos1  # the tables repeat their first half
+        sin2 = sin1
+    else:
+        cos1 = tl.load(cos_ptr + t * stride_ct + j, mask=ok).to(tl.float32)
+        cos2 = tl.load(cos_ptr + t * stride_ct + HALF + j, mask=ok).to(tl.float32)
+        sin1 = tl.load(sin_ptr + t * stride_st + j, mask=ok).to(tl.float32)
+        sin2 = tl.load(sin_ptr + t * stride_st + HALF + j, mask=ok).to(tl.float32)
     if h < NUM_HEADS:
         src = q_ptr + t * stride_qt + h * stride_qh
         x1 = tl.load(src + j, mask=ok).to(tl.float32)
@@ -150,11 +163,60 @@ def rope_kv_write(
     v = _unit_stride(v.to(vc.dtype))  # cast on the host: the interpreter truncates fp32 -> bf16
     slot_mapping = slot_mapping.contiguous()  # read at ptr + t
     _rope_kv_write_kernel[(t, n + nkv)](
-        q, k, v, cos, sin, q_out, kc, vc, slot_mapping,
+        q, k, v, cos, sin, cos, sin, q_out, kc, vc, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         sin.stride(0),
         NUM_HEADS=n, KV_HEADS=nkv, HALF=d // 2, BLOCK_HALF=triton.next_power_of_2(d // 2), num_warps=1,
         **pdl.options(q),
+    )  # fmt: skip
+    return q_out
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def rope_pos_kv_write(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    positions: Tensor,
+    inv_freq: Tensor,
+    table_dtype: torch.dtype,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    *,
+    layer: int = 0,
+) -> Tensor:
+    """`rope_kv_write` with cos / sin computed in the kernel from positions [T] and inv_freq [D/2], rounded to
+    `table_dtype` as `rope_cos_sin`'s tables are: the same bits, without the tables' launch (a paged decode
+    step's RoPE tables then have no other reader and are not computed at all)."""
+    kc, vc = layer_view(k_cache, layer), layer_view(v_cache, layer)
+    if not (kc.is_contiguous() and vc.is_contiguous()):
+        raise ValueError("k_cache/v_cache: expected contiguous layers [num_blocks, block_size, Nkv, D]")
+    t, n, d = q.shape if q.dim() == 3 else (0, 0, 0)
+    fake_tables = q.new_empty((t, d))  # shapes only: `_check` validates the positions' count through them
+    _check(q, k, v, fake_tables, fake_tables, kc, slot_mapping)
+    if tuple(positions.shape) != (t,) or tuple(inv_freq.shape) != (d // 2,):
+        raise ValueError(
+            f"positions/inv_freq: expected shapes [T] = [{t}] and [D/2] = [{d // 2}], got "
+            f"{tuple(positions.shape)} and {tuple(inv_freq.shape)}"
+        )
+    if table_dtype not in _TL_DTYPES:
+        raise ValueError(f"table_dtype: expected one of {list(_TL_DTYPES)}, got {table_dtype}")
+    nkv = k.shape[1]
+    q_out = torch.empty((t, n, d), dtype=kc.dtype, device=q.device)
+    if t == 0:
+        return q_out
+    q, k = _unit_stride(q), _unit_stride(k)
+    v = _unit_stride(v.to(vc.dtype))
+    positions, inv_freq = positions.contiguous(), inv_freq.float().contiguous()
+    slot_mapping = slot_mapping.contiguous()
+    _rope_kv_write_kernel[(t, n + nkv)](
+        q, k, v, q, q, positions, inv_freq, q_out, kc, vc, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), 0, 0,
+        NUM_HEADS=n, KV_HEADS=nkv, HALF=d // 2, BLOCK_HALF=triton.next_power_of_2(d // 2), num_warps=1,
+        FROM_POSITIONS=True, TABLE_DTYPE=_TL_DTYPES[table_dtype], **pdl.options(q),
     )  # fmt: skip
     return q_out
 
@@ -185,3 +247,21 @@ def rope_kv_write_ref(
     _check(q, k, v, cos, sin, kc, slot_mapping)
     kv_write_ref(rope_ref(k, cos, sin), v, k_cache, v_cache, slot_mapping, layer=layer)
     return rope_ref(q, cos, sin).to(kc.dtype)
+
+
+def rope_pos_kv_write_ref(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    positions: Tensor,
+    inv_freq: Tensor,
+    table_dtype: torch.dtype,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    *,
+    layer: int = 0,
+) -> Tensor:
+    """The reference of `rope_pos_kv_write`: the tables (`rope_cos_sin_ref`), then `rope_kv_write_ref`."""
+    cos, sin = rope_cos_sin_ref(positions, inv_freq, table_dtype)
+    return rope_kv_write_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, layer=layer)

@@ -16,7 +16,7 @@ from fspec.cache import KVCache, check_cache
 from fspec.config import DraftConfig
 from fspec.models import eagle, eagle3, llama, mtp
 from fspec.models.eagle3 import draft_to_target, vocab_maps
-from fspec.models.layers import fuse_projections, unfuse_projections
+from fspec.models.layers import fuse_projections, rope_key, unfuse_projections
 from fspec.models.llama import TargetHidden, eagle3_layer_ids
 from fspec.pytree import tree
 from fspec.state import AttnMetadata, _expect, check_positive_int, validate_attn_metadata
@@ -142,7 +142,10 @@ def _head_forward(
     logit_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, KVCache | None]:
     """`head_forward` without validation (the draft loop's step, after `validate_draft_state`)."""
-    attend = bind(meta, cache, backend=backend, max_query_len=max_query_len, max_context=max_context)
+    attend = bind(
+        meta, cache, backend=backend, max_query_len=max_query_len, max_context=max_context,
+        rope=rope_key(cfg.model),
+    )  # fmt: skip
     new_hidden = head_hidden(params, input_ids, hidden, meta.positions, attend, cfg=cfg)  # [T, H]
     rows = new_hidden if logit_rows is None else new_hidden.index_select(0, logit_rows)
     return head_logits(params, rows, cfg=cfg), new_hidden, cache

@@ -130,7 +130,10 @@ def forward(
     Returns (logits [T, V], TargetHidden(last [T, H], aux [T, len(aux_layer_ids)·H]), cache).
     """
 
-    attend = bind(meta, cache, backend=backend, max_query_len=max_query_len, max_context=max_context)
+    attend = bind(
+        meta, cache, backend=backend, max_query_len=max_query_len, max_context=max_context,
+        rope=L.rope_key(cfg),
+    )  # fmt: skip
     logits, hidden = _body(params, input_ids, meta.positions, attend, cfg=cfg, aux_layer_ids=aux_layer_ids)
     return logits, hidden, cache
 

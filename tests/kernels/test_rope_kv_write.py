@@ -6,6 +6,7 @@ read past a head or a wrong row stride shows up as NaN. Caches are random (poiso
 step writing layer 1; slots are non-sequential, cross block boundaries, and include padding (-1).
 """
 
+import itertools
 import re
 
 import pytest
@@ -113,6 +114,71 @@ def test_kernel_matches_reference_and_writes_only_live_slots(t, n, nkv, d, dtype
     for after, before in ((k_cache, before_k), (v_cache, before_v)):
         a, b = after.reshape(2, -1, nkv, d), before.reshape(2, -1, nkv, d)
         assert torch.equal(_bits(a[untouched]), _bits(b[untouched])), "a slot that was not written changed"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("t", "n", "nkv", "d"), SHAPES)
+def test_positions_variant_equals_the_table_kernels_bit_for_bit(t, n, nkv, d, dtype):
+    """rope_pos_kv_write (cos / sin from positions and inv_freq in the kernel, rounded to the tables' dtype)
+    writes exactly the bytes that rope_cos_sin's tables followed by rope_kv_write write (padding positions
+    -1 take position 0's values), equals its reference, and the op (inverse frequencies from the rope
+    parameters) equals the launcher."""
+    from fspec.kernels.rope_cos_sin import rope_cos_sin
+    from fspec.kernels.rope_kv_write import rope_pos_kv_write, rope_pos_kv_write_ref
+
+    q, k, v, _, _, k_cache, v_cache, slots = _inputs(t, n, nkv, d, dtype, seed=t * n + d + 1)
+    gen = torch.Generator().manual_seed(t + d)
+    positions = torch.randint(0, 40000, (t,), generator=gen)
+    positions[0] = -1  # padding: position 0's values
+    cfg = _heads_cfg(n, nkv, d)
+    inv_freq = L.rope_inv_freq(cfg, "cpu")
+    cos, sin = rope_cos_sin(positions, inv_freq, dtype)  # the table kernel (interpreted)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want = rope_kv_write(q, k, v, cos, sin, want_k, want_v, slots, layer=1)
+    got_k, got_v = k_cache.clone(), v_cache.clone()
+    got = rope_pos_kv_write(q, k, v, positions, inv_freq, dtype, got_k, got_v, slots, layer=1)
+    for a, b in ((got, want), (got_k, want_k), (got_v, want_v)):
+        assert torch.equal(_bits(a), _bits(b))
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    ref = rope_pos_kv_write_ref(q, k, v, positions, inv_freq, dtype, ref_k, ref_v, slots, layer=1)
+    if dtype == torch.bfloat16:  # the interpreter truncates the bf16 tables where torch rounds: ~1 ulp of cos
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2**-6, atol=2**-4)
+        torch.testing.assert_close(got_k.float(), ref_k.float(), rtol=2**-6, atol=2**-4)
+    else:
+        _assert_close(got, ref, "q_out")
+        _assert_close(got_k, ref_k, "k_cache")
+    op_k, op_v = k_cache.clone(), v_cache.clone()
+    rope = L.rope_key(cfg)[1:]
+    op_out = torch.ops.fspec.rope_pos_kv_write(q, k, v, positions, op_k, op_v, slots, dtype, *rope, layer=1)
+    assert torch.equal(_bits(op_out), _bits(got)) and torch.equal(_bits(op_k), _bits(got_k))
+    # the positions really drive it: other positions rotate otherwise
+    caches = k_cache.clone(), v_cache.clone()
+    moved = rope_pos_kv_write(q, k, v, positions + 7, inv_freq, dtype, *caches, slots)
+    assert not torch.equal(_bits(moved), _bits(got))
+
+
+def test_positions_variant_refuses_bad_shapes_and_dtypes_naming_them():
+    from fspec.kernels.rope_kv_write import rope_pos_kv_write
+
+    q, k, v, _, _, k_cache, v_cache, slots = _inputs(3, 4, 2, 64, torch.float32)
+    inv_freq = torch.ones(32)
+    with pytest.raises(ValueError, match=r"positions/inv_freq: expected shapes \[T\] = \[3\]"):
+        rope_pos_kv_write(q, k, v, torch.zeros(2, dtype=torch.int64), inv_freq, torch.float32, k_cache,
+                          v_cache, slots)  # fmt: skip
+    with pytest.raises(ValueError, match=r"\[D/2\] = \[32\]"):
+        rope_pos_kv_write(q, k, v, torch.zeros(3, dtype=torch.int64), torch.ones(31), torch.float32, k_cache,
+                          v_cache, slots)  # fmt: skip
+    with pytest.raises(ValueError, match=r"table_dtype: expected one of"):
+        rope_pos_kv_write(q, k, v, torch.zeros(3, dtype=torch.int64), inv_freq, torch.float64, k_cache,
+                          v_cache, slots)  # fmt: skip
+
+
+def test_positions_op_passes_opcheck():
+    q, k, v, _, _, k_cache, v_cache, slots = _inputs(3, 4, 2, 64, torch.float32)
+    rope = L.rope_key(_heads_cfg(4, 2, 64))[1:]
+    caches = k_cache.clone(), v_cache.clone()
+    args = (q, k, v, torch.tensor([5, -1, 300]), *caches, slots, torch.float32, *rope)
+    torch.library.opcheck(torch.ops.fspec.rope_pos_kv_write.default, args, {"layer": 1})
 
 
 def test_single_layer_cache_all_padding_and_empty_step():
@@ -280,9 +346,9 @@ def test_paged_forward_equals_reference_backend(model_type, fused, ops, monkeypa
 
 def test_compiled_paged_forward_hands_the_projection_output_to_the_op(monkeypatch):
     """torch.compile(fullgraph) of a fused model's paged decode step equals eager, and in Inductor's code each
-    layer's fspec::rope_kv_write reads q, k and v as views of the qkv matmul's output, with no kernel between
-    the two but the step's one cos/sin computation (the H200 profile showed ~5 RoPE/copy kernels per layer
-    there before the fusion)."""
+    layer's fspec::rope_pos_kv_write reads q, k and v as views of the qkv matmul's output, with no kernel
+    between the two (the H200 profile showed ~5 RoPE/copy kernels per layer there before the fusion), and no
+    cos/sin tables are computed at all (the op computes them from the positions)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the compiled graph runs the op's reference
     from torch._inductor.utils import run_and_get_code
 
@@ -302,15 +368,17 @@ def test_compiled_paged_forward_hands_the_projection_output_to_the_op(monkeypatc
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(compiled_cache.k, eager_cache.k, rtol=1e-5, atol=1e-5)
     lines = [x.strip() for x in codes[-1].splitlines() if not x.strip().startswith("#")]
-    ops = [i for i, x in enumerate(lines) if "fspec.rope_kv_write.default(" in x]
+    ops = [i for i, x in enumerate(lines) if "fspec.rope_pos_kv_write.default(" in x]
     assert len(ops) == cfg.num_hidden_layers
+    # cos / sin come from the positions inside the op: the tables, read by nothing else, are not computed
+    assert not [x for x in lines if "rope_tables" in x or "rope_cos_sin" in x]
     for i in ops:
         j = max(j for j in range(i) if lines[j].startswith("extern_kernels."))
         mm = re.fullmatch(r"extern_kernels\.(?:add)?mm\(.*out=(buf\d+)\)", lines[j])
         assert mm, f"the op's inputs should come straight from the qkv matmul, got {lines[j]}"
         between = [x for x in lines[j + 1 : i] if re.match(r"(cpp_fused|triton_)\w*\(", x)]
         assert all("_cos_" in x and "_sin_" in x for x in between), between
-        views = re.findall(r"reinterpret_tensor\((buf\d+),", lines[i].split("rope_kv_write.default(")[1])
+        views = re.findall(r"reinterpret_tensor\((buf\d+),", lines[i].split("rope_pos_kv_write.default(")[1])
         assert views[:3] == [mm.group(1)] * 3, lines[i]
 
 
@@ -325,16 +393,21 @@ def _in_fresh_process(body: str) -> None:
 
 def _compile_for_h200() -> None:
     import triton
+    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from fspec.kernels import rope_kv_write as rkv
 
     kernel = rkv._rope_kv_write_kernel
-    for dtype, (n, nkv, d) in (("bf16", (32, 8, 128)), ("fp16", (16, 2, 64)), ("fp32", (8, 1, 80))):
+    cases = (("bf16", (32, 8, 128)), ("fp16", (16, 2, 64)), ("fp32", (8, 1, 80)))
+    for (dtype, (n, nkv, d)), from_positions in itertools.product(cases, (False, True)):
         types = dict(cos_ptr=f"*{dtype}", sin_ptr=f"*{dtype}", slot_mapping_ptr="*i64")
+        types |= dict(positions_ptr="*i64", inv_freq_ptr="*fp32")
         types |= {f"{x}_ptr": f"*{dtype}" for x in ("q", "k", "v", "q_out", "k_cache", "v_cache")}
         consts = dict(NUM_HEADS=n, KV_HEADS=nkv, HALF=d // 2, BLOCK_HALF=triton.next_power_of_2(d // 2))
+        table = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dtype]
+        consts |= dict(PDL=True, FROM_POSITIONS=from_positions, TABLE_DTYPE=table)
         sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in kernel.arg_names}
         hint = [["tt.divisibility", 16]]  # aligned buffers and strides, as at real shapes
         attrs = {(i,): hint for i, a in enumerate(kernel.arg_names) if sig[a][0] == "*" or "stride" in a}
@@ -345,7 +418,8 @@ def _compile_for_h200() -> None:
 
 
 def test_kernel_compiles_for_h200():
-    """The compiled (not interpreted) kernel builds for sm_90: bf16 Llama-8B heads, fp16, fp32 with D = 80."""
+    """The compiled (not interpreted) kernel builds for sm_90: bf16 Llama-8B heads, fp16, fp32 with D = 80,
+    reading the cos / sin tables and computing them from positions."""
     _in_fresh_process("_compile_for_h200")
 
 
@@ -368,7 +442,14 @@ def _gpu_matches_reference() -> None:
         kc = torch.randn(2, blocks, bs, nkv, d, generator=gen).to(dtype).cuda()
         vc = torch.randn_like(kc)
         kc_ref, vc_ref = kc.clone(), vc.clone()
+        kc_pos, vc_pos = kc.clone(), vc.clone()
         out = torch.ops.fspec.rope_kv_write(q, k, v, cos, sin, kc, vc, slots, layer=1)
+        # cos / sin from the positions inside the kernel: exactly the tables' bits
+        rope = L.rope_key(cfg)[1:]
+        out_pos = torch.ops.fspec.rope_pos_kv_write(
+            q, k, v, pos.cuda(), kc_pos, vc_pos, slots, dtype, *rope, layer=1
+        )
+        assert torch.equal(out_pos, out) and torch.equal(kc_pos, kc) and torch.equal(vc_pos, vc)
         want = rope_kv_write_ref(q, k, v, cos, sin, kc_ref, vc_ref, slots, layer=1)
         torch.cuda.synchronize()
         if dtype == torch.float32:  # FMA contraction on the GPU: ~1 ulp of the products
@@ -386,5 +467,5 @@ def _gpu_matches_reference() -> None:
 @pytest.mark.gpu
 def test_kernel_gpu_matches_reference():
     """The compiled kernel on CUDA equals the reference (within one output rounding) and writes exactly the
-    reference's slots."""
+    reference's slots; with cos / sin from the positions it writes the same bits."""
     _in_fresh_process("_gpu_matches_reference")
