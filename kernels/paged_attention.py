@@ -67,8 +67,10 @@ class AttentionConfig:
         fused_reduce: with several splits, the last split of each (request, KV head) tile to finish combines
             the partials itself (an atomic counter per tile) instead of a second launch; None = the
             FSPEC_ATTN_FUSED_REDUCE switch (off unless "1": on the H200 it was slower, 20.5 µs against
-            8.1 + 1.5 for the two launches in a 1B draft step, its combine being a serial loop of dependent
-            loads over the splits where the reduce kernel loads all splits at once; DESIGN-NOTES.md).
+            8.1 + 1.5 for the two launches in a 1B draft step, its combine then a serial loop of dependent
+            loads over the splits; with the chunked combine of the live splits still ~20 µs there and 8.1
+            against 5.5 µs in a ~150-token decode: the counter's acquire-release and the combine's L2 loads
+            are a longer dependent chain than a launch; DESIGN-NOTES.md).
     """
 
     block_n: int = 64
