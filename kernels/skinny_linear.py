@@ -80,7 +80,7 @@ class SkinnyConfig:
     split_k: int = 1
 
 
-def default_config(n: int, k: int, *, one_row: bool = False, rows: int = 0) -> SkinnyConfig:
+def default_config(n: int, k: int, *, one_row: bool = False) -> SkinnyConfig:
     """Launch parameters from the shapes alone, from the sweeps on the H200 (`bench_skinny_linear.py
     --sweep`, benchmarks/results/skinny_linear.json and, for one row, skinny_linear_one_row.json).
     Several rows: the tensor-core tile, 16 output columns per program up to N = 2048, 32 up to 4096, 64
@@ -90,11 +90,11 @@ def default_config(n: int, k: int, *, one_row: bool = False, rows: int = 0) -> S
     has its whole 2048-deep reduction in flight at once (1B o 4.1 -> 3.3 us, down 12.3 -> 9.4); up to 4096
     BLOCK_K 512, eight warps; up to 8192 four warps; up to 16384 BLOCK_K 256, eight warps; wider four warps,
     BLOCK_K 256 over deep reductions (the 8B head's gate/up) and 512 over K <= 2048 (a 32000-token draft LM
-    head). The split reduction (`split_k`) won no shape of the sweep: it stays off. `rows` of x from 2 to
-    FMA_MAX_ROWS: the one-row configuration on the CUDA-core `_skinny_rows_kernel` (its BLOCK_K shrinks to
-    fit the rows, `rows_block_k`)."""
+    head). The split reduction (`split_k`) won no shape of the sweep: it stays off. Several rows keep the
+    tile kernel: `_skinny_rows_kernel` (2..FMA_MAX_ROWS rows on the CUDA cores, an explicit `fma` config)
+    measured slower than cuBLAS for a first draft step's K + 1 rows (DESIGN-NOTES.md)."""
     kmax = max(16, triton.next_power_of_2(k))
-    if one_row or 2 <= rows <= FMA_MAX_ROWS:
+    if one_row:
         block_k, warps = (
             (1024, 8) if n <= 2048
             else (512, 8) if n <= 4096
@@ -325,7 +325,10 @@ def _skinny_rows_kernel(
     batch 1) on the CUDA cores: each [BLOCK_N, BLOCK_K] weight tile is loaded once and multiplied by every
     row of the [M_POW2, BLOCK_K] x tile as a [M_POW2, BLOCK_N, BLOCK_K] product reduced over K per tile
     (no 16-row tensor-core tile, no trip of x through shared memory: the tiles are loaded in the product's
-    3-d layout, x replicated across the warps that split the columns). Same fusions and roundings."""
+    3-d layout, x replicated across the warps that split the columns). Same fusions and roundings. Only with
+    an explicit `fma` config: on the H200 it was slower than cuBLAS for a 1B head's first draft step (to keep
+    the product in registers BLOCK_K shrinks to 128-256: too few bytes in flight per SM; switches_m, run
+    m3)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     kk = tl.arange(0, BLOCK_K)
@@ -566,7 +569,7 @@ def skinny_linear(
     res = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
     if config is not None:
         check_config(config)
-    cfg = config or default_config(rows, k, one_row=m == 1, rows=m)
+    cfg = config or default_config(rows, k, one_row=m == 1)
     if silu_mul and config is None:  # a program reads block_n gate rows and block_n up rows
         cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
     if norm_weight is not None and config is None and not (cfg.fma and m <= FMA_MAX_ROWS):

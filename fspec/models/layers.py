@@ -22,7 +22,6 @@ from fspec.attention import Attend
 from fspec.config import ModelConfig, env_choice
 from fspec.kernels.ops import call
 from fspec.kernels.rope_cos_sin import inv_freq
-from fspec.kernels.skinny_linear import FMA_MAX_ROWS
 
 SKINNY_ROWS = 16  # fspec::skinny_linear's row limit (kernels/skinny_linear.py MAX_ROWS)
 # widest weight (output features) routed to it: wider ones (gate/up, LM heads) cuBLAS reads within 1-12% of
@@ -33,14 +32,13 @@ SKINNY_DEEP_K = 4096  # FSPEC_SKINNY_LINEAR=deep: shortest reduction routed
 # head's 32000-token draft vocabulary, 31.7 vs cuBLAS 33.2 us; target LM heads, 128k outputs, stay with
 # cuBLAS: benchmarks/results/skinny_linear_one_row.json)
 SKINNY_ROW_MAX_OUT = 32768
-SKINNY_MODES = ("0", "1", "deep", "row", "rowdeep", "rows")
+SKINNY_MODES = ("0", "1", "deep", "row", "rowdeep")
 
 
 def skinny_mode() -> str:
     """FSPEC_SKINNY_LINEAR: 'row' (the default, also when unset: table `switches`, run i) one-row products
     (batch-1 decode and draft steps) of at most SKINNY_ROW_MAX_OUT outputs; '0' off; '1' every weight of at
-    most SKINNY_MAX_OUT outputs; 'deep' of these only long reductions; 'rowdeep' both 'row' and 'deep';
-    'rows' products of 1..FMA_MAX_ROWS rows (the CUDA-core kernels: a first draft step's K + 1 rows).
+    most SKINNY_MAX_OUT outputs; 'deep' of these only long reductions; 'rowdeep' both 'row' and 'deep'.
     Anything else is a ValueError naming it."""
     return env_choice("FSPEC_SKINNY_LINEAR", SKINNY_MODES, "row")
 
@@ -51,8 +49,7 @@ def use_skinny_linear(x: torch.Tensor, w: torch.Tensor, *, cuda: bool | None = N
     SKINNY_DEEP_K input features and no fewer than output features (a 1B target's down projection, an
     EAGLE-3 head's q/k/v, o (8B) and down, where the H200 sweep has the tile kernel ahead of cuBLAS); =row:
     one row of x (the one-row CUDA-core kernel, ahead of cuBLAS at every one-row shape of the sweep but one)
-    and at most SKINNY_ROW_MAX_OUT output features; =rowdeep: 'row' or 'deep'; =rows: as 'row' for
-    1..FMA_MAX_ROWS rows (`_skinny_rows_kernel` from 2 rows). Always on CUDA, for at most
+    and at most SKINNY_ROW_MAX_OUT output features; =rowdeep: 'row' or 'deep'. Always on CUDA, for at most
     16 rows of x (decode, verification and draft steps at small batch), same floating dtype, and no autograd
     through it (training keeps F.linear). Decided when a graph is traced."""
     mode = skinny_mode()
@@ -61,10 +58,7 @@ def use_skinny_linear(x: torch.Tensor, w: torch.Tensor, *, cuda: bool | None = N
     n, k = w.shape
     deep = k >= max(SKINNY_DEEP_K, n) and n <= SKINNY_MAX_OUT
     one_row = math.prod(x.shape[:-1]) == 1 and n <= SKINNY_ROW_MAX_OUT
-    rows = math.prod(x.shape[:-1])
-    few = 1 <= rows <= FMA_MAX_ROWS and n <= SKINNY_ROW_MAX_OUT
-    routed = {"1": n <= SKINNY_MAX_OUT, "deep": deep, "row": one_row, "rowdeep": one_row or deep, "rows": few}
-    routed = routed[mode]
+    routed = {"1": n <= SKINNY_MAX_OUT, "deep": deep, "row": one_row, "rowdeep": one_row or deep}[mode]
     return routed and x.dtype == w.dtype and _skinny_inference(x, w, cuda=cuda)
 
 
@@ -312,24 +306,21 @@ def decoder_layer(
 
 
 def _fused_rows(x: torch.Tensor) -> bool:
-    """FSPEC_FUSED_LAYER for x's rows: 'row' (the default) one row, 'rows' 1..FMA_MAX_ROWS (the CUDA-core
-    kernels), '1' any (up to 16, `_skinny_inference`), '0' none; any other value is a ValueError naming the
-    variable."""
-    mode = env_choice("FSPEC_FUSED_LAYER", ("0", "1", "row", "rows"), "row")
-    rows = math.prod(x.shape[:-1])
-    return mode == "1" or (mode == "row" and rows == 1) or (mode == "rows" and rows <= FMA_MAX_ROWS)
+    """FSPEC_FUSED_LAYER for x's rows: 'row' (the default) one row, '1' any (up to 16, `_skinny_inference`),
+    '0' none; any other value is a ValueError naming the variable."""
+    mode = env_choice("FSPEC_FUSED_LAYER", ("0", "1", "row"), "row")
+    return mode == "1" or (mode == "row" and math.prod(x.shape[:-1]) == 1)
 
 
 def use_fused_layer(p: dict, x: torch.Tensor, cfg: ModelConfig, *, cuda: bool | None = None) -> bool:
     """Whether a pre-norm layer runs as `fused_decoder_layer`: FSPEC_FUSED_LAYER=row (the default, also when
     unset: table `switches`, run j) for one row of x, a batch-1 decode or draft step, where the one-row
-    kernel runs it, so that verification's K + 1 rows keep the unfused layer; =rows for 1..FMA_MAX_ROWS rows
-    (the CUDA-core kernels: a first draft step's K + 1 rows too); =1 for 1..16 rows; =0 never;
+    kernel runs it, so that verification's K + 1 rows keep the unfused layer; =1 for 1..16 rows; =0 never;
     for a layer with fused projections ("qkv", "gate_up"), a post-attention norm, no biases and no q/k
     norm, its weights and norms in x's dtype (the input norm too where the layer has one: an EAGLE head's
     first layer has none, and `decoder_layer` fuses only what follows its attention), and the conditions of
     `use_skinny_linear` for x (CUDA, 1..16 rows, inference), wide weights included. Decided when a graph is
-    traced. Any other value of the variable than unset, 0, 1, row and rows is a ValueError naming it."""
+    traced. Any other value of the variable than unset, 0, 1 and row is a ValueError naming it."""
     if not _fused_rows(x):
         return False
     if "qkv" not in p or "gate_up" not in p or "qkv_bias" in p or "o_bias" in p or cfg.qk_norm:

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import fspec
-from fspec.kernels.skinny_linear import FMA_MAX_ROWS
 from fspec.models import layers as L
 from fspec.models import llama
 
@@ -100,14 +99,6 @@ def test_routing_needs_the_switch_fused_unbiased_layers_and_a_small_inference_ba
     assert L.use_fused_layer(p, torch.randn(1, 1, 48), cfg, cuda=True)
     assert not L.use_fused_layer(p, torch.randn(2, 48), cfg, cuda=True)
     assert not L.use_fused_layer(p, torch.randn(1, 48), cfg, cuda=False)
-    # "rows": 1..FMA_MAX_ROWS rows (a first draft step's K + 1 rows on the CUDA-core kernels)
-    monkeypatch.setenv("FSPEC_FUSED_LAYER", "rows")
-    most = FMA_MAX_ROWS
-    assert L.use_fused_layer(p, torch.randn(1, 48), cfg, cuda=True)
-    assert L.use_fused_layer(p, torch.randn(2, 3, 48), cfg, cuda=True)
-    assert L.use_fused_layer(p, torch.randn(most, 48), cfg, cuda=True)
-    assert not L.use_fused_layer(p, torch.randn(most + 1, 48), cfg, cuda=True)
-    assert not L.use_fused_layer(p, torch.randn(6, 48), cfg, cuda=False)
     # a layer without an input norm (an EAGLE head's first layer) fuses what follows its attention; one
     # without a post-attention norm or an o projection is not fused (and none is a KeyError)
     row = torch.randn(1, 48)
@@ -115,7 +106,7 @@ def test_routing_needs_the_switch_fused_unbiased_layers_and_a_small_inference_ba
     for name in ("post_norm", "o", "down"):
         assert not L.use_fused_layer({k: t for k, t in p.items() if k != name}, row, cfg, cuda=True)
     monkeypatch.setenv("FSPEC_FUSED_LAYER", "yes")
-    with pytest.raises(ValueError, match=r"^FSPEC_FUSED_LAYER: expected one of 0, 1, row, rows, got 'yes'"):
+    with pytest.raises(ValueError, match=r"^FSPEC_FUSED_LAYER: expected one of 0, 1, row, got 'yes'"):
         L.use_fused_layer(p, x, cfg, cuda=True)
 
 

@@ -12,7 +12,6 @@ from fresh_process import in_fresh_process
 
 from fspec.kernels import ops  # noqa: F401  (registers torch.ops.fspec)
 from fspec.kernels.skinny_linear import (
-    FMA_MAX_ROWS,
     NORM_MAX_BLOCK_K,
     SkinnyConfig,
     default_config,
@@ -121,15 +120,6 @@ def test_linear_routes_only_small_inference_products_on_cuda_when_asked(monkeypa
     assert layers.use_skinny_linear(row, torch.randn(widest, 8), cuda=True)
     assert layers.use_skinny_linear(x, torch.randn(k, k), cuda=True)
     assert not layers.use_skinny_linear(torch.randn(2, 8), torch.randn(16, 8), cuda=True)
-    # "rows": 1..FMA_MAX_ROWS rows (a first draft step's K + 1), at most SKINNY_ROW_MAX_OUT outputs
-    monkeypatch.setenv("FSPEC_SKINNY_LINEAR", "rows")
-    most = FMA_MAX_ROWS
-    assert layers.use_skinny_linear(row, torch.randn(widest, 8), cuda=True)
-    assert layers.use_skinny_linear(torch.randn(2, 3, 8), torch.randn(widest, 8), cuda=True)  # 6 rows
-    assert layers.use_skinny_linear(torch.randn(most, 8), torch.randn(16, 8), cuda=True)
-    assert not layers.use_skinny_linear(torch.randn(most + 1, 8), torch.randn(16, 8), cuda=True)
-    assert not layers.use_skinny_linear(torch.randn(6, 8), torch.randn(widest + 1, 8), cuda=True)
-    assert not layers.use_skinny_linear(torch.randn(6, 8), torch.randn(16, 8), cuda=False)
     # never under a torch.func transform (the op has no vmap rule) nor for a weight strided along K
     monkeypatch.delenv("FSPEC_SKINNY_LINEAR")
     w16 = torch.randn(16, 8)
@@ -139,7 +129,7 @@ def test_linear_routes_only_small_inference_products_on_cuda_when_asked(monkeypa
     _assert_routed(row, torch.randn(8, 16).t(), False)
     monkeypatch.setenv("FSPEC_SKINNY_LINEAR", "yes")  # no mode: refused, naming the variable
     with pytest.raises(
-        ValueError, match=r"FSPEC_SKINNY_LINEAR: expected one of 0, 1, deep, row, rowdeep, rows, got 'yes'"
+        ValueError, match=r"FSPEC_SKINNY_LINEAR: expected one of 0, 1, deep, row, rowdeep, got 'yes'"
     ):
         layers.use_skinny_linear(x, torch.randn(k, k), cuda=True)
 
@@ -266,8 +256,9 @@ def _compile_for_sm90_body():
             run = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True)
         assert "STL" not in run.stdout, f"the one-row kernel spills registers ({consts}, {warps} warps)"
         assert ("ATOM" in run.stdout) == (split > 1), f"the counter's atomic ({consts})"
-    # the 2..FMA_MAX_ROWS-row CUDA-core kernel at the tiles its launcher picks for the layer's products of
-    # a 1B-shaped head (and a 32000-token LM head), at 2, 4 and 8 padded rows, plain and with the fusions
+    # the 2..FMA_MAX_ROWS-row CUDA-core kernel (an explicit fma config) at the tiles its launcher picks from
+    # the one-row configs for a 1B-shaped head's products (and a 32000-token LM head), at 2, 4 and 8 padded
+    # rows, plain and with the fusions
     from fspec.kernels.skinny_linear import _skinny_rows_kernel, rows_block_k, rows_norm_block
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "norm_ptr": "*bf16", "res_ptr": "*bf16"}
@@ -280,7 +271,7 @@ def _compile_for_sm90_body():
         (4, 3072, 2048, 1, 0, 0), (2, 8192, 2048, 1, 1, 1), (6, 32000, 2048, 0, 0, 0),
         (2, 2048, 8192, 0, 0, 1),
     ):  # fmt: skip
-        cfg = default_config(2 * n if silu else n, k, rows=m)
+        cfg = default_config(2 * n if silu else n, k, one_row=True)  # what an fma config would take
         if silu:  # as the launcher: block_n gate rows and block_n up rows
             cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
         consts = {"M_POW2": triton.next_power_of_2(m), "BLOCK_N": cfg.block_n, "NORM": bool(norm)}
@@ -463,6 +454,17 @@ def test_one_row_kernel_gets_a_tile_that_fits_in_registers(monkeypatch):
     count = len(launched)
     assert skinny_linear(torch.randn(2, 2048), w, config=cfg).shape == (2, 256)
     assert len(launched) == count  # two rows: `_skinny_rows_kernel`
+    rows_launched = []
+
+    class RowsRecorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: rows_launched.append((grid, kw["M_POW2"], kw["BLOCK_K"]))
+
+    monkeypatch.setattr(sl, "_skinny_rows_kernel", RowsRecorder())
+    skinny_linear(torch.randn(6, 2048), w)  # no config: several rows keep the tile kernel (measured faster)
+    assert rows_launched == []
+    skinny_linear(torch.randn(6, 2048), w, config=dataclasses.replace(cfg, num_warps=8))  # explicit fma
+    assert rows_launched == [((4,), 8, 64)]  # 8 rows x 64 x 64 / 256 threads = ROWS_ELEMS_PER_THREAD
     # one_tile: the whole reduction (K's next power of two) when it fits in GEMV_ONE_TILE_ELEMS_PER_THREAD
     one = SkinnyConfig(block_n=16, block_k=512, num_warps=8, fma=True, one_tile=True)
     assert sl.gemv_block_k(one, 2048) == (2048, True, 2048)  # 16 x 2048 / 256 threads = 128
