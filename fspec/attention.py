@@ -194,15 +194,15 @@ def _paged_kernels(
     rope_params: tuple | None = None,
 ) -> torch.Tensor:
     """The "paged" backend: the registered ops `fspec::kv_write` (or `fspec::rope_kv_write`, given
-    rope = (cos, sin) [T, D] and un-rotated q, k; or `fspec::rope_pos_kv_write`, given also the rope
-    parameters `rope_params` (`layers.rope_key` without the head dim): cos / sin from meta.positions in the
+    rope = (cos, sin) [T, D] and un-rotated q, k; or `fspec::rope_pos_kv_write`, given also
+    `rope_params` = (rope_type, rope) of `layers.rope_key`: cos / sin from meta.positions in the
     kernel, so that the tables, read by nothing else, are never computed) and `fspec::paged_attention`
     (kernels/; Triton on CUDA, their PyTorch references elsewhere). The kernels read block_table, seq_lens
     and positions on the device; keys past seq_lens are never read."""
     if rope is not None and rope_params is not None:
         q_cache = call(
             "rope_pos_kv_write", q, k, v, meta.positions, cache.k, cache.v, meta.slot_mapping, rope[0].dtype,
-            *rope_params, layer=layer,
+            rope_params[0], list(rope_params[1]), layer=layer,
         )  # fmt: skip
     elif rope is None:
         call(

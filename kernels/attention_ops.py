@@ -3,8 +3,8 @@
     fspec::kv_write        (k, v, k_cache!, v_cache!, slot_mapping, *, layer=0) -> ()
     fspec::rope_kv_write   (q, k, v, cos, sin, k_cache!, v_cache!, slot_mapping, *, layer=0)
                            -> q_out [T, N, D] (RoPE'd q in the cache's dtype)
-    fspec::rope_pos_kv_write (q, k, v, positions, k_cache!, v_cache!, slot_mapping, table_dtype, rope
-                           parameters, *, layer=0) -> q_out: cos / sin computed in the kernel
+    fspec::rope_pos_kv_write (q, k, v, positions, k_cache!, v_cache!, slot_mapping, table_dtype, rope_type,
+                           rope, *, layer=0) -> q_out: cos / sin computed in the kernel
     fspec::paged_attention (q, k_cache, v_cache, block_table, seq_lens, positions, query_start_loc,
                             *, scale, num_query, layer=0) -> out [T, N, D]
 
@@ -93,19 +93,16 @@ def rope_pos_kv_write(
     v_cache: Tensor,
     slot_mapping: Tensor,
     table_dtype: torch.dtype,
-    theta: float,
     rope_type: str,
-    factor: float,
-    low_freq_factor: float,
-    high_freq_factor: float,
-    original_max: int,
+    rope: list[float],
     *,
     layer: int = 0,
 ) -> Tensor:
     """`rope_kv_write` with RoPE's cos / sin computed in the kernel from positions [T] and the rope
-    parameters (inverse frequencies kept per device, `rope_cos_sin.cached_inv_freq`), rounded to
-    `table_dtype` as the tables would be (kernels/rope_kv_write.py)."""
-    key = (q.shape[-1], theta, rope_type, factor, low_freq_factor, high_freq_factor, original_max)
+    parameters (as `fspec::rope_tables`'s; inverse frequencies kept per device,
+    `rope_cos_sin.cached_inv_freq`), rounded to `table_dtype` as the tables would be
+    (kernels/rope_kv_write.py)."""
+    key = (q.shape[-1], rope_type, tuple(rope))
     inv_freq = _rcs.cached_inv_freq(key, q.device)
     impl = _rkv.rope_pos_kv_write if _use_triton(k_cache) else _rkv.rope_pos_kv_write_ref
     return impl(q, k, v, positions, inv_freq, table_dtype, k_cache, v_cache, slot_mapping, layer=layer)
@@ -121,12 +118,8 @@ def _(
     v_cache: Tensor,
     slot_mapping: Tensor,
     table_dtype: torch.dtype,
-    theta: float,
     rope_type: str,
-    factor: float,
-    low_freq_factor: float,
-    high_freq_factor: float,
-    original_max: int,
+    rope: list[float],
     *,
     layer: int = 0,
 ) -> Tensor:

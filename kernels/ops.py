@@ -267,43 +267,29 @@ rope_cos_sin.register_vmap(_rope_cos_sin_vmap)
 
 @register("fspec::rope_tables", mutates_args=())
 def rope_tables(
-    positions: Tensor,
-    dtype: torch.dtype,
-    head_dim: int,
-    theta: float,
-    rope_type: str,
-    factor: float,
-    low_freq_factor: float,
-    high_freq_factor: float,
-    original_max: int,
+    positions: Tensor, dtype: torch.dtype, head_dim: int, rope_type: str, rope: list[float]
 ) -> tuple[Tensor, Tensor]:
-    """`rope_cos_sin` with the inverse frequencies of the rope parameters (`rope_cos_sin.inv_freq`), kept per
-    device by the op (`cached_inv_freq`): a compiled graph holds no kernel that computes them."""
-    key = (head_dim, theta, rope_type, factor, low_freq_factor, high_freq_factor, original_max)
+    """`rope_cos_sin` with the inverse frequencies of the rope parameters (`rope_cos_sin.inv_freq`; rope =
+    [theta, factor, low_freq_factor, high_freq_factor, original_max]), kept per device by the op
+    (`cached_inv_freq`): a compiled graph holds no kernel that computes them."""
+    key = (head_dim, rope_type, tuple(rope))
     impl = _rcs.rope_cos_sin if _use_triton(positions) else _rcs.rope_cos_sin_ref
     return impl(positions, _rcs.cached_inv_freq(key, positions.device), dtype)
 
 
 @rope_tables.register_fake
 def _(
-    positions: Tensor,
-    dtype: torch.dtype,
-    head_dim: int,
-    theta: float,
-    rope_type: str,
-    factor: float,
-    low_freq_factor: float,
-    high_freq_factor: float,
-    original_max: int,
+    positions: Tensor, dtype: torch.dtype, head_dim: int, rope_type: str, rope: list[float]
 ) -> tuple[Tensor, Tensor]:
     shape = (*positions.shape, 2 * (head_dim // 2))
     return positions.new_empty(shape, dtype=dtype), positions.new_empty(shape, dtype=dtype)
 
 
-def _rope_tables_vmap(info, in_dims, positions, dtype, *key):
+def _rope_tables_vmap(info, in_dims, positions, dtype, head_dim, rope_type, rope):
     """Batched positions (the only tensor) through the reference, batch dim first."""
     positions = positions.movedim(in_dims[0], 0)
-    return _rcs.rope_cos_sin_ref(positions, _rcs.cached_inv_freq(key, positions.device), dtype), (0, 0)
+    freq = _rcs.cached_inv_freq((head_dim, rope_type, tuple(rope)), positions.device)
+    return _rcs.rope_cos_sin_ref(positions, freq, dtype), (0, 0)
 
 
 rope_tables.register_vmap(_rope_tables_vmap)

@@ -14,6 +14,7 @@ recomputed them in front of each op: one ~1.3 µs kernel per layer of a 1B-shape
 
 import math
 import threading
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -26,27 +27,19 @@ from .pdl import pdl_enter
 BLOCK_T = 16  # positions per program
 
 
-def inv_freq(
-    head_dim: int,
-    theta: float,
-    rope_type: str,
-    factor: float,
-    low_freq_factor: float,
-    high_freq_factor: float,
-    original_max: int,
-    device: torch.device | str,
-) -> Tensor:
+def inv_freq(head_dim: int, rope_type: str, rope: Sequence[float], device: torch.device | str) -> Tensor:
     """[D/2] fp32 inverse frequencies for rope_type "default", "linear" (divided by factor) or "llama3"
     (transformers' `_compute_llama3_parameters`: wavelengths shorter than original_max / high_freq_factor
     are kept, longer than original_max / low_freq_factor divided by `factor`, and the band between
-    interpolated with smooth = (original_max / wavelen - low) / (high - low))."""
+    interpolated with smooth = (original_max / wavelen - low) / (high - low)); rope = (theta, factor,
+    low_freq_factor, high_freq_factor, original_max), as `fspec.models.layers.rope_key` gives them."""
+    theta, factor, low, high, original_max = rope
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     freq = 1.0 / (theta**exponent)
     if rope_type == "linear":
         return freq / factor
     if rope_type == "default":
         return freq
-    low, high = low_freq_factor, high_freq_factor
     low_freq_wavelen, high_freq_wavelen = original_max / low, original_max / high
     wavelen = 2 * math.pi / freq
     scaled = torch.where(wavelen > low_freq_wavelen, freq / factor, freq)
@@ -60,13 +53,14 @@ _INV_FREQ: dict[tuple, Tensor] = {}
 
 
 def cached_inv_freq(key: tuple, device: torch.device) -> Tensor:
-    """`inv_freq(*key, device)`, computed once per key and device and kept (a few hundred bytes each): what
-    `fspec::rope_tables` multiplies positions by. Computed on the device, as an uncached call would. On a
-    CUDA device a miss computes in a helper thread (and waits for it), so the kept tensor is an ordinary
-    allocation even during a CUDA-graph tree's warm-up run, which sends every allocation of its thread to the
-    graph's private pool, where a tensor that outlives the run is an untracked allocation the trees refuse
-    (torch 2.11: "Detected 1 tensor(s) in the cudagraph pool not tracked as outputs"); a miss during capture
-    computes on the capturing stream without keeping (the graph replays the computation)."""
+    """`inv_freq(*key, device)` for key = (head_dim, rope_type, rope), computed once per key and device and
+    kept (a few hundred bytes each): what `fspec::rope_tables` multiplies positions by. Computed on the
+    device, as an uncached call would. On a CUDA device a miss computes in a helper thread (and waits for
+    it), so the kept tensor is an ordinary allocation even during a CUDA-graph tree's warm-up run, which
+    sends every allocation of its thread to the graph's private pool, where a tensor that outlives the run
+    is an untracked allocation the trees refuse (torch 2.11: "Detected 1 tensor(s) in the cudagraph pool not
+    tracked as outputs"); a miss during capture computes on the capturing stream without keeping (the graph
+    replays the computation)."""
     entry = (key, str(device))
     cached = _INV_FREQ.get(entry)
     if cached is not None:

@@ -110,7 +110,17 @@ def _rope_kv_write_kernel(
 def _check(
     q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, slot_mapping: Tensor
 ) -> None:
-    """Shapes only (no host sync): q [T, N, D], k/v [T, Nkv, D] matching the cache, cos/sin [T, D], D even."""
+    """Shapes only (no host sync): `_check_qkv`, and cos/sin [T, D]."""
+    _check_qkv(q, k, v, kc, slot_mapping)
+    t, _, d = q.shape
+    for name, x in (("cos", cos), ("sin", sin)):
+        if tuple(x.shape) != (t, d):
+            raise ValueError(f"{name}: expected shape [T, D] = {[t, d]}, got {tuple(x.shape)}")
+
+
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, slot_mapping: Tensor) -> None:
+    """Shapes only (no host sync): q [T, N, D], k/v [T, Nkv, D] matching the cache, slot_mapping [T], D
+    even."""
     if q.dim() != 3 or k.dim() != 3:
         raise ValueError(f"q/k: expected [T, heads, D], got {tuple(q.shape)} and {tuple(k.shape)}")
     t, _, d = q.shape
@@ -124,9 +134,6 @@ def _check(
             f"k/v: expected shape [T, Nkv, D] = {[t, *kc.shape[-2:]]} (q's T, the cache's Nkv and D), "
             f"got {tuple(k.shape)} and {tuple(v.shape)}"
         )
-    for name, x in (("cos", cos), ("sin", sin)):
-        if tuple(x.shape) != (t, d):
-            raise ValueError(f"{name}: expected shape [T, D] = {[t, d]}, got {tuple(x.shape)}")
     if tuple(slot_mapping.shape) != (t,):
         raise ValueError(f"slot_mapping: expected shape [T] = [{t}], got {tuple(slot_mapping.shape)}")
 
@@ -194,9 +201,8 @@ def rope_pos_kv_write(
     kc, vc = layer_view(k_cache, layer), layer_view(v_cache, layer)
     if not (kc.is_contiguous() and vc.is_contiguous()):
         raise ValueError("k_cache/v_cache: expected contiguous layers [num_blocks, block_size, Nkv, D]")
-    t, n, d = q.shape if q.dim() == 3 else (0, 0, 0)
-    fake_tables = q.new_empty((t, d))  # shapes only: `_check` validates the positions' count through them
-    _check(q, k, v, fake_tables, fake_tables, kc, slot_mapping)
+    _check_qkv(q, k, v, kc, slot_mapping)
+    t, n, d = q.shape
     if tuple(positions.shape) != (t,) or tuple(inv_freq.shape) != (d // 2,):
         raise ValueError(
             f"positions/inv_freq: expected shapes [T] = [{t}] and [D/2] = [{d // 2}], got "

@@ -99,18 +99,18 @@ def rope_inv_freq(cfg: ModelConfig, device: torch.device | str) -> torch.Tensor:
     return inv_freq(*rope_key(cfg), device)
 
 
-def rope_key(cfg: ModelConfig) -> tuple:
-    """What the inverse frequencies depend on, as plain values: (head_dim, theta, rope_type, factor,
-    low_freq_factor, high_freq_factor, original_max_position_embeddings)."""
-    return (
-        cfg.head_dim,
-        float(cfg.rope_theta),
-        cfg.rope_type,
-        float(cfg.rope_factor),
-        float(cfg.rope_low_freq_factor),
-        float(cfg.rope_high_freq_factor),
+def rope_key(cfg: ModelConfig) -> tuple[int, str, tuple[float, ...]]:
+    """What the inverse frequencies depend on, as plain values: (head_dim, rope_type, rope) with rope =
+    (theta, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings), the arguments of
+    `fspec.kernels.rope_cos_sin.inv_freq` and, rope as a list, of the ops that compute RoPE from positions."""
+    rope = (
+        cfg.rope_theta,
+        cfg.rope_factor,
+        cfg.rope_low_freq_factor,
+        cfg.rope_high_freq_factor,
         cfg.rope_original_max_position_embeddings,
     )
+    return cfg.head_dim, cfg.rope_type, tuple(float(x) for x in rope)
 
 
 def rope_cos_sin(
@@ -123,7 +123,8 @@ def rope_cos_sin(
     parameters as plain values and keeps the inverse frequencies per device (`cached_inv_freq`), so no graph
     computes them (traced inline they were one Inductor kernel per forward: per draft step of a compiled
     propose, ~1 us of a 1B-shaped head's step on the H200, benchmarks/results/timelines/)."""
-    return call("rope_tables", positions, dtype, *rope_key(cfg))
+    head_dim, rope_type, rope = rope_key(cfg)
+    return call("rope_tables", positions, dtype, head_dim, rope_type, list(rope))
 
 
 def bias_layout(cfg: ModelConfig) -> tuple[bool, bool]:

@@ -64,7 +64,7 @@ def test_metadata_and_rope_ops_pass_opcheck():
         torch.library.opcheck(
             torch.ops.fspec.rope_cos_sin.default, (torch.tensor([[0, 7], [-1, 300]]), inv_freq, dtype)
         )
-        rope = (6, 500000.0, "llama3", 8.0, 1.0, 4.0, 8192)  # head dim 6, Llama-3.1's scaling
+        rope = (6, "llama3", [500000.0, 8.0, 1.0, 4.0, 8192.0])  # head dim 6, Llama-3.1's scaling
         torch.library.opcheck(
             torch.ops.fspec.rope_tables.default, (torch.tensor([[0, 7], [-1, 300]]), dtype, *rope)
         )

@@ -148,7 +148,8 @@ def test_positions_variant_equals_the_table_kernels_bit_for_bit(t, n, nkv, d, dt
         _assert_close(got, ref, "q_out")
         _assert_close(got_k, ref_k, "k_cache")
     op_k, op_v = k_cache.clone(), v_cache.clone()
-    rope = L.rope_key(cfg)[1:]
+    _, rope_type, rope = L.rope_key(cfg)
+    rope = (rope_type, list(rope))
     op_out = torch.ops.fspec.rope_pos_kv_write(q, k, v, positions, op_k, op_v, slots, dtype, *rope, layer=1)
     assert torch.equal(_bits(op_out), _bits(got)) and torch.equal(_bits(op_k), _bits(got_k))
     # the positions really drive it: other positions rotate otherwise
@@ -175,7 +176,8 @@ def test_positions_variant_refuses_bad_shapes_and_dtypes_naming_them():
 
 def test_positions_op_passes_opcheck():
     q, k, v, _, _, k_cache, v_cache, slots = _inputs(3, 4, 2, 64, torch.float32)
-    rope = L.rope_key(_heads_cfg(4, 2, 64))[1:]
+    _, rope_type, rope = L.rope_key(_heads_cfg(4, 2, 64))
+    rope = (rope_type, list(rope))
     caches = k_cache.clone(), v_cache.clone()
     args = (q, k, v, torch.tensor([5, -1, 300]), *caches, slots, torch.float32, *rope)
     torch.library.opcheck(torch.ops.fspec.rope_pos_kv_write.default, args, {"layer": 1})
@@ -445,7 +447,8 @@ def _gpu_matches_reference() -> None:
         kc_pos, vc_pos = kc.clone(), vc.clone()
         out = torch.ops.fspec.rope_kv_write(q, k, v, cos, sin, kc, vc, slots, layer=1)
         # cos / sin from the positions inside the kernel: exactly the tables' bits
-        rope = L.rope_key(cfg)[1:]
+        _, rope_type, rope = L.rope_key(cfg)
+        rope = (rope_type, list(rope))
         out_pos = torch.ops.fspec.rope_pos_kv_write(
             q, k, v, pos.cuda(), kc_pos, vc_pos, slots, dtype, *rope, layer=1
         )
