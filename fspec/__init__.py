@@ -14,7 +14,14 @@ from fspec.state import AttnMetadata, DraftState, init_draft_state
 from fspec.state import validate_attn_metadata, validate_draft_state
 
 # Metadata algebra.
-from fspec.metadata import advance, decode_after, decode_metadata, first_step_metadata, slot_mapping
+from fspec.metadata import (
+    advance,
+    decode_after,
+    decode_metadata,
+    decode_rollout,
+    first_step_metadata,
+    slot_mapping,
+)
 
 # Models, checkpoints, KV cache, attention.
 from fspec.attention import attention, dense_attention
@@ -60,6 +67,7 @@ __all__ = [
     "blocks_needed",
     "bucket_for",
     "decode_after",
+    "decode_rollout",
     "decode_metadata",
     "dense_attention",
     "distill_head",

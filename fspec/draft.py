@@ -29,7 +29,7 @@ from fspec.cache import KVCache, check_cache
 from fspec.config import DraftConfig
 from fspec.kernels.ops import call
 from fspec.kernels.salts import SALT_DRAFT
-from fspec.metadata import decode_after
+from fspec.metadata import decode_after, decode_rollout
 from fspec.models import _head_forward, check_head_params
 from fspec.models.eagle3 import _draft_to_target
 from fspec.pytree import replace
@@ -62,8 +62,10 @@ def _step(
     cfg: DraftConfig,
     backend: str,
     max_context: int | None,
+    nxt: AttnMetadata | None = None,
 ) -> tuple[DraftState, KVCache]:
-    """One draft step that WRITES column `state.step` of the state's draft buffers in place (donated)."""
+    """One draft step that WRITES column `state.step` of the state's draft buffers in place (donated). `nxt`
+    is the next state's metadata where the caller has it already (`decode_rollout`), else `decode_after`."""
     attn = state.attn
     b = attn.num_requests
     rows = last_live_rows(attn)  # [B]
@@ -107,7 +109,8 @@ def _step(
             1,
         )
     # 5. the next state; its metadata is a pure function of this step's.
-    nxt = decode_after(attn, block_size=cfg.block_size, max_model_len=cfg.max_model_len)
+    if nxt is None:
+        nxt = decode_after(attn, block_size=cfg.block_size, max_model_len=cfg.max_model_len)
     return replace(state, input_ids=tokens, hidden=hidden, attn=nxt, step=step), cache
 
 
@@ -170,9 +173,28 @@ def propose(
     state = replace(
         state,
         step=torch.zeros((), dtype=torch.int64, device=device),
-        draft_tokens=torch.full((b, k), -1, dtype=torch.int64, device=device),
-        draft_probs=torch.empty_like(state.draft_probs),  # every column is written before it is read
+        # every column of both is written before it is read: no fill kernel in the compiled loop
+        draft_tokens=torch.empty((b, k), dtype=torch.int64, device=device),
+        draft_probs=torch.empty_like(state.draft_probs),
     )
-    for _ in range(k):
-        state, cache = _step(params, state, cache, cfg=cfg, backend=backend, max_context=max_context)
+    return _rollout(params, state, cache, k, cfg=cfg, backend=backend, max_context=max_context)
+
+
+def _rollout(
+    params: dict,
+    state: DraftState,
+    cache: KVCache,
+    steps: int,
+    *,
+    cfg: DraftConfig,
+    backend: str,
+    max_context: int | None,
+) -> tuple[DraftState, KVCache]:
+    """`steps` draft steps from `state` (unvalidated; in place in its draft buffers). Positions advance
+    whatever is sampled, so the steps' next metadata come from one `decode_rollout` launch, not one each."""
+    if steps == 0:
+        return state, cache
+    nexts = decode_rollout(state.attn, steps, block_size=cfg.block_size, max_model_len=cfg.max_model_len)
+    for nxt in nexts:
+        state, cache = _step(params, state, cache, cfg=cfg, backend=backend, max_context=max_context, nxt=nxt)
     return state, cache

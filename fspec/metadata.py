@@ -255,6 +255,33 @@ def decode_after(meta: AttnMetadata, *, block_size: int, max_model_len: int) -> 
     )  # fmt: skip
 
 
+def decode_rollout(
+    meta: AttnMetadata, steps: int, *, block_size: int, max_model_len: int
+) -> list[AttnMetadata]:
+    """`steps` decode steps' metadata in a row, from one launch: entry s is `decode_after` applied s + 1 times
+    to `meta` (entry 0 is `decode_after(meta)`). A draft rollout knows all K of its steps' metadata before it
+    samples anything (positions do not depend on tokens), so `propose` takes them from here instead of one
+    `decode_after` launch per step. The entries are views into one set of buffers (query_start_loc and the
+    block table shared). Eager calls check what `decode_after` checks and that steps is an int >= 1.
+    """
+    if not torch.compiler.is_compiling():
+        _check_algebra_args(meta, block_size, max_model_len, decode=False)
+        check_positive_int("steps", steps)
+    b = meta.seq_lens.shape[0]
+    args = (meta.seq_lens, None, meta.block_table, 1, block_size, max_model_len, MODE_AFTER, steps)
+    positions, query_start_loc, seq_lens, slots = call("step_metadata", *args)
+    return [
+        AttnMetadata(
+            positions=positions[s * b : (s + 1) * b],
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens[s * b : (s + 1) * b],
+            block_table=meta.block_table,
+            slot_mapping=slots[s * b : (s + 1) * b],
+        )
+        for s in range(steps)
+    ]
+
+
 def _check_algebra_args(meta: AttnMetadata, block_size: int, max_model_len: int, *, decode: bool) -> None:
     """Static checks of `advance` / `decode_after` arguments: types, ranks, dtypes and devices only."""
     if not isinstance(meta, AttnMetadata):

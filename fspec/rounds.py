@@ -19,7 +19,7 @@ import torch
 from fspec.cache import KVCache
 from fspec.compile import jit
 from fspec.config import DraftConfig, ModelConfig
-from fspec.draft import _step, last_live_rows
+from fspec.draft import _rollout, last_live_rows
 from fspec.kernels.ops import call
 from fspec.kernels.salts import SALT_BONUS
 from fspec.metadata import _decode_metadata, _first_step_metadata
@@ -65,8 +65,9 @@ def first_draft_state(
 
 def run_drafts(dparams: dict, state: DraftState, dcache: KVCache, *, cfg: DraftConfig, backend: str = "auto"):
     """The K draft steps of `propose`, unvalidated: (draft_tokens [B, K], draft_probs [B, K, Vd])."""
-    for _ in range(cfg.num_speculative_steps):
-        state, dcache = _step(dparams, state, dcache, cfg=cfg, backend=backend, max_context=None)
+    state, dcache = _rollout(
+        dparams, state, dcache, cfg.num_speculative_steps, cfg=cfg, backend=backend, max_context=None
+    )
     return state.draft_tokens, state.draft_probs
 
 
@@ -76,8 +77,9 @@ def later_drafts(
     """Draft steps 2..K from the state after the first step (one row per request): `run_drafts` minus its
     first step. After prefill the first step is shaped by the prompts; these are not, so they compile once
     per batch bucket (`compiled_later_drafts`) whatever the prompt lengths."""
-    for _ in range(cfg.num_speculative_steps - 1):
-        state, dcache = _step(dparams, state, dcache, cfg=cfg, backend=backend, max_context=None)
+    state, dcache = _rollout(
+        dparams, state, dcache, cfg.num_speculative_steps - 1, cfg=cfg, backend=backend, max_context=None
+    )
     return state.draft_tokens, state.draft_probs
 
 

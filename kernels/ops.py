@@ -16,8 +16,8 @@ kernel writes; callers pass whole buffers plus the column tensor, never views (p
                                 -> (tokens [B, K+1], num_accepted [B])
     fspec::skinny_linear        (x [M, K], w [N, K], norm_weight?, eps, silu_mul, residual?) -> [M, N]:
                                 x @ w.T for M <= 16, RMSNorm / SiLU * up first, + residual (skinny_linear.py)
-    fspec::step_metadata        (start, count?, block_table, num_query, block_size, max_model_len, mode)
-                                -> (positions, query_start_loc, seq_lens, slot_mapping)
+    fspec::step_metadata        (start, count?, block_table, num_query, block_size, max_model_len, mode,
+                                steps) -> (positions, query_start_loc, seq_lens, slot_mapping)
                                 (kernels/step_metadata.py)
     fspec::rope_cos_sin         (positions [...], inv_freq [D/2], dtype) -> (cos, sin) [..., D]
                                 (kernels/rope_cos_sin.py)
@@ -179,12 +179,14 @@ def step_metadata(
     block_size: int,
     max_model_len: int,
     mode: int,
+    steps: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """A step's (positions, query_start_loc, seq_lens, slot_mapping) in one launch."""
+    """A step's (positions, query_start_loc, seq_lens, slot_mapping) in one launch; `steps` > 1 (MODE_AFTER):
+    that many decode steps in a row, stacked."""
     impl = _sm.step_metadata if _use_triton(start) else _sm.step_metadata_ref
     return impl(
         start, count, block_table, num_query=num_query, block_size=block_size, max_model_len=max_model_len,
-        mode=mode,
+        mode=mode, steps=steps,
     )  # fmt: skip
 
 
@@ -197,11 +199,15 @@ def _(
     block_size: int,
     max_model_len: int,
     mode: int,
+    steps: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _sm._outputs(start.shape[0], num_query if mode == _sm.MODE_FIRST else 1, start.device)
+    _sm.check_steps(steps, mode)
+    return _sm._outputs(start.shape[0], num_query if mode == _sm.MODE_FIRST else 1, start.device, steps)
 
 
-def _step_metadata_vmap(info, in_dims, start, count, block_table, num_query, block_size, max_model_len, mode):
+def _step_metadata_vmap(
+    info, in_dims, start, count, block_table, num_query, block_size, max_model_len, mode, steps=1
+):
     """Batched inputs (metadata stacked over a leading dim): the reference per batch entry, stacked."""
 
     def entry(x, dim, i):
@@ -216,6 +222,7 @@ def _step_metadata_vmap(info, in_dims, start, count, block_table, num_query, blo
             block_size=block_size,
             max_model_len=max_model_len,
             mode=mode,
+            steps=steps,
         )  # fmt: skip
         for i in range(info.batch_size)
     ]

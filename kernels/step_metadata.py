@@ -1,8 +1,9 @@
 """A step's attention metadata in one launch: positions, query_start_loc, seq_lens and slot_mapping.
 
     step_metadata(start [B], count [B] | None, block_table [B, max_blocks], *, num_query, block_size,
-                  max_model_len, mode) -> (positions [B * Q] int64, query_start_loc [B + 1] int32,
-                                           seq_lens [B] int32, slot_mapping [B * Q] int64)
+                  max_model_len, mode, steps=1)
+        -> (positions [S * B * Q] int64, query_start_loc [B + 1] int32, seq_lens [S * B] int32,
+            slot_mapping [S * B * Q] int64)                                     S = steps
 
 Three modes, each the exact arithmetic of the PyTorch reference beside the kernel (`step_metadata_ref`, which
 is what `fspec.metadata` computed before this kernel existed):
@@ -10,7 +11,10 @@ is what `fspec.metadata` computed before this kernel existed):
 * MODE_DECODE (Q = 1): `start` holds each request's position (-1 = padding): positions = start, seq_lens =
   start + 1 where start >= 0, else 0.
 * MODE_AFTER (Q = 1): `start` holds the previous step's seq_lens; the next token sits at seq_lens (clamped to
-  max_model_len - 1) where seq_lens > 0, else the row is padding (-1, seq_len 0).
+  max_model_len - 1) where seq_lens > 0, else the row is padding (-1, seq_len 0). With `steps` = S > 1, the
+  metadata of S such steps in a row (each from the one before: step s's position is min(seq_lens + s,
+  max_model_len - 1)), stacked: step s's fields are rows [s * B, (s + 1) * B) (query_start_loc is the same
+  for every step). A draft rollout's K decode steps then cost one launch instead of K (grid axis 1 = s).
 * MODE_FIRST: request b's `count[b]` tokens sit at start[b] + j, j < count[b]; its other rows of Q are
   padding; a request with start < 0 is a padding row (seq_len 0).
 * MODE_ADVANCE (Q = 1): `start` holds decode positions, `count` their seq_lens; live rows (position >= 0)
@@ -61,13 +65,14 @@ def _step_metadata_kernel(
 ):
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    s = tl.program_id(1).to(tl.int64)  # step of a MODE_AFTER rollout (0 otherwise)
     b_ok = b < B
     x = tl.load(start_ptr + b, mask=b_ok, other=-1).to(tl.int64)
     j = tl.arange(0, Q_POW2).to(tl.int64)  # [Q_POW2]
     j_ok = j < Q
     if MODE == 1:  # AFTER: x is the previous seq_lens
         row_live = x > 0
-        first = tl.where(row_live, tl.minimum(x, max_model_len - 1), -1)
+        first = tl.where(row_live, tl.minimum(x + s, max_model_len - 1), -1)
         seq = tl.where(row_live, first + 1, 0)
         pos = first[:, None] + j[None, :]  # Q = 1: j = 0
     elif MODE == 0:  # DECODE: x is the position, kept as given
@@ -91,20 +96,28 @@ def _step_metadata_kernel(
     entry = block_table_ptr + b[:, None] * stride_table + tl.minimum(col, max_blocks - 1)
     blk = tl.load(entry, mask=ok & (max_blocks > 0), other=-1).to(tl.int64)
     slot = tl.where((pos < 0) | beyond | (blk < 0), -1, blk * block_size + p % block_size)
-    row = b[:, None] * Q + j[None, :]
+    row = s * B * Q + b[:, None] * Q + j[None, :]
     tl.store(positions_ptr + row, pos, mask=ok)
     tl.store(slot_mapping_ptr + row, slot, mask=ok)
-    tl.store(seq_lens_ptr + b, seq.to(tl.int32), mask=b_ok)
-    tl.store(query_start_loc_ptr + b, (b * Q).to(tl.int32), mask=b <= B)
+    tl.store(seq_lens_ptr + s * B + b, seq.to(tl.int32), mask=b_ok)
+    tl.store(query_start_loc_ptr + b, (b * Q).to(tl.int32), mask=(b <= B) & (s == 0))
 
 
-def _outputs(b: int, q: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _outputs(b: int, q: int, device: torch.device, steps: int = 1) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return (
-        torch.empty(b * q, dtype=torch.int64, device=device),
+        torch.empty(steps * b * q, dtype=torch.int64, device=device),
         torch.empty(b + 1, dtype=torch.int32, device=device),
-        torch.empty(b, dtype=torch.int32, device=device),
-        torch.empty(b * q, dtype=torch.int64, device=device),
+        torch.empty(steps * b, dtype=torch.int32, device=device),
+        torch.empty(steps * b * q, dtype=torch.int64, device=device),
     )
+
+
+def check_steps(steps: int, mode: int) -> None:
+    """`steps` is an int >= 1, and above 1 only in MODE_AFTER (a ValueError naming it otherwise)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps: expected an int >= 1, got {steps!r}")
+    if steps > 1 and mode != MODE_AFTER:
+        raise ValueError(f"steps: expected 1 outside MODE_AFTER ({MODE_AFTER}), got {steps} with mode {mode}")
 
 
 def step_metadata(
@@ -116,15 +129,17 @@ def step_metadata(
     block_size: int,
     max_model_len: int,
     mode: int,
+    steps: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Launch the kernel: (positions, query_start_loc, seq_lens, slot_mapping). Inputs are assumed
     validated (fspec.metadata checks them eagerly); `count` is read only in MODE_FIRST and MODE_ADVANCE."""
+    check_steps(steps, mode)
     b = start.shape[0]
     q = num_query if mode == MODE_FIRST else 1
-    outs = _outputs(b, q, start.device)
+    outs = _outputs(b, q, start.device, steps)
     start = start.contiguous()
     count = start if count is None else count.contiguous()
-    _step_metadata_kernel[(triton.cdiv(b + 1, BLOCK_B),)](
+    _step_metadata_kernel[(triton.cdiv(b + 1, BLOCK_B), steps)](
         start, count, block_table, *outs, b, block_table.shape[1], block_table.stride(0), block_size,
         max_model_len, Q=q, Q_POW2=triton.next_power_of_2(q), MODE=mode, BLOCK=BLOCK_B,
         **pdl.options(start),
@@ -141,8 +156,19 @@ def step_metadata_ref(
     block_size: int,
     max_model_len: int,
     mode: int,
+    steps: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Plain-PyTorch twin of `step_metadata`."""
+    """Plain-PyTorch twin of `step_metadata`; a rollout (steps > 1) chains single MODE_AFTER steps, each
+    started from the previous step's seq_lens, by definition."""
+    check_steps(steps, mode)
+    if steps > 1:
+        out, x = [], start
+        for _ in range(steps):
+            out.append(step_metadata_ref(x, None, block_table, num_query=1, block_size=block_size,
+                                         max_model_len=max_model_len, mode=MODE_AFTER))  # fmt: skip
+            x = out[-1][2]
+        pos, qsl, lens, slots = zip(*out)
+        return torch.cat(pos), qsl[0], torch.cat(lens), torch.cat(slots)
     x = start.to(torch.int64)
     b = x.shape[0]
     q = num_query if mode == MODE_FIRST else 1

@@ -79,3 +79,30 @@ def test_inductor_options_are_opt_in_and_only_for_cuda_graphs(monkeypatch):
     monkeypatch.setenv("FSPEC_COORDINATE_DESCENT", "1")
     opts = inductor_options("reduce-overhead", cuda=True)
     assert opts["coordinate_descent_tuning"] and opts["max_autotune"] and opts["triton.cudagraphs"]
+
+
+def test_staged_inputs_copy_every_call_into_the_same_static_tensors_and_hand_back_the_callers():
+    """compile_propose's inputs go through `StagedInputs`: one set of static-address copies per shape set,
+    refreshed with the caller's values on every call (a stale copy would give the second batch the first
+    batch's tokens: `_compare` above), and the result passes the caller's own temperature, seeds and block
+    table through, not the copies the next call overwrites."""
+    from fspec.compile import StagedInputs
+
+    a, b = (pad_to_bucket(sc.state, cfg=DRAFT.cfg)[0] for sc in _scenarios())
+    staged = StagedInputs()
+    sa = staged.stage(a)
+    first = [t.data_ptr() for t in fspec.tree.tree_leaves(sa.attn)] + [sa.hidden.data_ptr()]
+    sb = staged.stage(b)
+    assert [t.data_ptr() for t in fspec.tree.tree_leaves(sb.attn)] + [sb.hidden.data_ptr()] == first
+    for name in ("input_ids", "hidden", "temperature", "seed"):
+        assert torch.equal(getattr(sb, name), getattr(b, name)) and getattr(sb, name) is not getattr(b, name)
+    for x, y in zip(fspec.tree.tree_leaves(sb.attn), fspec.tree.tree_leaves(b.attn)):
+        assert torch.equal(x, y) and x is not y
+    assert sb.draft_probs is b.draft_probs and sb.step is b.step  # not read by propose: not staged
+
+    torch._dynamo.reset()
+    sc = _scenarios()[1]
+    state, _ = pad_to_bucket(sc.state, cfg=DRAFT.cfg)
+    got, _ = compile_propose(cfg=DRAFT.cfg)(DRAFT.params, state, sc.cache)
+    assert got.temperature is state.temperature and got.seed is state.seed
+    assert got.attn.block_table is state.attn.block_table

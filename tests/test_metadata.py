@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import fspec
 from fspec.metadata import token_requests
+from fspec.state import AttnMetadata
 
 
 def _naive_slot(block_table: list[list[int]], b: int, pos: int, block_size: int) -> int:
@@ -170,6 +171,26 @@ def test_metadata_builders_keep_dtypes_and_shapes():
     nxt = fspec.advance(meta, block_size=4, max_model_len=16)
     for a, b in zip(fspec.tree.tree_leaves(meta), fspec.tree.tree_leaves(nxt)):
         assert a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_decode_rollout_is_decode_after_applied_again_and_again(steps):
+    """Entry s of `decode_rollout` is `decode_after` applied s + 1 times (after a multi-token step, with
+    padding requests, a position reaching max_model_len and one past the block table), in one op."""
+    table = torch.tensor([[3, 1, -1, 7], [0, 2, 4, 5], [-1, -1, -1, -1]], dtype=torch.int32)
+    meta = fspec.first_step_metadata(
+        torch.tensor([4, 11, -1]), torch.tensor([3, 2, 0]), table, num_query=3, block_size=4
+    )
+    rollout = fspec.decode_rollout(meta, steps, block_size=4, max_model_len=14)
+    assert len(rollout) == steps
+    want = meta
+    for got in rollout:
+        want = fspec.decode_after(want, block_size=4, max_model_len=14)
+        for name in AttnMetadata.__fspec_children__:
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+    with pytest.raises(ValueError, match="steps"):
+        fspec.decode_rollout(meta, 0, block_size=4, max_model_len=14)
 
 
 def test_metadata_fields_are_materialised_once_through_an_opaque_op():

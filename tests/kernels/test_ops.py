@@ -59,6 +59,7 @@ def test_metadata_and_rope_ops_pass_opcheck():
     torch.library.opcheck(op, (torch.tensor([6, 0], dtype=torch.int32), None, table, 1, 4, 12, MODE_AFTER))
     torch.library.opcheck(op, (start, count, table, 3, 4, 12, MODE_FIRST))
     torch.library.opcheck(op, (start, torch.tensor([6, 0], dtype=torch.int32), table, 1, 4, 12, MODE_ADVANCE))
+    torch.library.opcheck(op, (torch.tensor([6, 0], dtype=torch.int32), None, table, 1, 4, 12, MODE_AFTER, 5))
     inv_freq = torch.tensor([1.0, 0.25, 0.01])
     for dtype in (torch.float32, torch.bfloat16):
         torch.library.opcheck(

@@ -51,6 +51,42 @@ def test_kernel_equals_reference(b, mode, q):
         assert torch.equal(g, w), name
 
 
+@pytest.mark.parametrize("b", [0, 1, 3, 37, 130, 257])
+@pytest.mark.parametrize("steps", [2, 5, 7])
+def test_rollout_kernel_equals_chained_reference(b, steps):
+    """A MODE_AFTER rollout (grid axis 1 = step, closed form min(seq_lens + s, max_model_len - 1)) equals the
+    reference, which chains single steps by definition; seq_lens run up to and past max_model_len and the
+    table's end, so clamping and slot -1 are crossed inside the rollout."""
+    assert ops.kernels_interpreted() or torch.cuda.is_available()
+    start, _, table = _inputs(b, 1, seed=100 + b + steps)
+    start[: min(b, 3)] = torch.tensor([MAX_LEN - 2, MAX_LEN, 0])[: min(b, 3)]
+    kw = dict(num_query=1, block_size=BLOCK_SIZE, max_model_len=MAX_LEN, mode=MODE_AFTER, steps=steps)
+    got = step_metadata(start.to(torch.int32), None, table, **kw)
+    want = step_metadata_ref(start.to(torch.int32), None, table, **kw)
+    for name, g, w in zip(("positions", "query_start_loc", "seq_lens", "slot_mapping"), got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        assert torch.equal(g, w), name
+    one = dict(kw, steps=1)
+    x = start.to(torch.int32)
+    for s in range(steps):  # step s of the rollout is one MODE_AFTER step from step s - 1's seq_lens
+        pos, qsl, lens, slots = step_metadata_ref(x, None, table, **one)
+        assert torch.equal(got[0][s * b : (s + 1) * b], pos) and torch.equal(got[1], qsl)
+        assert torch.equal(got[2][s * b : (s + 1) * b], lens)
+        assert torch.equal(got[3][s * b : (s + 1) * b], slots)
+        x = lens
+
+
+@pytest.mark.parametrize(
+    "steps,mode", [(0, MODE_AFTER), (True, MODE_AFTER), (2.0, MODE_AFTER), (2, MODE_DECODE)]
+)
+def test_rollout_steps_are_checked(steps, mode):
+    start, _, table = _inputs(3, 1, seed=0)
+    kw = dict(num_query=1, block_size=BLOCK_SIZE, max_model_len=MAX_LEN, mode=mode, steps=steps)
+    for fn in (step_metadata, step_metadata_ref):
+        with pytest.raises(ValueError, match="steps"):
+            fn(start, None, table, **kw)
+
+
 def _slot(table: torch.Tensor, b: int, pos: int) -> int:
     if pos < 0 or pos // BLOCK_SIZE >= table.shape[1] or table[b, pos // BLOCK_SIZE] < 0:
         return -1
