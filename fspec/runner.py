@@ -19,7 +19,7 @@ from fspec.config import bucket_for, size_bucket
 from fspec.draft import _step
 from fspec.prefill import prefill_batch
 from fspec.rounds import (
-    compiled_decode_step,
+    compiled_decode_round,
     compiled_later_drafts,
     compiled_prefill_round,
     compiled_spec_round,
@@ -32,6 +32,7 @@ from fspec.rounds import (
 # every round a request crosses a block boundary.
 _LOOKAHEAD = 4
 _CACHES: dict[tuple, KVCache] = {}
+_DEVICE_STATE: dict[tuple, dict[str, torch.Tensor]] = {}
 
 
 def _cache(cfg, num_blocks: int, block_size: int, dtype, device, compiled: bool) -> KVCache:
@@ -47,6 +48,29 @@ def _cache(cfg, num_blocks: int, block_size: int, dtype, device, compiled: bool)
         cache = KVCache.create(cfg, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device)
         _CACHES[key] = mark_static(cache)
     return _CACHES[key]
+
+
+def _device_buffers(b: int, max_blocks: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The compiled rounds' per-request inputs (current token, position, live flag, block table, temperature,
+    seed) in buffers with static addresses, reused across calls like the caches: a CUDA graph reads them
+    where they lie instead of copying each one in before every replay (six launches per target-only token on
+    the H200), and the target-only round writes the current token and position back in place."""
+    key = (b, max_blocks, str(device))
+    if key not in _DEVICE_STATE:
+        if len(_DEVICE_STATE) >= 4:  # bounded, as the caches are
+            _DEVICE_STATE.pop(next(iter(_DEVICE_STATE)))
+        bufs = {
+            "cur": torch.zeros(b, dtype=torch.int64, device=device),
+            "n": torch.zeros(b, dtype=torch.int64, device=device),
+            "live": torch.zeros(b, dtype=torch.bool, device=device),
+            "table": torch.full((b, max_blocks), -1, dtype=torch.int32, device=device),
+            "temp": torch.zeros(b, dtype=torch.float32, device=device),
+            "seed": torch.zeros(b, dtype=torch.int64, device=device),
+        }
+        for t in bufs.values():
+            torch._dynamo.mark_static_address(t)
+        _DEVICE_STATE[key] = bufs
+    return _DEVICE_STATE[key]
 
 
 def compile_prefill(device: torch.device) -> bool:
@@ -81,8 +105,13 @@ class Run:
         self.b = bucket_for(self.n_real)
         self.device = target.params["embed"].device
         pad = self.b - self.n_real
-        self.temp = torch.tensor(list(temps) + [0.0] * pad, dtype=torch.float32, device=self.device)
-        self.seed = torch.tensor(list(seeds) + [0] * pad, dtype=torch.int64, device=self.device)
+        temp = torch.tensor(list(temps) + [0.0] * pad, dtype=torch.float32)
+        seed = torch.tensor(list(seeds) + [0] * pad, dtype=torch.int64)
+        self.bufs = _device_buffers(self.b, self.max_blocks, self.device) if compile else None
+        if self.bufs is not None:  # static buffers: written in place, read by the graphs where they lie
+            self.temp, self.seed = self.bufs["temp"].copy_(temp), self.bufs["seed"].copy_(seed)
+        else:
+            self.temp, self.seed = temp.to(self.device), seed.to(self.device)
         self.eos = set(target.cfg.eos_token_ids)
         self.out: list[list[int]] = [[] for _ in range(self.n_real)]
         self.done = [False] * self.n_real + [True] * pad
@@ -164,10 +193,16 @@ class Run:
     # -- device work --
 
     def _device_state(self) -> None:
-        """Device copies of (current token, position, live); updated by device ops after each round."""
-        self.cur_d = torch.tensor(self.cur, dtype=torch.int64, device=self.device)
-        self.n_d = torch.tensor(self.n, dtype=torch.int64, device=self.device)
-        self.live_d = torch.tensor([not d for d in self.done], device=self.device)
+        """Device copies of (current token, position, live); updated by device ops after each round (in place,
+        in the static buffers, when compiled)."""
+        cur = torch.tensor(self.cur, dtype=torch.int64)
+        n = torch.tensor(self.n, dtype=torch.int64)
+        live = torch.tensor([not d for d in self.done])
+        if self.bufs is None:
+            self.cur_d, self.n_d, self.live_d = cur.to(self.device), n.to(self.device), live.to(self.device)
+            return
+        self.cur_d, self.n_d = self.bufs["cur"].copy_(cur), self.bufs["n"].copy_(n)
+        self.live_d, self.table_d = self.bufs["live"].copy_(live), self.bufs["table"]
 
     def _prefill(self):
         """Target prefill of the ragged prompts, the first token, and the head's prefill + first proposal."""
@@ -235,12 +270,14 @@ class Run:
     # its blocks are freed only once that round has completed. Host-to-device copies use pinned
     # memory (a pageable copy waits for the stream to drain, which would serialise host and device again).
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        if self.device.type != "cuda" or not self.pipeline:
-            return t.to(self.device)
-        pinned = t.pin_memory()
-        self._keep.append(pinned)  # alive until the copy has run (cleared after each processed round)
-        return pinned.to(self.device, non_blocking=True)
+    def _to_device(self, t: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """t on the device: copied into `into` (a static buffer) when given, else a new tensor."""
+        if self.device.type == "cuda" and self.pipeline:
+            t = t.pin_memory()
+            self._keep.append(t)  # alive until the copy has run (cleared after each processed round)
+        if into is not None:
+            return into.copy_(t, non_blocking=True)
+        return t.to(self.device, non_blocking=True)
 
     def _launch(self, drafts):
         """Queue one round on the device; returns (record, next drafts)."""
@@ -249,10 +286,12 @@ class Run:
             if not self.done[b]:
                 # Round r + 1 starts at most K + 1 past the host's view of n and writes up to 2K beyond it.
                 self._ensure(b, self.n[b] + 3 * k + 2 if self.draft is not None else self.n[b] + 3)
+        bufs = self.bufs or {}
         if self.table_dirty:
-            self.table_d, self.table_dirty = self._to_device(self._table_host()), False
+            self.table_d = self._to_device(self._table_host(), bufs.get("table"))
+            self.table_dirty = False
         if self.live_dirty:
-            self.live_d = self._to_device(torch.tensor([not d for d in self.done]))
+            self.live_d = self._to_device(torch.tensor([not d for d in self.done]), bufs.get("live"))
             self.live_dirty = False
         self.stats.target_forwards += 1
         if self.compile:
@@ -292,14 +331,22 @@ class Run:
                 self.seed,
                 self.tcache,
             )
-            if self.compile:
-                new = compiled_decode_step(self.target.cfg, self.bs, self.max_len)(*args)
-            else:
-                new = decode_step(*args, tcfg=self.target.cfg, block_size=self.bs, max_len=self.max_len)
+            if self.compile:  # the graph advances cur_d and n_d in place and returns (token, 0)
+                both = compiled_decode_round(self.target.cfg, self.bs, self.max_len)(*args)
+                return self._read_back(both), drafts
+            new = decode_step(*args, tcfg=self.target.cfg, block_size=self.bs, max_len=self.max_len)
             tokens, accepted = new[:, None], torch.zeros_like(new)
-        self.n_d = self.n_d + accepted + 1
-        self.cur_d = tokens.gather(1, accepted[:, None]).squeeze(1)
-        both = torch.cat([tokens, accepted[:, None]], 1)
+        if self.bufs is not None:  # static buffers: advanced in place
+            self.n_d.add_(accepted + 1)
+            self.cur_d.copy_(tokens.gather(1, accepted[:, None]).squeeze(1))
+        else:
+            self.n_d = self.n_d + accepted + 1
+            self.cur_d = tokens.gather(1, accepted[:, None]).squeeze(1)
+        return self._read_back(torch.cat([tokens, accepted[:, None]], 1)), drafts
+
+    def _read_back(self, both: torch.Tensor):
+        """Queue the copy of a round's (tokens [B, K + 1], accepted [B]) as one [B, K + 2] tensor to the host;
+        returns the round's record (event, host tensor, round index)."""
         if self.device.type == "cuda" and self.pipeline:
             host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
             host.copy_(both, non_blocking=True)
@@ -307,7 +354,7 @@ class Run:
             event.record()
         else:
             host, event = both, None
-        return (event, host, self.rounds_launched), drafts
+        return event, host, self.rounds_launched
 
     def _process(self, record) -> None:
         """Read one launched round's tokens (waiting for it) and update the host bookkeeping."""

@@ -343,3 +343,25 @@ def test_the_round_loop_queues_no_round_past_a_predictable_end():
     res = fspec.generate(forced, draft, [[1, 2, 3], [4, 5]], max_new_tokens=13, num_speculative_steps=3)
     assert res.tokens == [[0] * 13, [0] * 13] and res.stats["acceptance_length"] == 4.0
     assert res.stats["target_forwards"] == 1 + 3
+
+
+def test_compiled_target_only_decoding_equals_eager_and_keeps_its_graph_across_calls():
+    """compile=True without a draft runs `decode_round` (the token, cur and n advanced in place in static
+    buffers): tokens equal eager target-only decoding, greedy and sampled (the same Philox noise), and a
+    second call of the bucket with other prompts, temperatures and seeds compiles nothing new."""
+    from torch._dynamo.utils import counters
+
+    target, _ = aligned_pair(k=3)
+    other = [p[::-1] for p in PROMPTS]
+    temps, seeds = [0.0, 0.8, 1.3, 0.0, 1.0], [3, 1, 4, 1, 5]
+    torch._dynamo.reset()
+    counters.clear()
+    first = fspec.generate(target, None, PROMPTS, max_new_tokens=6, compile=True)
+    graphs = counters["stats"]["unique_graphs"]
+    sampled = dict(max_new_tokens=9, temperature=temps, seed=seeds)
+    second = fspec.generate(target, None, other, compile=True, **sampled)
+    assert counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
+    assert first.tokens == fspec.generate(target, None, PROMPTS, max_new_tokens=6).tokens
+    assert second.tokens == fspec.generate(target, None, other, **sampled).tokens
+    greedy = fspec.generate(target, None, other, max_new_tokens=9).tokens
+    assert second.tokens != greedy  # the sampled rows did sample
