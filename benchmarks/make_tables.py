@@ -250,7 +250,7 @@ ALIASES = {
     "draft_loop_b1_b32": "draft_loop",
     "host_overhead_torch_checks": "host_overhead",
     "draft_loop_b1_b32_rows": "draft_loop",
-    "draft_loop_1b": "draft_loop",
+    "draft_loop_b1": "draft_loop",
     "switches_m": "switches",
 }  # result files drawn by another's renderer
 
@@ -261,7 +261,7 @@ NAMES = [
     "draft_loop",
     "draft_loop_b1_b32",
     "draft_loop_b1_b32_rows",
-    "draft_loop_1b",
+    "draft_loop_b1",
     "generate",
     "call_overhead",
     "skinny_linear",

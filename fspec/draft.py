@@ -70,7 +70,7 @@ def _step(
     b = attn.num_requests
     rows = last_live_rows(attn)  # [B]
     # 1-3. embed + combine with hidden, one decoder layer (K/V written at slot_mapping), logits of last rows.
-    logits, hidden_all, cache = _head_forward(
+    logits, hidden, cache = _head_forward(
         params,
         state.input_ids,
         state.hidden,
@@ -81,8 +81,8 @@ def _step(
         max_query_len=attn.num_tokens // b,
         max_context=max_context,
         logit_rows=rows,
-    )  # [B, Vd], [T, H]
-    hidden = hidden_all.index_select(0, rows)  # [B, H]
+        rows_only=True,  # after the attention only each request's last live row is computed
+    )  # [B, Vd], [B, H]
     # 4. sample into column `step`: the column comes from the tensor, never from a Python int.
     d2t = params["d2t"] if cfg.kind == "eagle3" else None  # reduced draft vocabulary: emit TARGET ids
     if cfg.greedy_drafts:

@@ -66,11 +66,13 @@ def head_hidden(
     attend: Attend,
     *,
     cfg: DraftConfig,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[..., H]: the output hidden of one step of head `cfg.kind` over input_ids [...] and hidden [..., H] at
     `positions` [...], with attention supplied as `attend(q, k, v, layer, cos, sin)` (RoPE is the attend's;
-    distillation passes its own training-time-test mask). Differentiable; no cache."""
-    return head_module(cfg.kind)._hidden(params, input_ids, hidden, positions, attend, cfg=cfg)
+    distillation passes its own training-time-test mask). Differentiable; no cache. With rows [R] (tokens
+    laid out [T]): only those rows' outputs, [R, H], every row's K/V still attended and cached."""
+    return head_module(cfg.kind)._hidden(params, input_ids, hidden, positions, attend, cfg=cfg, rows=rows)
 
 
 def head_logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
@@ -140,12 +142,18 @@ def _head_forward(
     max_query_len: int | None = None,
     max_context: int | None = None,
     logit_rows: torch.Tensor | None = None,
+    rows_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, KVCache | None]:
-    """`head_forward` without validation (the draft loop's step, after `validate_draft_state`)."""
+    """`head_forward` without validation (the draft loop's step, after `validate_draft_state`). With
+    `rows_only` the new hidden is that of `logit_rows` only, [R, H]: the rows after the attention are
+    computed for those rows alone (`decoder_layer`'s rows), which is all a draft step reads."""
     attend = bind(
         meta, cache, backend=backend, max_query_len=max_query_len, max_context=max_context,
         rope=rope_key(cfg.model),
     )  # fmt: skip
+    if rows_only and logit_rows is not None:
+        new_hidden = head_hidden(params, input_ids, hidden, meta.positions, attend, cfg=cfg, rows=logit_rows)
+        return head_logits(params, new_hidden, cfg=cfg), new_hidden, cache  # [R, Vd], [R, H]
     new_hidden = head_hidden(params, input_ids, hidden, meta.positions, attend, cfg=cfg)  # [T, H]
     rows = new_hidden if logit_rows is None else new_hidden.index_select(0, logit_rows)
     return head_logits(params, rows, cfg=cfg), new_hidden, cache

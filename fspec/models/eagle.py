@@ -82,14 +82,16 @@ def project_target_hidden(
     return target_hidden.last
 
 
-def _hidden(params: dict, input_ids, hidden, positions, attend, *, cfg: DraftConfig):
+def _hidden(params: dict, input_ids, hidden, positions, attend, *, cfg: DraftConfig, rows=None):
     m = cfg.model
     emb = F.embedding(input_ids, params["embed"])  # [..., H]
     x = L.linear(torch.cat((emb, hidden.to(emb.dtype)), dim=-1), params["fc"], params.get("fc_bias"))
     cos, sin = L.rope_cos_sin(positions, cfg=m, dtype=x.dtype)
+    last = len(params["layers"]) - 1
     for i, p in enumerate(params["layers"]):
         attn_in = x if i == 0 else L.rms_norm(x, p["input_norm"], m.rms_norm_eps)  # layer 0: no input norm
-        x = L.decoder_layer(p, attn_in, x, cos, sin, attend, cfg=m, layer=i)
+        # every row's K/V of every layer go to the cache; only the last layer can drop rows after attention
+        x = L.decoder_layer(p, attn_in, x, cos, sin, attend, cfg=m, layer=i, rows=rows if i == last else None)
     return x
 
 

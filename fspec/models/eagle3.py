@@ -131,7 +131,7 @@ def project_target_hidden(
     return L.linear(aux.to(params["fc"].dtype), params["fc"])
 
 
-def _hidden(params: dict, input_ids, hidden, positions, attend, *, cfg: DraftConfig):
+def _hidden(params: dict, input_ids, hidden, positions, attend, *, cfg: DraftConfig, rows=None):
     m, p = cfg.model, params["layer"]
     emb = F.embedding(input_ids, params["embed"])  # [..., H]
     hidden = hidden.to(emb.dtype)
@@ -143,8 +143,7 @@ def _hidden(params: dict, input_ids, hidden, positions, attend, *, cfg: DraftCon
         ),
         dim=-1,
     )  # [..., 2H]
-    out = L.decoder_layer(p, attn_in, hidden, cos, sin, attend, cfg=m, layer=0)
-    return out
+    return L.decoder_layer(p, attn_in, hidden, cos, sin, attend, cfg=m, layer=0, rows=rows)
 
 
 def pre_logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:

@@ -291,15 +291,22 @@ def decoder_layer(
     *,
     cfg: ModelConfig,
     layer: int,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One pre-norm Llama layer given its (already normalized) attention input.
 
     attn_in [..., Hin] feeds q/k/v (Hin = H for a target layer, 2H for an EAGLE-3 layer); residual [..., H] is
     what the attention output is added to. Returns [..., H]. Where `use_fused_layer` says so, everything
     after the attention runs as three fused `skinny_linear` launches (`fused_decoder_layer`).
+
+    rows [R] int64 (tokens laid out [T, ...]): only these rows' outputs are wanted, [R, H]. The attention
+    still runs over all T rows (their K/V go to the cache); o, the norm and the MLP, which are row-wise, run
+    over the R rows only (a draft round's first step needs one row per request of its K + 1).
     """
     q, k, v = project_qkv(p, attn_in, cfg=cfg)
     out = rearrange(attend(q, k, v, layer, cos, sin), "... n d -> ... (n d)")  # RoPE happens in attend
+    if rows is not None:
+        out, residual = out.index_select(0, rows), residual.index_select(0, rows)
     if use_fused_layer(p, residual, cfg):  # o, the post-attention norm, the MLP: three launches
         return _fused_after_attention(p, out, residual, cfg=cfg)
     h = residual + linear(out, p["o"], p.get("o_bias"))

@@ -52,7 +52,7 @@ def project_target_hidden(
     return target_hidden.last
 
 
-def _hidden(params: dict, input_ids, hidden, positions, attend, *, cfg: DraftConfig):
+def _hidden(params: dict, input_ids, hidden, positions, attend, *, cfg: DraftConfig, rows=None):
     m, p, eps = cfg.model, params["layer"], cfg.model.rms_norm_eps
     emb = F.embedding(input_ids, params["embed"])  # [..., H]
     emb = torch.where((positions == 0)[..., None], torch.zeros_like(emb), emb)
@@ -64,8 +64,9 @@ def _hidden(params: dict, input_ids, hidden, positions, attend, *, cfg: DraftCon
         params["eh_proj"],
     )  # [..., H]
     cos, sin = L.rope_cos_sin(positions, cfg=m, dtype=x.dtype)
-    out = L.decoder_layer(p, L.rms_norm(x, p["input_norm"], eps), x, cos, sin, attend, cfg=m, layer=0)
-    return out
+    return L.decoder_layer(
+        p, L.rms_norm(x, p["input_norm"], eps), x, cos, sin, attend, cfg=m, layer=0, rows=rows
+    )
 
 
 def pre_logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
