@@ -304,3 +304,41 @@ def test_compiled_head_step_has_no_graph_break_and_matches_eager():
     torch.testing.assert_close(got[0], want[0])
     torch.testing.assert_close(got[1], want[1])
     assert got[2] is caches[1] and torch.equal(caches[1].k, caches[0].k)  # written in place, same values
+
+
+@pytest.mark.parametrize("kind,layers", [("eagle", 1), ("eagle", 2), ("eagle3", 1), ("mtp", 1)])
+def test_rows_only_computes_the_sampled_rows_as_the_full_step_does(kind, layers):
+    """`_head_forward(..., rows_only=True)` (what a draft step runs: after the attention only the rows it
+    samples from) gives those rows' logits and hidden as the full step does, and writes the same K/V for
+    every row of every layer; a two-layer EAGLE head drops rows in its last layer only (dropping them
+    earlier would change the last layer's K/V of the dropped rows)."""
+    import copy
+    import dataclasses
+
+    from fspec.models import _head_forward
+
+    target = make_target()
+    draft = make_draft(kind, target)
+    params, cfg = draft.params, draft.cfg
+    if layers == 2:
+        second = jitter(copy.deepcopy(params["layers"][0]), seed=9)
+        second["input_norm"] = 1.0 + 0.1 * torch.randn(cfg.model.hidden_size)
+        params = {**params, "layers": [params["layers"][0], second]}
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_hidden_layers=2))
+    k1, h = 4, cfg.model.hidden_size
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.cat([torch.randint(0, 61, (2 * k1,), generator=gen), torch.zeros(k1, dtype=torch.int64)])
+    hid = torch.cat([torch.randn(2 * k1, h, generator=gen), torch.zeros(k1, h)])
+    tables = torch.tensor([[5, 2], [0, 7], [-1, -1]], dtype=torch.int32)
+    meta = first_step_metadata(
+        torch.tensor([3, 0, -1]), torch.tensor([4, 2, 0]), tables, num_query=k1, block_size=4
+    )
+    rows = torch.tensor([3, 5, 8])  # each request's last live row (the padding request: its first)
+    got, want = (KVCache.create(cfg.model, num_blocks=8, block_size=4) for _ in range(2))
+    kw = dict(cfg=cfg, max_query_len=k1, logit_rows=rows)
+    logits, new_hidden, got = _head_forward(params, ids, hid, meta, got, rows_only=True, **kw)
+    full_logits, full_hidden, want = _head_forward(params, ids, hid, meta, want, **kw)
+    assert new_hidden.shape == (3, h) and full_hidden.shape == (3 * k1, h)
+    torch.testing.assert_close(logits, full_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(new_hidden, full_hidden[rows], atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
