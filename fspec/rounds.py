@@ -242,29 +242,13 @@ def decode_step(
     return call("gumbel_sample", logits, temperature, seed, n + 1, SALT_BONUS)
 
 
-def decode_round(
-    tparams: dict,
-    cur: torch.Tensor,
-    n: torch.Tensor,
-    live: torch.Tensor,
-    table: torch.Tensor,
-    temperature: torch.Tensor,
-    seed: torch.Tensor,
-    tcache: KVCache,
-    *,
-    tcfg: ModelConfig,
-    block_size: int,
-    max_len: int,
-    backend: str = "auto",
-) -> torch.Tensor:
-    """One round of target-only decoding with its bookkeeping on the device: `decode_step`, then the new
-    token becomes `cur` and `n` moves one on, both written in place (donated, like the cache, so a compiled
-    round reads and writes them where they lie and a loop of rounds needs no launch between graphs).
-    Returns [B, 2] int64 (token, 0): a round's (tokens, accepted) as the host reads them."""
-    new = decode_step(
-        tparams, cur, n, live, table, temperature, seed, tcache, tcfg=tcfg, block_size=block_size,
-        max_len=max_len, backend=backend,
-    )  # fmt: skip
+def decode_round(tparams: dict, cur: torch.Tensor, n: torch.Tensor, *inputs, **options) -> torch.Tensor:
+    """One round of target-only decoding with its bookkeeping on the device: `decode_step(tparams, cur, n,
+    *inputs, **options)`, then the new token becomes `cur` and `n` moves one on, both written in place
+    (donated, like the cache, so a compiled round reads and writes them where they lie and a loop of rounds
+    needs no launch between graphs). Returns [B, 2] int64 (token, 0): a round's (tokens, accepted) as the
+    host reads them."""
+    new = decode_step(tparams, cur, n, *inputs, **options)
     cur.copy_(new)
     n.add_(1)
     return torch.stack([new, torch.zeros_like(new)], 1)
