@@ -32,7 +32,7 @@ from fspec import inductor_pdl
 from fspec.cache import KVCache, mark_static
 from fspec.config import BATCH_BUCKETS, DraftConfig, bucket_for
 from fspec.draft import _step, propose
-from fspec.pytree import replace, tree
+from fspec.pytree import replace
 from fspec.state import AttnMetadata, DraftState
 
 # Nine batch buckets, each one graph, for several configs (a generate round and a decode step, greedy and
@@ -111,7 +111,8 @@ class StagedInputs:
     """
 
     def __init__(self) -> None:
-        self._slots: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        # per leaf shapes and dtypes: the copies' byte views, the staged metadata, the other staged leaves
+        self._slots: dict[tuple, tuple[list[torch.Tensor], AttnMetadata, dict[str, torch.Tensor]]] = {}
 
     @staticmethod
     def _leaves(state: DraftState) -> list[torch.Tensor]:
@@ -122,23 +123,33 @@ class StagedInputs:
 
     def stage(self, state: DraftState) -> DraftState:
         src = self._leaves(state)
-        key = tuple((tuple(t.shape), t.dtype, t.device) for t in src)
+        key = tuple((t.shape, t.dtype, t.device) for t in src)
         if key not in self._slots:
             dst = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in src]
             for t in dst:
                 torch._dynamo.mark_static_address(t)
-            self._slots[key] = (dst, [_bytes(t) for t in dst])
-        dst, dst_bytes = self._slots[key]
+            n = len(_PROPOSE_READS)
+            self._slots[key] = (
+                [_bytes(t) for t in dst],
+                AttnMetadata(*dst[n:]),
+                dict(zip(_PROPOSE_READS, dst)),
+            )
+        dst_bytes, attn, top = self._slots[key]
         torch._foreach_copy_(dst_bytes, [_bytes(t) for t in src])  # one dtype: one kernel on CUDA
-        n = len(_PROPOSE_READS)
-        attn = AttnMetadata(*dst[n:])
-        return replace(state, attn=attn, **dict(zip(_PROPOSE_READS, dst[:n])))
+        return replace(state, attn=attn, **top)
 
     def restore(self, out: DraftState, staged: DraftState, state: DraftState) -> DraftState:
         """`out` with every leaf that is one of `staged`'s copies replaced by `state`'s own tensor."""
         swap = {id(d): s for d, s in zip(self._leaves(staged), self._leaves(state))}
-        leaves, spec = tree.tree_flatten(out)
-        return tree.tree_unflatten(spec, [swap.get(id(t), t) for t in leaves])
+        top = {n: swap[id(getattr(out, n))] for n in _PROPOSE_READS if id(getattr(out, n)) in swap}
+        meta = {
+            n: swap[id(getattr(out.attn, n))]
+            for n in AttnMetadata.__fspec_children__
+            if id(getattr(out.attn, n)) in swap
+        }
+        if not top and not meta:
+            return out
+        return replace(out, attn=replace(out.attn, **meta) if meta else out.attn, **top)
 
 
 def compile_propose(
