@@ -56,7 +56,7 @@ def first_draft_state(
         hidden=hidden,
         attn=meta,
         step=torch.zeros((), dtype=torch.int64, device=device),
-        draft_tokens=torch.full((b, k), -1, dtype=torch.int64, device=device),
+        draft_tokens=torch.empty((b, k), dtype=torch.int64, device=device),  # the K steps write every column
         draft_probs=torch.empty((b, k, vd), dtype=torch.float32, device=device),
         temperature=temperature,
         seed=seed,

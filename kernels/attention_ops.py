@@ -109,21 +109,8 @@ def rope_pos_kv_write(
 
 
 @rope_pos_kv_write.register_fake
-def _(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    positions: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    slot_mapping: Tensor,
-    table_dtype: torch.dtype,
-    rope_type: str,
-    rope: list[float],
-    *,
-    layer: int = 0,
-) -> Tensor:
-    return q.new_empty(q.shape, dtype=k_cache.dtype)
+def _(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, k_cache: Tensor, *rest, layer: int = 0) -> Tensor:
+    return q.new_empty(q.shape, dtype=k_cache.dtype)  # as rope_kv_write's: q's shape in the cache's dtype
 
 
 @register("fspec::paged_attention", mutates_args=())
