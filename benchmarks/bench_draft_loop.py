@@ -13,6 +13,7 @@ weights are the decoder layer (q/k/v read 2H features) and the draft lm_head (th
 runs once per round and is amortised over K), and K/V = B · ctx · 2 · Nkv · D · 2 bytes.
 
     python benchmarks/bench_draft_loop.py [--quick] [--heads 8b 1b] [--batch 1 8 32 128] [--k 3 5 7]
+        [--mode reduce-overhead|cuda-graph]
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ def parse_args(argv=None):
         action=argparse.BooleanOptionalAction,
         default=True,
         help="fused q/k/v and gate/up (fspec.fuse_projections), as fspec.load_draft gives",
+    )
+    p.add_argument(
+        "--mode",
+        default="reduce-overhead",
+        choices=["reduce-overhead", "cuda-graph"],
+        help="compile_propose's mode: CUDA-graph trees, or fspec's own capture (GraphCapture)",
     )
     p.add_argument("--profile", help="write the compiled loop's CUDA kernel table (top 40) to this file")
     p.add_argument("--out", default="benchmarks/results/draft_loop.json")
@@ -185,7 +192,7 @@ def measure(head: str, b: int, k: int, args, bw: float) -> dict:
     eager = lambda: fspec.propose(draft.params, state, cache, cfg=draft.cfg)  # noqa: E731
     row["eager_us"] = round(time_us(eager, max(5, args.reps // 3)) / k, 1)
     t0 = time.time()
-    whole = compile_propose(cfg=draft.cfg)
+    whole = compile_propose(cfg=draft.cfg, mode=args.mode)
     row["compiled_loop_us"] = round(time_us(lambda: whole(draft.params, state, cache), args.reps) / k, 1)
     row["compile_loop_s"] = round(time.time() - t0, 1)
     host, pipelined = host_and_back_to_back_us(lambda: whole(draft.params, state, cache), args.reps)
@@ -235,6 +242,7 @@ def main(argv=None) -> int:
         "copy_bandwidth_TBps": round(bw, 3),
         "ctx": args.ctx,
         "fused_projections": args.fuse,
+        "mode": args.mode,
         "rows": [],
     }
     start = time.time()

@@ -14,6 +14,11 @@ on its second call):
 The KV cache is written inside the graph: its buffers get static addresses (`fspec.cache.mark_static`), or the
 graph would be skipped for "mutated inputs". Parameters are `nn.Parameter`s, static by construction.
 
+`compile_propose(mode="cuda-graph")` compiles the same function in Inductor's default mode and captures it
+into CUDA graphs of fspec's own (`fspec.graph_capture.GraphCapture`): a call is the input copy and one
+`replay()`, without dynamo's guards and the CUDA-graph tree's bookkeeping (hundreds of µs of host time a
+call, more than a short draft loop's GPU time).
+
 A CUDA graph reads its inputs at fixed addresses, so every call copies the state's tensors there. PyTorch's
 CUDA-graph trees do it per tensor (`torch._foreach_copy_` over mixed dtypes falls back to one copy each): nine
 launches of ~1 µs for a draft state, plus nine host calls. `compile_propose` keeps its own static-address
@@ -32,7 +37,8 @@ from fspec import inductor_pdl
 from fspec.cache import KVCache, mark_static
 from fspec.config import BATCH_BUCKETS, DraftConfig, bucket_for
 from fspec.draft import _step, propose
-from fspec.pytree import replace
+from fspec.graph_capture import GraphCapture
+from fspec.pytree import replace, tree
 from fspec.state import AttnMetadata, DraftState
 
 # Nine batch buckets, each one graph, for several configs (a generate round and a decode step, greedy and
@@ -40,9 +46,18 @@ from fspec.state import AttnMetadata, DraftState
 # would silently fall back to eager.
 _RECOMPILE_LIMIT = 8 * len(BATCH_BUCKETS)
 
+# torch.compile's modes, and fspec's own: Inductor's default mode captured by `GraphCapture`
+MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "cuda-graph")
+
+
+def _check_mode(mode: str | None, allowed: tuple = MODES) -> None:
+    if mode not in allowed:
+        raise ValueError(f"mode: expected one of {allowed}, got {mode!r}")
+
 
 def jit(fn: Callable, mode: str | None = "reduce-overhead") -> Callable:
     """`torch.compile(fn, fullgraph=True, dynamic=False)` in `mode`: every fspec graph goes through here.
+    `mode="cuda-graph"` compiles in Inductor's default mode (the caller captures the graphs: `GraphCapture`).
 
     `FSPEC_COORDINATE_DESCENT=1` adds Inductor's coordinate-descent tuning on CUDA (gpt-fast's setting): each
     Triton kernel's launch parameters are tuned, and a one-row matmul (batch 1 decode) is lowered to a Triton
@@ -50,16 +65,17 @@ def jit(fn: Callable, mode: str | None = "reduce-overhead") -> Callable:
     took the 8B-head draft loop's compile from 20 s to over 100 s (BENCHMARKS.md). `FSPEC_MAX_AUTOTUNE=1`
     (`inductor_options`) lets Inductor pick each matmul by benchmarking.
     """
+    _check_mode(mode)
     _configure_dynamo()
     options = inductor_options(mode)
     if options:
         return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
-    return torch.compile(fn, mode=mode, fullgraph=True, dynamic=False)
+    return torch.compile(fn, mode=None if mode == "cuda-graph" else mode, fullgraph=True, dynamic=False)
 
 
 def inductor_options(mode: str | None, *, cuda: bool | None = None) -> dict | None:
-    """Inductor options that replace `mode` in `jit`, or None for the plain mode. Only for reduce-overhead on
-    CUDA, opt-in by environment (both off by default; BENCHMARKS.md has what they cost):
+    """Inductor options that replace `mode` in `jit`, or None for the plain mode. Only for reduce-overhead and
+    cuda-graph (fspec's own capture: Inductor's CUDA graphs stay off) on CUDA:
 
     * FSPEC_COORDINATE_DESCENT=1: coordinate-descent tuning of every Triton kernel's launch parameters.
     * FSPEC_MAX_AUTOTUNE=1: Inductor benchmarks its Triton matmul templates against cuBLAS for every matmul
@@ -69,7 +85,7 @@ def inductor_options(mode: str | None, *, cuda: bool | None = None) -> dict | No
       (fspec/inductor_pdl.py says why the wait), so its kernels chain with fspec's.
     """
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    if mode != "reduce-overhead" or not cuda:
+    if mode not in ("reduce-overhead", "cuda-graph") or not cuda:
         return None
     options = {}
     if inductor_pdl.requested() and inductor_pdl.install():
@@ -80,7 +96,7 @@ def inductor_options(mode: str | None, *, cuda: bool | None = None) -> dict | No
         options["coordinate_descent_tuning"] = True
     if os.environ.get("FSPEC_MAX_AUTOTUNE") == "1":
         options.update(max_autotune=True, max_autotune_gemm_backends="ATEN,TRITON")
-    return {"triton.cudagraphs": True, **options} if options else None
+    return {"triton.cudagraphs": mode == "reduce-overhead", **options} if options else None
 
 
 def _configure_dynamo() -> None:
@@ -92,6 +108,7 @@ def _configure_dynamo() -> None:
 
 # the state leaves `propose` reads (`step` and the draft buffers are replaced before anything reads them)
 _PROPOSE_READS = ("input_ids", "hidden", "temperature", "seed")
+_PROPOSE_SKIPS = ("step", "draft_tokens", "draft_probs")
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -110,9 +127,16 @@ class StagedInputs:
     seeds, the block table), so a result holds no tensor the next call overwrites beyond the graph's own.
     """
 
-    def __init__(self) -> None:
-        # per leaf shapes and dtypes: the copies' byte views, the staged metadata, the other staged leaves
-        self._slots: dict[tuple, tuple[list[torch.Tensor], AttnMetadata, dict[str, torch.Tensor]]] = {}
+    def __init__(self, *, placeholders: bool = False) -> None:
+        # per leaf shapes and dtypes: the copies' byte views and the staged state (without placeholders its
+        # unread leaves are the caller's: only its staged leaves are kept, as a state to `replace` from)
+        self._slots: dict[tuple, tuple[list[torch.Tensor], DraftState]] = {}
+        # placeholders=True: the leaves `propose` never reads (step, draft buffers) are replaced by tensors
+        # of their shape allocated once and never written, so that every leaf of a staged state keeps its
+        # address across calls (what `GraphCapture` keys its graphs on) and the staged state is one object
+        self._placeholders = placeholders
+        # restore plans of results that are kept objects (a captured graph's output), by id
+        self._plans: dict[int, tuple[DraftState, list[tuple[str, int]], list[tuple[str, int]]]] = {}
 
     @staticmethod
     def _leaves(state: DraftState) -> list[torch.Tensor]:
@@ -123,33 +147,53 @@ class StagedInputs:
 
     def stage(self, state: DraftState) -> DraftState:
         src = self._leaves(state)
-        key = tuple((t.shape, t.dtype, t.device) for t in src)
-        if key not in self._slots:
+        key = (src[0].device, *((t.shape, t.dtype) for t in src))
+        if self._placeholders:
+            key += tuple((t.shape, t.dtype) for t in self._unread(state))
+        slot = self._slots.get(key)
+        if slot is None:
             dst = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in src]
             for t in dst:
                 torch._dynamo.mark_static_address(t)
             n = len(_PROPOSE_READS)
-            self._slots[key] = (
+            top = dict(zip(_PROPOSE_READS, dst))
+            if self._placeholders:
+                unread = zip(_PROPOSE_SKIPS, self._unread(state))
+                top.update({name: t.clone() for name, t in unread})  # valid values, never written
+            slot = self._slots[key] = (
                 [_bytes(t) for t in dst],
-                AttnMetadata(*dst[n:]),
-                dict(zip(_PROPOSE_READS, dst)),
+                replace(state, attn=AttnMetadata(*dst[n:]), **top),
             )
-        dst_bytes, attn, top = self._slots[key]
+        dst_bytes, staged = slot
         torch._foreach_copy_(dst_bytes, [_bytes(t) for t in src])  # one dtype: one kernel on CUDA
-        return replace(state, attn=attn, **top)
+        if self._placeholders:
+            return staged
+        return replace(state, attn=staged.attn, **{n: getattr(staged, n) for n in _PROPOSE_READS})
+
+    @staticmethod
+    def _unread(state: DraftState) -> list[torch.Tensor]:
+        return [getattr(state, n) for n in _PROPOSE_SKIPS]
 
     def restore(self, out: DraftState, staged: DraftState, state: DraftState) -> DraftState:
         """`out` with every leaf that is one of `staged`'s copies replaced by `state`'s own tensor."""
-        swap = {id(d): s for d, s in zip(self._leaves(staged), self._leaves(state))}
-        top = {n: swap[id(getattr(out, n))] for n in _PROPOSE_READS if id(getattr(out, n)) in swap}
-        meta = {
-            n: swap[id(getattr(out.attn, n))]
-            for n in AttnMetadata.__fspec_children__
-            if id(getattr(out.attn, n)) in swap
-        }
+        plan = self._plans.get(id(out))
+        if plan is None or plan[0] is not out:
+            index = {id(d): i for i, d in enumerate(self._leaves(staged))}
+            top = [(n, index[id(getattr(out, n))]) for n in _PROPOSE_READS if id(getattr(out, n)) in index]
+            meta = [
+                (n, index[id(getattr(out.attn, n))])
+                for n in AttnMetadata.__fspec_children__
+                if id(getattr(out.attn, n)) in index
+            ]
+            plan = (out, top, meta)
+            if self._placeholders:  # a captured graph's output: the same object on every replay
+                self._plans[id(out)] = plan
+        _, top, meta = plan
         if not top and not meta:
             return out
-        return replace(out, attn=replace(out.attn, **meta) if meta else out.attn, **top)
+        src = self._leaves(state)
+        attn = replace(out.attn, **{n: src[i] for n, i in meta}) if meta else out.attn
+        return replace(out, attn=attn, **{n: src[i] for n, i in top})
 
 
 def compile_propose(
@@ -163,27 +207,40 @@ def compile_propose(
 
     The returned state's tensors belong to the graph and are overwritten by the next call: read (or copy)
     them before calling again. The cache is donated and must have static addresses (`mark_static`, done
-    here on first use of each cache object). In reduce-overhead mode the state's leaves reach the graph
-    through `StagedInputs` (one copy launch per call instead of one per leaf).
+    here on first use of each cache object). In reduce-overhead and cuda-graph modes the state's leaves
+    reach the graph through `StagedInputs` (one copy launch per call instead of one per leaf).
+
+    `mode="cuda-graph"` (CUDA only; elsewhere it is Inductor's default mode) captures the compiled loop into
+    one `torch.cuda.CUDAGraph` per bucket and parameter / cache addresses (`GraphCapture`) and replays it
+    with no dynamo guard or graph-tree check per call; `.graphs` on the returned function is that
+    `GraphCapture` (its `captures` and `replays` counters).
     """
+    _check_mode(mode)
 
     def run(params: dict, state: DraftState, cache: KVCache) -> DraftState:
         return propose(params, state, cache, cfg=cfg, backend=backend, max_context=max_context)[0]
 
     compiled = jit(run, mode)
+    graphs = GraphCapture(compiled)
     marked: set[int] = set()
-    staged = StagedInputs()
+    staged = StagedInputs(placeholders=mode == "cuda-graph")
 
     def call(params: dict, state: DraftState, cache: KVCache) -> tuple[DraftState, KVCache]:
         if id(cache) not in marked:
             mark_static(cache)
             marked.add(id(cache))
+        if mode == "cuda-graph" and state.input_ids.is_cuda:
+            inputs = staged.stage(state)  # one object per bucket, every leaf at a fixed address
+            leaves, spec = tree.tree_flatten(params)
+            key = (id(inputs), spec, cache.k.data_ptr(), cache.v.data_ptr(), *(p.data_ptr() for p in leaves))
+            return staged.restore(graphs(params, inputs, cache, key=key), inputs, state), cache
         if mode != "reduce-overhead":
             return compiled(params, state, cache), cache
         torch.compiler.cudagraph_mark_step_begin()
         inputs = staged.stage(state)
         return staged.restore(compiled(params, inputs, cache), inputs, state), cache
 
+    call.graphs = graphs
     return call
 
 
@@ -199,7 +256,9 @@ def compile_step(
     One compiled step (a graph for the first step's shape, one for the decode shape) replayed K times. The
     draft buffers of each batch shape are allocated once, marked static and written in place by every
     replay; the result's `draft_tokens` / `draft_probs` are those buffers (overwritten by the next call).
+    `mode="cuda-graph"` is `compile_propose`'s alone.
     """
+    _check_mode(mode, tuple(m for m in MODES if m != "cuda-graph"))
 
     def run(params: dict, state: DraftState, cache: KVCache) -> DraftState:
         return _step(params, state, cache, cfg=cfg, backend=backend, max_context=max_context)[0]

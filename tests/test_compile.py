@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
@@ -79,6 +80,10 @@ def test_inductor_options_are_opt_in_and_only_for_cuda_graphs(monkeypatch):
     monkeypatch.setenv("FSPEC_COORDINATE_DESCENT", "1")
     opts = inductor_options("reduce-overhead", cuda=True)
     assert opts["coordinate_descent_tuning"] and opts["max_autotune"] and opts["triton.cudagraphs"]
+    # fspec's own capture: the same tuning, Inductor's CUDA graphs off
+    opts = inductor_options("cuda-graph", cuda=True)
+    assert opts["coordinate_descent_tuning"] and opts["max_autotune"] and opts["triton.cudagraphs"] is False
+    assert inductor_options("cuda-graph", cuda=False) is None
 
 
 def test_staged_inputs_copy_every_call_into_the_same_static_tensors_and_hand_back_the_callers():
@@ -106,3 +111,38 @@ def test_staged_inputs_copy_every_call_into_the_same_static_tensors_and_hand_bac
     got, _ = compile_propose(cfg=DRAFT.cfg)(DRAFT.params, state, sc.cache)
     assert got.temperature is state.temperature and got.seed is state.seed
     assert got.attn.block_table is state.attn.block_table
+
+
+def test_cuda_graph_mode_off_cuda_is_the_compiled_loop_and_bad_modes_are_refused():
+    """mode="cuda-graph" compiles in Inductor's default mode (fspec captures the graphs, on CUDA only): on the
+    CPU it is the compiled loop, equal to eager with one graph per bucket. Unknown modes, cuda-graph for the
+    per-step path and a bad warm-up count are ValueErrors naming the argument."""
+    from fspec.graph_capture import GraphCapture
+
+    torch._dynamo.reset()
+    counters.clear()
+    _compare(compile_propose(cfg=DRAFT.cfg, mode="cuda-graph"))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    with pytest.raises(ValueError, match="mode: expected one of .*'fast'"):
+        compile_propose(cfg=DRAFT.cfg, mode="fast")
+    with pytest.raises(ValueError, match="mode: expected one of .*'cuda-graph'"):
+        compile_step(cfg=DRAFT.cfg, mode="cuda-graph")
+    with pytest.raises(ValueError, match="warmup: expected an int >= 1.*got 0"):
+        GraphCapture(lambda x: x, warmup=0)
+    with pytest.raises(ValueError, match="args: expected pytrees of CUDA tensors, got a leaf Tensor on cpu"):
+        GraphCapture(lambda x: x)(torch.zeros(3))
+
+
+def test_staged_inputs_with_placeholders_keep_every_leaf_at_one_address():
+    """With placeholders (the cuda-graph mode) the leaves propose never reads (step, draft buffers) are
+    swapped for tensors allocated once, so a staged state of one bucket has the same leaf addresses on every
+    call: what the captured graphs are keyed on."""
+    from fspec.compile import StagedInputs
+
+    a, b = (pad_to_bucket(sc.state, cfg=DRAFT.cfg)[0] for sc in _scenarios())
+    staged = StagedInputs(placeholders=True)
+    ptrs = [[t.data_ptr() for t in fspec.tree.tree_leaves(staged.stage(s))] for s in (a, b)]
+    assert ptrs[0] == ptrs[1]
+    sb = staged.stage(b)
+    assert sb.draft_probs is not b.draft_probs and sb.draft_probs.shape == b.draft_probs.shape
+    assert torch.equal(sb.hidden, b.hidden) and torch.equal(sb.attn.block_table, b.attn.block_table)

@@ -117,6 +117,41 @@ def test_whole_draft_loop_is_one_cuda_graph_equal_to_eager():
     torch._inductor.config.triton.cudagraph_or_error = False
 
 
+def test_own_cuda_graph_loop_equals_eager_with_one_capture_per_layout():
+    """compile_propose(mode="cuda-graph"): one capture for two batches of one bucket in one cache (the
+    second replays with the new batch's values: a stale staged input would give the first batch's tokens),
+    tokens, q and the cache writes equal to eager; parameters at new addresses are a new layout, so a second
+    capture, still equal to eager."""
+    target = tiny_target()
+    draft = tiny_draft(target, kind="eagle3", k=4)
+    to_cuda = lambda tree: fspec.tree.tree_map(lambda x: x.cuda(), tree)  # noqa: E731
+    as_params = lambda tree: fspec.tree.tree_map(  # noqa: E731
+        lambda p: torch.nn.Parameter(p.detach().cuda().clone(), requires_grad=False), tree
+    )
+    params = as_params(draft.params)
+    torch._dynamo.reset()
+    fn = compile_propose(cfg=draft.cfg, mode="cuda-graph")
+    cache, seen = None, []
+    for seed, ps, counts in ((1, params, (1, 1)), (2, params, (1, 2)), (3, as_params(draft.params), (2, 3))):
+        sc = scenario(draft, context_lens=[3, 9, 14], live=[2, 5, 1], temperature=[0.0, 1.0, 0.7], seed=seed)
+        state = to_cuda(pad_to_bucket(sc.state, cfg=draft.cfg)[0])
+        if cache is None:  # one cache for every call: its tensors keep their addresses
+            cache = fspec.KVCache(k=sc.cache.k.cuda(), v=sc.cache.v.cuda())
+        cache.k.copy_(sc.cache.k)
+        cache.v.copy_(sc.cache.v)
+        eager_cache = fspec.KVCache(k=cache.k.clone(), v=cache.v.clone())
+        want, _ = fspec.propose(ps, state, eager_cache, cfg=draft.cfg)
+        got, got_cache = fn(ps, state, cache)
+        assert (fn.graphs.captures, fn.graphs.replays) == counts
+        assert torch.equal(got.draft_tokens[:3].cpu(), want.draft_tokens[:3].cpu())
+        torch.testing.assert_close(got.draft_probs[:3], want.draft_probs[:3], rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(got_cache.k, eager_cache.k, rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(got_cache.v, eager_cache.v, rtol=1e-3, atol=1e-5)
+        assert got.temperature is state.temperature  # the caller's tensor, not the staged copy
+        seen.append(got.draft_tokens[:3].cpu())
+    assert not torch.equal(seen[0], seen[1])
+
+
 def test_rope_frequencies_kept_by_a_graphs_first_call_are_not_graph_pool_allocations():
     """A reduce-overhead graph whose first (warm-up) call misses the inverse-frequency cache of
     `fspec::rope_tables`: the kept tensor must not come from the graph's private pool (CUDA-graph trees
