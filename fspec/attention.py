@@ -38,7 +38,9 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from fspec.cache import KVCache, _write_kv
+from fspec.config import env_choice
 from fspec.kernels.ops import call
+from fspec.kernels.paged_attention import MAX_ROPE_WRITE_QUERY
 from fspec.metadata import token_requests
 from fspec.state import AttnMetadata, _expect, check_positive_int, validate_attn_metadata
 
@@ -181,6 +183,14 @@ def resolve_backend(backend: str, cache: KVCache | None) -> str:
     return backend
 
 
+def rope_attention() -> bool:
+    """FSPEC_ROPE_ATTENTION: "1" runs RoPE, the new tokens' cache write and the paged attention as one
+    launch (`fspec::rope_paged_attention`) wherever the layer would run `fspec::rope_pos_kv_write` then
+    `fspec::paged_attention` with at most MAX_ROPE_WRITE_QUERY query rows per request; "0" (the default)
+    keeps the two launches."""
+    return env_choice("FSPEC_ROPE_ATTENTION", ("0", "1"), "0") == "1"
+
+
 def _paged_kernels(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -199,6 +209,18 @@ def _paged_kernels(
     kernel, so that the tables, read by nothing else, are never computed) and `fspec::paged_attention`
     (kernels/; Triton on CUDA, their PyTorch references elsewhere). The kernels read block_table, seq_lens
     and positions on the device; keys past seq_lens are never read."""
+    num_query = q.shape[0] if max_query_len is None else max_query_len
+    if (
+        rope is not None
+        and rope_params is not None
+        and num_query <= MAX_ROPE_WRITE_QUERY
+        and rope_attention()
+    ):
+        return call(
+            "rope_paged_attention", q, k, v, meta.positions, cache.k, cache.v, meta.slot_mapping,
+            meta.block_table, meta.seq_lens, meta.query_start_loc, rope[0].dtype, rope_params[0],
+            list(rope_params[1]), scale=q.shape[-1] ** -0.5, num_query=num_query, layer=layer,
+        ).to(q.dtype)  # fmt: skip
     if rope is not None and rope_params is not None:
         q_cache = call(
             "rope_pos_kv_write", q, k, v, meta.positions, cache.k, cache.v, meta.slot_mapping, rope[0].dtype,
@@ -219,7 +241,6 @@ def _paged_kernels(
         q_cache = call(
             "rope_kv_write", q, k, v, *rope, cache.k, cache.v, meta.slot_mapping, layer=layer
         )  # [T, N, D]
-    num_query = q.shape[0] if max_query_len is None else max_query_len
     return call(
         "paged_attention",
         q_cache,

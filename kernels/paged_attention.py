@@ -46,6 +46,7 @@ from . import pdl
 from .counters import COUNTER_SLOTS, zeroed_counters
 from .kv_write import layer_view
 from .pdl import pdl_enter
+from .rope_kv_write import _TL_DTYPES, _check_qkv, _unit_stride, rope_pos_kv_write_ref
 
 LOG2E = 1.4426950408889634
 
@@ -167,6 +168,68 @@ def min_partition() -> int:
 
 
 @triton.jit
+def _rope_rows(
+    base,  # [R, 1] pointers to each row's un-rotated head vector (element d at base + d)
+    pos,  # [R] int position of each row (negative: position 0, as the cache-write kernel does)
+    ok,  # [R] rows to load (others are 0)
+    d,  # [BLOCK_D] head-dim indices
+    inv_freq_ptr,  # [D/2] float32
+    HEAD_DIM: tl.constexpr,
+    TABLE_DTYPE: tl.constexpr,
+):
+    """float32 [R, BLOCK_D] rows rotated by RoPE at their positions, computed as kernels/rope_kv_write.py
+    does (cos / sin of pos * inv_freq rounded to the tables' dtype; x * cos - partner * sin in the first half,
+    x * cos + partner * sin in the second, partner = the element D/2 away)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d_ok = d < HEAD_DIM
+    first = d < HALF
+    partner = tl.where(first, d + HALF, d - HALF)
+    inv_freq = tl.load(inv_freq_ptr + tl.where(first, d, d - HALF), mask=d_ok, other=0.0)
+    freqs = tl.maximum(pos, 0).to(tl.float32)[:, None] * inv_freq[None, :]
+    cos = tl.cos(freqs).to(TABLE_DTYPE).to(tl.float32)
+    sin = tl.sin(freqs).to(TABLE_DTYPE).to(tl.float32)
+    mask = ok[:, None] & d_ok[None, :]
+    x = tl.load(base + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(base + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    return tl.where(first[None, :], x * cos - xp * sin, x * cos + xp * sin)
+
+
+@triton.jit
+def _write_new_kv(
+    k_new_ptr, v_new_ptr, slot_mapping_ptr, positions_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr,
+    q_start, q_count, kvh, split, partition, num_splits, stride_kt, stride_kh, stride_vt, stride_vh, d,
+    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TABLE_DTYPE: tl.constexpr, NQ_POW2: tl.constexpr,
+):  # fmt: skip
+    """Write KV head `kvh` of request b's new tokens (rows q_start .. q_start + q_count) whose position lies
+    in this program's split (the last split for positions past the splits; position < 0: the first) to the
+    cache: RoPE'd k and v, as the cache-write kernel would. Every key a program reads is in its own split, so
+    the keys it reads are ones it wrote itself: a barrier orders them (programs of other row tiles write the
+    same bytes). Slot -1 writes nothing."""
+    j = tl.arange(0, NQ_POW2)
+    j_ok = j < q_count
+    jt = (q_start + j).to(tl.int64)
+    jpos = tl.load(positions_ptr + jt, mask=j_ok, other=-1)
+    slot = tl.load(slot_mapping_ptr + jt, mask=j_ok, other=-1)
+    owner = tl.minimum(tl.maximum(jpos, 0) // partition, num_splits - 1)
+    live = j_ok & (slot >= 0) & (owner == split)
+    k = _rope_rows(
+        k_new_ptr + jt[:, None] * stride_kt + kvh * stride_kh,
+        jpos,
+        live,
+        d,
+        inv_freq_ptr,
+        HEAD_DIM,
+        TABLE_DTYPE,
+    )
+    row = slot[:, None] * (KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM + d[None, :]  # int64
+    mask = live[:, None] & (d < HEAD_DIM)[None, :]
+    tl.store(k_cache_ptr + row, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(v_new_ptr + jt[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=mask)
+    tl.store(v_cache_ptr + row, v, mask=mask)
+    tl.debug_barrier()
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,  # [T, N, D] queries, head-dim stride 1
     k_cache_ptr,  # [num_blocks, block_size, Nkv, D] this layer's K cache, contiguous
@@ -180,6 +243,14 @@ def _paged_attention_kernel(
     part_l_ptr,  # [S, T, N] float32 out (splits): sum of exp2(score - max)
     part_acc_ptr,  # [S, T, N, D] float32 out (splits): unnormalised sum of exp2(score - max) * v
     counter_ptr,  # [>= B * M_TILES * Nkv] int32, zero (FUSED_REDUCE): splits of each tile finished so far
+    k_new_ptr,  # [T, Nkv, D] (ROPE_WRITE) un-rotated keys of the query tokens, head-dim stride 1
+    v_new_ptr,  # [T, Nkv, D] (ROPE_WRITE) values of the query tokens in the cache's dtype, head-dim stride 1
+    slot_mapping_ptr,  # [T] int64 (ROPE_WRITE) cache slot of each query token; -1 = do not write
+    inv_freq_ptr,  # [D/2] float32 (ROPE_WRITE) RoPE's inverse frequencies
+    stride_kt,  # (ROPE_WRITE) elements between consecutive tokens of k_new
+    stride_kh,  # (ROPE_WRITE) elements between consecutive heads of k_new
+    stride_vt,  # (ROPE_WRITE) elements between consecutive tokens of v_new
+    stride_vh,  # (ROPE_WRITE) elements between consecutive heads of v_new
     stride_qt,  # elements between consecutive tokens of q
     stride_qn,  # elements between consecutive heads of q
     stride_ot,  # elements between consecutive tokens of out
@@ -202,6 +273,9 @@ def _paged_attention_kernel(
     UPCAST: tl.constexpr,  # cast loaded q/K/V to float32 (interpreter, or float32 caches)
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
     COMBINE_CHUNK: tl.constexpr = 1,  # (FUSED_REDUCE) splits combined per load, a power of two
+    ROPE_WRITE: tl.constexpr = False,  # q un-rotated; RoPE q and the new keys, write the new K/V first
+    TABLE_DTYPE: tl.constexpr = tl.float32,  # (ROPE_WRITE) the dtype RoPE's cos / sin tables would have
+    NQ_POW2: tl.constexpr = 1,  # (ROPE_WRITE) next power of two >= NUM_QUERY
 ):
     pdl_enter(PDL)
     M_TILES: tl.constexpr = (NUM_QUERY * GROUP + BLOCK_M - 1) // BLOCK_M
@@ -219,11 +293,23 @@ def _paged_attention_kernel(
     pos = tl.load(positions_ptr + tok, mask=row_ok, other=-1).to(tl.int32)  # -1: sees nothing
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    q = tl.load(
-        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qn + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
+    if ROPE_WRITE:
+        # RoPE of q in registers, then the new tokens' K/V into the cache before any key is read (below)
+        q = _rope_rows(
+            q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qn, pos, row_ok, d, inv_freq_ptr,
+            HEAD_DIM, TABLE_DTYPE,
+        ).to(k_cache_ptr.dtype.element_ty)  # fmt: skip
+        _write_new_kv(
+            k_new_ptr, v_new_ptr, slot_mapping_ptr, positions_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr,
+            q_start, q_count, kvh, split, partition, num_splits, stride_kt, stride_kh, stride_vt, stride_vh,
+            d, KV_HEADS, HEAD_DIM, TABLE_DTYPE, NQ_POW2,
+        )  # fmt: skip
+    else:
+        q = tl.load(
+            q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qn + d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
     if UPCAST:
         q = q.to(tl.float32)
     # 2. Keys [start, end) of this split: never past seq_len, nor past the last row's position.
@@ -403,11 +489,14 @@ def paged_attention(
     num_query: int,
     layer: int = 0,
     config: AttentionConfig | None = None,
+    _rope_write: tuple | None = None,
 ) -> Tensor:
     """Launch the kernels (see the module docstring) -> out [T, N, D] in q's dtype.
 
     Inputs are assumed validated (fspec.validate_attn_metadata); `config` overrides the heuristic (the
-    benchmark's sweep). Grid and launch arguments depend on static sizes only.
+    benchmark's sweep). Grid and launch arguments depend on static sizes only. `_rope_write` is
+    `rope_paged_attention`'s (k, v, slot_mapping, inv_freq, table_dtype): q is then un-rotated and the
+    output comes in the cache's dtype.
     """
     if config is not None:
         check_config(config, cuda=q.is_cuda)
@@ -417,7 +506,8 @@ def paged_attention(
     t, n, d = q.shape
     _, block_size, nkv, _ = kc.shape
     b, max_blocks = block_table.shape
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out_dtype = q.dtype if _rope_write is None else kc.dtype  # rope_paged_attention: the cache's dtype
+    out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     if t == 0 or b == 0:
         return out.zero_()
     if q.stride(-1) != 1:
@@ -449,12 +539,21 @@ def paged_attention(
         counters = zeroed_counters(q.device)  # None while capturing before they exist: two launches
     # tl.dot needs one input dtype; the interpreter's bf16 arithmetic is garbage
     interpreted = isinstance(_paged_attention_kernel, InterpretedFunction)
-    upcast = interpreted or q.dtype != kc.dtype or torch.float32 in (q.dtype, kc.dtype, vc.dtype)
+    upcast = interpreted or out.dtype != kc.dtype or torch.float32 in (out.dtype, kc.dtype, vc.dtype)
     block_d = max(16, triton.next_power_of_2(d))  # tl.dot needs K >= 16: small heads pad (masked) to 16
     launch = pdl.options(q)  # one environment read for the call's launches
+    if _rope_write is None:
+        kn = vn = slots = inv_freq = seq_lens  # unread
+        new_strides, rope = (0, 0, 0, 0), {}
+    else:
+        kn, vn, slots, inv_freq, table_dtype = _rope_write
+        new_strides = (kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1))
+        rope = dict(
+            ROPE_WRITE=True, TABLE_DTYPE=_TL_DTYPES[table_dtype], NQ_POW2=triton.next_power_of_2(num_query)
+        )
     _paged_attention_kernel[(b * m_tiles, nkv, splits)](
         q, kc, vc, block_table, seq_lens, positions, query_start_loc, out, part_m, part_l, part_acc,
-        seq_lens if counters is None else counters,
+        seq_lens if counters is None else counters, kn, vn, slots, inv_freq, *new_strides,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         t, cfg.partition, splits, scale * LOG2E,
         NUM_QUERY=num_query, GROUP=group, KV_HEADS=nkv, HEAD_DIM=d, BLOCK_SIZE=block_size, SPLIT=splits > 1,
@@ -462,7 +561,7 @@ def paged_attention(
         COMBINE_CHUNK=combine_chunk(splits, cfg.block_m, block_d, cfg.num_warps),
         UPCAST=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **launch,
+        **launch, **rope,
     )  # fmt: skip
     if splits > 1 and counters is None:
         _paged_attention_reduce_kernel[(t, n)](
@@ -474,9 +573,87 @@ def paged_attention(
     return out
 
 
+MAX_ROPE_WRITE_QUERY = 16  # rope_paged_attention's bound on query rows per request (decode, drafts, verify)
+
+
+def rope_paged_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    positions: Tensor,
+    inv_freq: Tensor,
+    table_dtype: torch.dtype,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    *,
+    scale: float,
+    num_query: int,
+    layer: int = 0,
+    config: AttentionConfig | None = None,
+) -> Tensor:
+    """`rope_pos_kv_write` and `paged_attention` in one launch -> out [T, N, D] in the cache's dtype.
+
+    q [T, N, D] and k [T, Nkv, D] come un-rotated (strided views of a fused projection are fine), v [T, Nkv,
+    D]; RoPE's cos / sin are computed from positions and inv_freq [D/2] and rounded to `table_dtype`, as
+    `rope_pos_kv_write` does. Each program rotates its q rows in registers and first writes the new tokens'
+    K/V of its KV head whose positions fall in its split (the only program that reads them), then attends
+    as `paged_attention`: the cache write's launch and its round trip before the attention are gone. For
+    num_query <= MAX_ROPE_WRITE_QUERY (a decode step, a draft step, a verification)."""
+    kc = layer_view(k_cache, layer)
+    _check_qkv(q, k, v, kc, slot_mapping)
+    t, _, d = q.shape
+    if tuple(positions.shape) != (t,) or tuple(inv_freq.shape) != (d // 2,):
+        raise ValueError(
+            f"positions/inv_freq: expected shapes [T] = [{t}] and [D/2] = [{d // 2}], got "
+            f"{tuple(positions.shape)} and {tuple(inv_freq.shape)}"
+        )
+    if table_dtype not in _TL_DTYPES:
+        raise ValueError(f"table_dtype: expected one of {list(_TL_DTYPES)}, got {table_dtype}")
+    if not 1 <= num_query <= MAX_ROPE_WRITE_QUERY:
+        raise ValueError(f"num_query: expected 1..{MAX_ROPE_WRITE_QUERY}, got {num_query}")
+    k, v = _unit_stride(k), _unit_stride(v.to(kc.dtype))  # v cast on the host, as the cache write does
+    new = (k, v, slot_mapping.contiguous(), inv_freq.float().contiguous(), table_dtype)
+    return paged_attention(
+        q, k_cache, v_cache, block_table, seq_lens, positions, query_start_loc,
+        scale=scale, num_query=num_query, layer=layer, config=config, _rope_write=new,
+    )  # fmt: skip
+
+
 # ----------------------------------------------------------------------------------------------------------
 # PyTorch reference
 # ----------------------------------------------------------------------------------------------------------
+
+
+def rope_paged_attention_ref(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    positions: Tensor,
+    inv_freq: Tensor,
+    table_dtype: torch.dtype,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    *,
+    scale: float,
+    num_query: int,
+    layer: int = 0,
+) -> Tensor:
+    """The reference of `rope_paged_attention`: `rope_pos_kv_write_ref`, then `paged_attention_ref`."""
+    q_rot = rope_pos_kv_write_ref(
+        q, k, v, positions, inv_freq, table_dtype, k_cache, v_cache, slot_mapping, layer=layer
+    )
+    return paged_attention_ref(
+        q_rot, k_cache, v_cache, block_table, seq_lens, positions, query_start_loc,
+        scale=scale, num_query=num_query, layer=layer,
+    )  # fmt: skip
 
 
 def paged_attention_ref(

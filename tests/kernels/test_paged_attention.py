@@ -457,6 +457,7 @@ def _compile_kernels_for_h200() -> None:
             COMBINE_CHUNK=pa.combine_chunk(
                 -(-4096 // cfg.partition), cfg.block_m, triton_next_pow2(d), cfg.num_warps
             ) if fused else 1,
+            ROPE_WRITE=False,
         )  # fmt: skip
         ptx = _ptx_for_h200(
             pa._paged_attention_kernel, types, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages
@@ -467,6 +468,21 @@ def _compile_kernels_for_h200() -> None:
             assert "cp.async.cg.shared.global" in ptx and not any(x.endswith("16") for x in loads), loads
         if fused:  # the count is an acquire-release atomic at GPU scope, after a barrier
             assert "atom.global.gpu.acq_rel.add" in ptx and "bar.sync" in ptx
+    # RoPE and the new tokens' cache write in the attention launch (fspec::rope_paged_attention), decode
+    import triton.language as tl
+
+    cfg = pa.default_config(batch=8, kv_heads=8, group=4, num_query=1, head_dim=128, capacity=4096)
+    types = dict(ptrs, q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16")
+    types |= dict(k_new_ptr="*bf16", v_new_ptr="*bf16", slot_mapping_ptr="*i64", inv_freq_ptr="*fp32")
+    consts = dict(
+        NUM_QUERY=1, GROUP=4, KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, SPLIT=True, FUSED_REDUCE=False,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=128, UPCAST=False, COMBINE_CHUNK=1, ROPE_WRITE=True,
+        TABLE_DTYPE=tl.bfloat16, NQ_POW2=1,
+    )  # fmt: skip
+    ptx = _ptx_for_h200(
+        pa._paged_attention_kernel, types, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages
+    )
+    assert "bar.sync" in ptx and "cp.async.cg.shared.global" in ptx  # the write's barrier; K/V still async
     reduce_consts = dict(NUM_HEADS=32, HEAD_DIM=128, SPLITS_POW2=16, BLOCK_D=128)
     reduce_types = dict(part_m_ptr="*fp32", part_l_ptr="*fp32", part_acc_ptr="*fp32", out_ptr="*bf16")
     _ptx_for_h200(pa._paged_attention_reduce_kernel, reduce_types, reduce_consts, num_warps=4)

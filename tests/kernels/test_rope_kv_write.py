@@ -307,15 +307,17 @@ def _prefill(cfg: fspec.ModelConfig):
     return ids, meta
 
 
-@pytest.mark.parametrize("ops", ["reference", "triton"])
+@pytest.mark.parametrize(("ops", "rope_attention"), [("reference", "0"), ("triton", "0"), ("triton", "1")])
 @pytest.mark.parametrize(
     ("model_type", "fused"), [("llama", True), ("llama", False), ("qwen3", True), ("qwen2", False)]
 )
-def test_paged_forward_equals_reference_backend(model_type, fused, ops, monkeypatch):
+def test_paged_forward_equals_reference_backend(model_type, fused, ops, rope_attention, monkeypatch):
     """backend="paged" (RoPE inside fspec::rope_kv_write) == backend="reference" on a prefill: logits, aux
     hidden, and every live cache slot (layer 0's K/V bit for bit: same inputs, same fp32 ops); for fused and
     separate q/k/v weights, qk-norm (qwen3) and q/k/v biases (qwen2); the ops run their PyTorch references
-    ("reference") or the interpreted Triton kernels ("triton")."""
+    ("reference") or the interpreted Triton kernels ("triton"), the latter also with RoPE, the cache write
+    and the attention in one launch (FSPEC_ROPE_ATTENTION=1, fspec::rope_paged_attention)."""
+    monkeypatch.setenv("FSPEC_ROPE_ATTENTION", rope_attention)
     if ops == "reference":
         monkeypatch.setenv("TRITON_INTERPRET", "0")  # the ops fall back to their references
     cfg = _tiny(model_type)
