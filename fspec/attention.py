@@ -183,12 +183,14 @@ def resolve_backend(backend: str, cache: KVCache | None) -> str:
     return backend
 
 
-def rope_attention() -> bool:
-    """FSPEC_ROPE_ATTENTION: "1" runs RoPE, the new tokens' cache write and the paged attention as one
-    launch (`fspec::rope_paged_attention`) wherever the layer would run `fspec::rope_pos_kv_write` then
-    `fspec::paged_attention` with at most MAX_ROPE_WRITE_QUERY query rows per request; "0" (the default)
-    keeps the two launches."""
-    return env_choice("FSPEC_ROPE_ATTENTION", ("0", "1"), "0") == "1"
+def rope_attention(num_query: int) -> bool:
+    """FSPEC_ROPE_ATTENTION: whether a layer with `num_query` query rows per request runs RoPE, the new
+    tokens' cache write and the paged attention as one launch (`fspec::rope_paged_attention`) instead of
+    `fspec::rope_pos_kv_write` then `fspec::paged_attention`: "decode" for one row per request (decode and
+    draft steps), "1" for up to MAX_ROPE_WRITE_QUERY rows (also a round's first draft step and the
+    verification), "0" (the default) never."""
+    mode = env_choice("FSPEC_ROPE_ATTENTION", ("0", "decode", "1"), "0")
+    return num_query == 1 if mode == "decode" else mode == "1" and num_query <= MAX_ROPE_WRITE_QUERY
 
 
 def _paged_kernels(
@@ -210,12 +212,7 @@ def _paged_kernels(
     (kernels/; Triton on CUDA, their PyTorch references elsewhere). The kernels read block_table, seq_lens
     and positions on the device; keys past seq_lens are never read."""
     num_query = q.shape[0] if max_query_len is None else max_query_len
-    if (
-        rope is not None
-        and rope_params is not None
-        and num_query <= MAX_ROPE_WRITE_QUERY
-        and rope_attention()
-    ):
+    if rope is not None and rope_params is not None and rope_attention(num_query):
         return call(
             "rope_paged_attention", q, k, v, meta.positions, cache.k, cache.v, meta.slot_mapping,
             meta.block_table, meta.seq_lens, meta.query_start_loc, rope[0].dtype, rope_params[0],

@@ -168,65 +168,85 @@ def min_partition() -> int:
 
 
 @triton.jit
-def _rope_rows(
-    base,  # [R, 1] pointers to each row's un-rotated head vector (element d at base + d)
-    pos,  # [R] int position of each row (negative: position 0, as the cache-write kernel does)
-    ok,  # [R] rows to load (others are 0)
-    d,  # [BLOCK_D] head-dim indices
-    inv_freq_ptr,  # [D/2] float32
-    HEAD_DIM: tl.constexpr,
-    TABLE_DTYPE: tl.constexpr,
-):
-    """float32 [R, BLOCK_D] rows rotated by RoPE at their positions, computed as kernels/rope_kv_write.py
-    does (cos / sin of pos * inv_freq rounded to the tables' dtype; x * cos - partner * sin in the first half,
-    x * cos + partner * sin in the second, partner = the element D/2 away)."""
+def _rope_cos_sin(pos, d, inv_freq_ptr, HEAD_DIM: tl.constexpr, TABLE_DTYPE: tl.constexpr):
+    """float32 (cos, sin) of pos * inv_freq[d mod D/2], rounded to the tables' dtype, as
+    kernels/rope_kv_write.py computes them (a negative position counts as 0): [BLOCK_D] for a scalar `pos`,
+    [R, BLOCK_D] for [R] positions."""
     HALF: tl.constexpr = HEAD_DIM // 2
-    d_ok = d < HEAD_DIM
+    inv_freq = tl.load(inv_freq_ptr + tl.where(d < HALF, d, d - HALF), mask=d < HEAD_DIM, other=0.0)
+    p = tl.maximum(pos, 0).to(tl.float32)
+    if len(p.shape) == 0:
+        freqs = p * inv_freq
+    else:
+        freqs = p[:, None] * inv_freq[None, :]
+    return tl.cos(freqs).to(TABLE_DTYPE).to(tl.float32), tl.sin(freqs).to(TABLE_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _rope_apply(base, mask, d, cos, sin, HEAD_DIM: tl.constexpr):
+    """float32 [R, BLOCK_D] rows at base [R, 1] (element d at base + d) rotated by cos / sin ([BLOCK_D] or
+    [R, BLOCK_D]) as kernels/rope_kv_write.py rotates them: x * cos - partner * sin in the first half,
+    x * cos + partner * sin in the second, partner = the element D/2 away."""
+    HALF: tl.constexpr = HEAD_DIM // 2
     first = d < HALF
     partner = tl.where(first, d + HALF, d - HALF)
-    inv_freq = tl.load(inv_freq_ptr + tl.where(first, d, d - HALF), mask=d_ok, other=0.0)
-    freqs = tl.maximum(pos, 0).to(tl.float32)[:, None] * inv_freq[None, :]
-    cos = tl.cos(freqs).to(TABLE_DTYPE).to(tl.float32)
-    sin = tl.sin(freqs).to(TABLE_DTYPE).to(tl.float32)
-    mask = ok[:, None] & d_ok[None, :]
     x = tl.load(base + d[None, :], mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(base + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    if len(cos.shape) == 1:
+        cos = cos[None, :]
+        sin = sin[None, :]
     return tl.where(first[None, :], x * cos - xp * sin, x * cos + xp * sin)
 
 
 @triton.jit
-def _write_new_kv(
+def _rope_q_and_write_new_kv(
+    q_base,  # [BLOCK_M, 1] pointers to each row's un-rotated query head
+    pos,  # [BLOCK_M] int32 position of each row (-1: none)
+    row_ok,  # [BLOCK_M] live rows
     k_new_ptr, v_new_ptr, slot_mapping_ptr, positions_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr,
     q_start, q_count, kvh, split, partition, num_splits, stride_kt, stride_kh, stride_vt, stride_vh, d,
-    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TABLE_DTYPE: tl.constexpr, NQ_POW2: tl.constexpr,
+    NUM_QUERY: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TABLE_DTYPE: tl.constexpr,
+    NQ_POW2: tl.constexpr,
 ):  # fmt: skip
-    """Write KV head `kvh` of request b's new tokens (rows q_start .. q_start + q_count) whose position lies
-    in this program's split (the last split for positions past the splits; position < 0: the first) to the
-    cache: RoPE'd k and v, as the cache-write kernel would. Every key a program reads is in its own split, so
-    the keys it reads are ones it wrote itself: a barrier orders them (programs of other row tiles write the
-    same bytes). Slot -1 writes nothing."""
-    j = tl.arange(0, NQ_POW2)
-    j_ok = j < q_count
-    jt = (q_start + j).to(tl.int64)
-    jpos = tl.load(positions_ptr + jt, mask=j_ok, other=-1)
-    slot = tl.load(slot_mapping_ptr + jt, mask=j_ok, other=-1)
-    owner = tl.minimum(tl.maximum(jpos, 0) // partition, num_splits - 1)
-    live = j_ok & (slot >= 0) & (owner == split)
-    k = _rope_rows(
-        k_new_ptr + jt[:, None] * stride_kt + kvh * stride_kh,
-        jpos,
-        live,
-        d,
-        inv_freq_ptr,
-        HEAD_DIM,
-        TABLE_DTYPE,
-    )
-    row = slot[:, None] * (KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM + d[None, :]  # int64
-    mask = live[:, None] & (d < HEAD_DIM)[None, :]
-    tl.store(k_cache_ptr + row, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    v = tl.load(v_new_ptr + jt[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=mask)
-    tl.store(v_cache_ptr + row, v, mask=mask)
-    tl.debug_barrier()
+    """The RoPE'd q rows (float32), after writing KV head `kvh` of request b's new tokens (rows q_start ..
+    q_start + q_count) whose position lies in this program's split (the last split for positions past the
+    splits; position < 0: the first) to the cache, RoPE'd k and v as the cache-write kernel would. Every key
+    a program reads is in its own split, so the new keys it reads are ones it wrote itself: a barrier orders
+    them (programs of other row tiles write the same bytes). Slot -1 writes nothing. With one query row per
+    request (decode), cos / sin are computed once per program and the write is a branch of its owner."""
+    d_ok = d < HEAD_DIM
+    if NUM_QUERY == 1:
+        tok = q_start.to(tl.int64)
+        p0 = tl.load(positions_ptr + tok, mask=q_count > 0, other=-1)
+        cos, sin = _rope_cos_sin(p0, d, inv_freq_ptr, HEAD_DIM, TABLE_DTYPE)  # [BLOCK_D]
+        slot = tl.load(slot_mapping_ptr + tok, mask=q_count > 0, other=-1)
+        owner = tl.minimum(tl.maximum(p0, 0) // partition, num_splits - 1)
+        if (slot >= 0) & (owner == split):
+            k = _rope_apply(k_new_ptr + tok * stride_kt + kvh * stride_kh + tl.zeros([1, 1], tl.int64),
+                            d_ok[None, :], d, cos, sin, HEAD_DIM)  # fmt: skip
+            row = slot * (KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM + d[None, :]  # [1, BLOCK_D] int64
+            tl.store(k_cache_ptr + row, k.to(k_cache_ptr.dtype.element_ty), mask=d_ok[None, :])
+            v = tl.load(v_new_ptr + tok * stride_vt + kvh * stride_vh + d[None, :], mask=d_ok[None, :])
+            tl.store(v_cache_ptr + row, v, mask=d_ok[None, :])
+            tl.debug_barrier()
+    else:
+        cos, sin = _rope_cos_sin(pos, d, inv_freq_ptr, HEAD_DIM, TABLE_DTYPE)  # [BLOCK_M, BLOCK_D]
+        j = tl.arange(0, NQ_POW2)
+        j_ok = j < q_count
+        jt = (q_start + j).to(tl.int64)
+        jpos = tl.load(positions_ptr + jt, mask=j_ok, other=-1)
+        slot = tl.load(slot_mapping_ptr + jt, mask=j_ok, other=-1)
+        owner = tl.minimum(tl.maximum(jpos, 0) // partition, num_splits - 1)
+        live = j_ok & (slot >= 0) & (owner == split)
+        jcos, jsin = _rope_cos_sin(jpos, d, inv_freq_ptr, HEAD_DIM, TABLE_DTYPE)
+        mask = live[:, None] & d_ok[None, :]
+        k = _rope_apply(k_new_ptr + jt[:, None] * stride_kt + kvh * stride_kh, mask, d, jcos, jsin, HEAD_DIM)
+        row = slot[:, None] * (KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM + d[None, :]  # int64
+        tl.store(k_cache_ptr + row, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        v = tl.load(v_new_ptr + jt[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=mask)
+        tl.store(v_cache_ptr + row, v, mask=mask)
+        tl.debug_barrier()
+    return _rope_apply(q_base, row_ok[:, None] & d_ok[None, :], d, cos, sin, HEAD_DIM)
 
 
 @triton.jit
@@ -294,16 +314,13 @@ def _paged_attention_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     if ROPE_WRITE:
-        # RoPE of q in registers, then the new tokens' K/V into the cache before any key is read (below)
-        q = _rope_rows(
-            q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qn, pos, row_ok, d, inv_freq_ptr,
-            HEAD_DIM, TABLE_DTYPE,
-        ).to(k_cache_ptr.dtype.element_ty)  # fmt: skip
-        _write_new_kv(
+        # RoPE of q in registers, after the new tokens' K/V went into the cache (before any key is read)
+        q = _rope_q_and_write_new_kv(
+            q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qn, pos, row_ok,
             k_new_ptr, v_new_ptr, slot_mapping_ptr, positions_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr,
             q_start, q_count, kvh, split, partition, num_splits, stride_kt, stride_kh, stride_vt, stride_vh,
-            d, KV_HEADS, HEAD_DIM, TABLE_DTYPE, NQ_POW2,
-        )  # fmt: skip
+            d, NUM_QUERY, KV_HEADS, HEAD_DIM, TABLE_DTYPE, NQ_POW2,
+        ).to(k_cache_ptr.dtype.element_ty)  # fmt: skip
     else:
         q = tl.load(
             q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qn + d[None, :],

@@ -348,6 +348,43 @@ def test_paged_forward_equals_reference_backend(model_type, fused, ops, rope_att
     assert got_cache.k[:, :NUM_BLOCKS].abs().sum() > 0
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_decode_step_with_rope_attention_equals_the_two_launches(model_type, monkeypatch):
+    """A paged decode step (one row per request, two requests and a padding row) after a prefill: with
+    FSPEC_ROPE_ATTENTION=decode (fspec::rope_paged_attention, its one-row branch) the logits and every cache
+    byte equal those of the two launches (FSPEC_ROPE_ATTENTION=0), under the interpreter."""
+    cfg = _tiny(model_type)
+    params = L.fuse_projections(llama.init(cfg, seed=4))
+    ids, meta = _prefill(cfg)
+    tables = meta.block_table
+    positions = torch.tensor([5, 7, -1])
+    step = fspec.AttnMetadata(
+        positions=positions,
+        query_start_loc=torch.tensor([0, 1, 2, 3], dtype=torch.int32),
+        seq_lens=torch.tensor([6, 8, 0], dtype=torch.int32),
+        block_table=tables,
+        slot_mapping=_slot_mapping(tables, positions, BLOCK_SIZE, torch.tensor([0, 1, 2])),
+    )
+    from fspec.kernels import paged_attention as pa
+
+    launches = []
+    fused = pa.rope_paged_attention
+    monkeypatch.setattr(pa, "rope_paged_attention", lambda *a, **k: launches.append(1) or fused(*a, **k))
+    out = {}
+    for mode in ("0", "decode"):
+        monkeypatch.setenv("FSPEC_ROPE_ATTENTION", mode)
+        cache = KVCache.create(cfg, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+        _, _, cache = llama.forward(params, ids, meta, cache, cfg=cfg, backend="paged", max_query_len=7)
+        logits, _, cache = llama.forward(
+            params, torch.tensor([3, 9, 0]), step, cache, cfg=cfg, backend="paged", max_query_len=1
+        )
+        out[mode] = (logits, cache)
+    (want, want_cache), (got, got_cache) = out["0"], out["decode"]
+    assert len(launches) == cfg.num_hidden_layers  # the decode step's layers only, not the prefill's
+    assert torch.equal(got, want)
+    assert torch.equal(got_cache.k, want_cache.k) and torch.equal(got_cache.v, want_cache.v)
+
+
 def test_compiled_paged_forward_hands_the_projection_output_to_the_op(monkeypatch):
     """torch.compile(fullgraph) of a fused model's paged decode step equals eager, and in Inductor's code each
     layer's fspec::rope_pos_kv_write reads q, k and v as views of the qkv matmul's output, with no kernel
