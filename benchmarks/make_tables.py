@@ -251,6 +251,8 @@ ALIASES = {
     "host_overhead_torch_checks": "host_overhead",
     "draft_loop_b1_b32_rows": "draft_loop",
     "draft_loop_b1": "draft_loop",
+    "draft_loop_cuda_graph": "draft_loop",
+    "draft_loop_b1_cuda_graph": "draft_loop",
     "switches_m": "switches",
 }  # result files drawn by another's renderer
 
@@ -262,6 +264,8 @@ NAMES = [
     "draft_loop_b1_b32",
     "draft_loop_b1_b32_rows",
     "draft_loop_b1",
+    "draft_loop_cuda_graph",
+    "draft_loop_b1_cuda_graph",
     "generate",
     "call_overhead",
     "skinny_linear",
