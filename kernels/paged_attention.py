@@ -46,7 +46,7 @@ from . import pdl
 from .counters import COUNTER_SLOTS, zeroed_counters
 from .kv_write import layer_view
 from .pdl import pdl_enter
-from .rope_kv_write import _TL_DTYPES, _check_qkv, _unit_stride, rope_pos_kv_write_ref
+from .rope_kv_write import _TL_DTYPES, _unit_stride, check_rope_positions, rope_pos_kv_write_ref
 
 LOG2E = 1.4426950408889634
 
@@ -621,15 +621,7 @@ def rope_paged_attention(
     as `paged_attention`: the cache write's launch and its round trip before the attention are gone. For
     num_query <= MAX_ROPE_WRITE_QUERY (a decode step, a draft step, a verification)."""
     kc = layer_view(k_cache, layer)
-    _check_qkv(q, k, v, kc, slot_mapping)
-    t, _, d = q.shape
-    if tuple(positions.shape) != (t,) or tuple(inv_freq.shape) != (d // 2,):
-        raise ValueError(
-            f"positions/inv_freq: expected shapes [T] = [{t}] and [D/2] = [{d // 2}], got "
-            f"{tuple(positions.shape)} and {tuple(inv_freq.shape)}"
-        )
-    if table_dtype not in _TL_DTYPES:
-        raise ValueError(f"table_dtype: expected one of {list(_TL_DTYPES)}, got {table_dtype}")
+    check_rope_positions(q, k, v, kc, slot_mapping, positions, inv_freq, table_dtype)
     if not 1 <= num_query <= MAX_ROPE_WRITE_QUERY:
         raise ValueError(f"num_query: expected 1..{MAX_ROPE_WRITE_QUERY}, got {num_query}")
     k, v = _unit_stride(k), _unit_stride(v.to(kc.dtype))  # v cast on the host, as the cache write does

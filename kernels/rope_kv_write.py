@@ -182,6 +182,29 @@ def rope_kv_write(
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
+def check_rope_positions(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kc: Tensor,
+    slot_mapping: Tensor,
+    positions: Tensor,
+    inv_freq: Tensor,
+    table_dtype: torch.dtype,
+) -> None:
+    """Shapes and dtypes only (no host sync): `_check_qkv`, positions [T], inv_freq [D/2], and a table dtype
+    the kernels can round to."""
+    _check_qkv(q, k, v, kc, slot_mapping)
+    t, _, d = q.shape
+    if tuple(positions.shape) != (t,) or tuple(inv_freq.shape) != (d // 2,):
+        raise ValueError(
+            f"positions/inv_freq: expected shapes [T] = [{t}] and [D/2] = [{d // 2}], got "
+            f"{tuple(positions.shape)} and {tuple(inv_freq.shape)}"
+        )
+    if table_dtype not in _TL_DTYPES:
+        raise ValueError(f"table_dtype: expected one of {list(_TL_DTYPES)}, got {table_dtype}")
+
+
 def rope_pos_kv_write(
     q: Tensor,
     k: Tensor,
@@ -201,15 +224,8 @@ def rope_pos_kv_write(
     kc, vc = layer_view(k_cache, layer), layer_view(v_cache, layer)
     if not (kc.is_contiguous() and vc.is_contiguous()):
         raise ValueError("k_cache/v_cache: expected contiguous layers [num_blocks, block_size, Nkv, D]")
-    _check_qkv(q, k, v, kc, slot_mapping)
+    check_rope_positions(q, k, v, kc, slot_mapping, positions, inv_freq, table_dtype)
     t, n, d = q.shape
-    if tuple(positions.shape) != (t,) or tuple(inv_freq.shape) != (d // 2,):
-        raise ValueError(
-            f"positions/inv_freq: expected shapes [T] = [{t}] and [D/2] = [{d // 2}], got "
-            f"{tuple(positions.shape)} and {tuple(inv_freq.shape)}"
-        )
-    if table_dtype not in _TL_DTYPES:
-        raise ValueError(f"table_dtype: expected one of {list(_TL_DTYPES)}, got {table_dtype}")
     nkv = k.shape[1]
     q_out = torch.empty((t, n, d), dtype=kc.dtype, device=q.device)
     if t == 0:
