@@ -14,7 +14,9 @@ What the caller promises, as with any CUDA graph: the argument tensors of one la
 new address is a new layout, so a new capture, never a stale read), inputs are written in place between
 calls (`fspec.compile.StagedInputs` does that for a draft state), and the function is deterministic with no
 host synchronisation. The result's tensors are the graph's own outputs: every call of any layout may
-overwrite them (all graphs share one memory pool), so read or copy them before the next call.
+overwrite them (all graphs share one memory pool), so read or copy them before the next call. Each layout's
+graph and outputs live as long as the `GraphCapture` does: a caller that allocates a new KV cache per call
+captures a new graph per call; keep the cache (as the engine keeps its buffers) or drop the compiled function.
 """
 
 from __future__ import annotations
