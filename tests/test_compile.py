@@ -145,4 +145,11 @@ def test_staged_inputs_with_placeholders_keep_every_leaf_at_one_address():
     assert ptrs[0] == ptrs[1]
     sb = staged.stage(b)
     assert sb.draft_probs is not b.draft_probs and sb.draft_probs.shape == b.draft_probs.shape
+    # the placeholders are the stager's own tensors (no caller's storage is kept alive or aliased), with
+    # values a state may hold (eager `propose` validates the step)
+    callers = {
+        t.untyped_storage().data_ptr() for s in (a, b) for t in (s.step, s.draft_tokens, s.draft_probs)
+    }
+    assert not callers & {t.untyped_storage().data_ptr() for t in (sb.step, sb.draft_tokens, sb.draft_probs)}
+    assert 0 <= int(sb.step) <= DRAFT.cfg.num_speculative_steps
     assert torch.equal(sb.hidden, b.hidden) and torch.equal(sb.attn.block_table, b.attn.block_table)
