@@ -245,6 +245,19 @@ def switches(d: dict) -> list[str]:
     return out
 
 
+def l2_prefetch(d: dict) -> list[str]:
+    out = [
+        f"| weight | MiB | floor µs | case | fraction prefetched | µs (idle {d['idle_us']:.0f} µs before) |",
+        "|---|---:|---:|---|---:|---:|",
+    ]
+    for r in d["rows"]:
+        out.append(
+            f"| {r['shape']} | {r['weight_mib']:.0f} | {_f(r['floor_us'], '{:.2f}')} | {r['case']} "
+            f"| {r['fraction']:.2f} | {_f(r['us'], '{:.2f}')} |"
+        )
+    return out
+
+
 ALIASES = {
     "skinny_linear_one_row": "skinny_linear",
     "draft_loop_b1_b32": "draft_loop",
@@ -275,6 +288,7 @@ NAMES = [
     "host_overhead_torch_checks",
     "switches",
     "switches_m",
+    "l2_prefetch",
     "dispatch",
     "acceptance",
     "acceptance_h200",

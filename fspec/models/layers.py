@@ -13,6 +13,7 @@ convention (the HF checkpoint layout, not the interleaved one of Meta's original
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,8 @@ SKINNY_DEEP_K = 4096  # FSPEC_SKINNY_LINEAR=deep: shortest reduction routed
 # cuBLAS: benchmarks/results/skinny_linear_one_row.json)
 SKINNY_ROW_MAX_OUT = 32768
 SKINNY_MODES = ("0", "1", "deep", "row", "rowdeep")
+L2_PREFETCH_ENV = "FSPEC_L2_PREFETCH"  # MiB of weights a one-row product asks the L2 for (0: none)
+L2_PREFETCH_DEFAULT_MIB = 0
 
 
 def skinny_mode() -> str:
@@ -78,12 +81,56 @@ def _skinny_inference(x: torch.Tensor, w: torch.Tensor, *, cuda: bool | None) ->
     return cuda and 0 < rows <= SKINNY_ROWS and x.dtype in dtypes and not grad and unit
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, b), through `fspec::skinny_linear` where `use_skinny_linear` says so."""
+def linear(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, prefetch: list[torch.Tensor] = ()
+) -> torch.Tensor:
+    """F.linear(x, w, b), through `fspec::skinny_linear` where `use_skinny_linear` says so; `prefetch`
+    (weights read after this product, `l2_prefetch_budget`) goes to `fspec::skinny_linear_prefetch` for one
+    row of x, and is dropped otherwise (a hint)."""
     if not use_skinny_linear(x, w):
         return F.linear(x, w, b)
-    y = call("skinny_linear", x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+    rows = x.reshape(-1, x.shape[-1])
+    if prefetch and rows.shape[0] == 1:
+        y = call("skinny_linear_prefetch", rows, w, None, 1e-6, False, None, list(prefetch))
+    else:
+        y = call("skinny_linear", rows, w)
+    y = y.reshape(*x.shape[:-1], w.shape[0])
     return y if b is None else y + b
+
+
+def l2_prefetch_budget() -> int:
+    """FSPEC_L2_PREFETCH: MiB of the weights read after a latency-bound stretch (the attention, the
+    sampling) that the one-row product before it asks the L2 for (kernels/l2_prefetch.py); 0 turns the
+    prefetches off; unset: L2_PREFETCH_DEFAULT_MIB. Returns bytes. Anything but an int in [0, 64] is a
+    ValueError naming the variable (the H200's L2 is 50 MiB). Decided when a graph is traced."""
+    env = os.environ.get(L2_PREFETCH_ENV, str(L2_PREFETCH_DEFAULT_MIB))
+    if not env.isdigit() or int(env) > 64:
+        raise ValueError(f"{L2_PREFETCH_ENV}: expected an integer number of MiB in [0, 64], got {env!r}")
+    return int(env) << 20
+
+
+def leading_rows(w: torch.Tensor, budget: int) -> list[torch.Tensor]:
+    """[w[:r]]: the most leading rows of w that fit `budget` bytes (all of w if it fits); [] for none."""
+    row = w[0].numel() * w.element_size() if w.dim() == 2 and w.shape[0] else 0
+    r = min(w.shape[0], budget // row) if row else 0
+    return [w[:r]] if r else []
+
+
+def prefetch_after_qkv(p: dict, budget: int | None = None) -> list[torch.Tensor]:
+    """What a layer's q/k/v product asks the L2 for (`l2_prefetch_budget` bytes unless `budget`): o whole,
+    then as many leading rows of gate/up's two halves as the rest allows, as many of each (a program of the
+    gate/up kernel reads the same rows of both), for a layer with fused "o" and "gate_up"; else []. The
+    order of the kernels that read them: o first, gate/up's low programs next."""
+    budget = l2_prefetch_budget() if budget is None else budget
+    if budget <= 0 or "o" not in p or "gate_up" not in p:
+        return []
+    o = leading_rows(p["o"], budget)
+    rest = budget - (o[0].numel() * o[0].element_size() if o else 0)
+    if not o or o[0].shape[0] < p["o"].shape[0]:
+        return o
+    gate, up = p["gate_up"].chunk(2, dim=0)
+    half = leading_rows(gate, rest // 2)
+    return o + half + ([up[: half[0].shape[0]]] if half else [])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -147,10 +194,12 @@ def project_qkv(
     `attend` applies it).
 
     A fused layer (`fuse_projections`) computes all three with one matmul over its "qkv" weight; q, k and v
-    are then views of that one output, which the paged backend's kernel reads in place.
+    are then views of that one output, which the paged backend's kernel reads in place. Its one-row product
+    asks the L2 for the weights read after the attention (`prefetch_after_qkv`).
     """
     if "qkv" in p:
-        q, k, v = linear(x, p["qkv"], p.get("qkv_bias")).split(qkv_sizes(cfg), dim=-1)
+        qkv = linear(x, p["qkv"], p.get("qkv_bias"), prefetch=prefetch_after_qkv(p))
+        q, k, v = qkv.split(qkv_sizes(cfg), dim=-1)
     else:
         q = linear(x, p["q"], p.get("q_bias"))
         k = linear(x, p["k"], p.get("k_bias"))
@@ -359,7 +408,11 @@ def fused_decoder_layer(
     lead, hidden = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, hidden)
     eps = cfg.rms_norm_eps
-    qkv = call("skinny_linear", rows, p["qkv"], p["input_norm"], eps, False, None)
+    ahead = prefetch_after_qkv(p)  # o and gate/up stream into the L2 while the attention runs
+    if ahead:
+        qkv = call("skinny_linear_prefetch", rows, p["qkv"], p["input_norm"], eps, False, None, ahead)
+    else:
+        qkv = call("skinny_linear", rows, p["qkv"], p["input_norm"], eps, False, None)
     q, k, v = (rearrange(t, "t (n d) -> t n d", d=cfg.head_dim) for t in qkv.split(qkv_sizes(cfg), dim=-1))
     shape = lambda t: t.reshape(*lead, *t.shape[1:])  # noqa: E731
     out = rearrange(attend(shape(q), shape(k), shape(v), layer, cos, sin), "... n d -> ... (n d)")

@@ -230,9 +230,10 @@ def _compile_for_sm90_body():
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "norm_ptr": "*bf16", "res_ptr": "*bf16"}
     sig.update(part_ptr="*fp32", counter_ptr="*i32", N="i32", K="i32", K_SPLIT="i32", eps="fp32")
-    sig.update(stride_wn="i32")
+    sig.update(stride_wn="i32", pf0_ptr="*bf16", pf0_bytes="i32", pf1_ptr="*bf16", pf1_bytes="i32")
+    sig.update(pf2_ptr="*bf16", pf2_bytes="i32")
     names = ("BLOCK_N", "BLOCK_K", "NORM", "SILU", "RESIDUAL", "PDL", "ONE_TILE", "SPLIT_K", "NORM_BLOCK")
-    sig.update({name: "constexpr" for name in names})
+    sig.update({name: "constexpr" for name in (*names, "PREFETCH")})
     # the loop at its largest tiles, and the one-tile kernel at the largest the launcher allows
     # (GEMV_ONE_TILE_ELEMS_PER_THREAD: 16 x 2048 at 8 warps; 16 x 1024 with SiLU * up's two tiles); the
     # split reduction (its combine adds a [SPLIT_K, BLOCK_N] load and an atomic)
@@ -247,7 +248,12 @@ def _compile_for_sm90_body():
         # the RMS pass at its widest load (NORM_VALUES_PER_THREAD per thread: K = 8192 at 8 warps)
         consts.update(RESIDUAL=bool(residual), PDL=True, ONE_TILE=bool(one), SPLIT_K=split)
         consts.update(NORM_BLOCK=norm_block(8192, warps) if norm else 16)
-        attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11)}
+        # the L2 prefetch of up to three ranges after the store (the fused layer's q/k/v: o, gate and up
+        # rows; an EAGLE-3 head's LM head: q/k/v) on every other config
+        prefetch = (0, 3, 1)[(block_k + norm + silu) % 3]
+        consts.update(PREFETCH=prefetch)
+        divisible = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 15, 16, 17)
+        attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
         src = ASTSource(fn=_skinny_gemv_kernel, signature=sig, constexprs=consts, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -256,6 +262,8 @@ def _compile_for_sm90_body():
             run = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True)
         assert "STL" not in run.stdout, f"the one-row kernel spills registers ({consts}, {warps} warps)"
         assert ("ATOM" in run.stdout) == (split > 1), f"the counter's atomic ({consts})"
+        # cp.async.bulk.prefetch.L2 compiles to UBLKPF.L2: one per region in the chunk loop, none without
+        assert run.stdout.count("UBLKPF.L2") == prefetch, f"the L2 prefetches ({consts})"
     # the 2..FMA_MAX_ROWS-row CUDA-core kernel (an explicit fma config) at the tiles its launcher picks from
     # the one-row configs for a 1B-shaped head's products (and a 32000-token LM head), at 2, 4 and 8 padded
     # rows, plain and with the fusions
