@@ -310,7 +310,9 @@ def _skinny_gemv_kernel(
             _gemv_epilogue(part, part_up, n, n_ok, y_ptr, res_ptr, SILU, RESIDUAL)
     nprog = tl.num_programs(0) * tl.num_programs(1)
     pid = split * tl.num_programs(0) + pid_n
-    prefetch_regions(pf0_ptr, pf0_bytes, pf1_ptr, pf1_bytes, pf2_ptr, pf2_bytes, pid, nprog, PREFETCH, CHUNK_CONSTEXPR)
+    prefetch_regions(
+        pf0_ptr, pf0_bytes, pf1_ptr, pf1_bytes, pf2_ptr, pf2_bytes, pid, nprog, PREFETCH, CHUNK_CONSTEXPR
+    )
 
 
 @triton.jit
