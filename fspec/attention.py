@@ -31,6 +31,7 @@ elements, once per *token* T·C·Nkv·D (a 2k-token prefill at C = 2k, 8 KV head
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
@@ -193,6 +194,47 @@ def rope_attention(num_query: int) -> bool:
     return num_query == 1 if mode == "decode" else mode == "1" and num_query <= MAX_ROPE_WRITE_QUERY
 
 
+QKV_ROPE_DEFAULT = "1"  # target-only decoding +2% on the H200 (runs t, u of table `switches`)
+
+
+def qkv_rope_enabled() -> bool:
+    """FSPEC_QKV_ROPE: whether a one-row layer's fused q/k/v product carries RoPE and the cache write as its
+    epilogue (`fspec::qkv_rope_write`, then `fspec::paged_attention`) where the paged backend runs it: "1",
+    or "0" (two launches: the product, then `fspec::rope_pos_kv_write`); unset: QKV_ROPE_DEFAULT. Anything
+    else is a ValueError naming the variable."""
+    return env_choice("FSPEC_QKV_ROPE", ("0", "1"), QKV_ROPE_DEFAULT) == "1"
+
+
+def _paged_qkv_rope(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    layer: int,
+    table_dtype: torch.dtype,
+    *,
+    meta: AttnMetadata,
+    cache: KVCache,
+    rope_params: tuple,
+) -> torch.Tensor | None:
+    """The paged attention of one row whose q/k/v come from `fspec::qkv_rope_write` (x [1, K] through the
+    fused projection w, RMSNorm first with norm_weight): out [1, N, D] in x's dtype; None where that path
+    does not apply (FSPEC_QKV_ROPE off, FSPEC_ROPE_ATTENTION on, more than one row, the cache's dtype not
+    x's): the caller then projects and attends as usual."""
+    if not qkv_rope_enabled() or rope_attention(1) or x.shape[0] != 1 or cache.k.dtype != x.dtype:
+        return None
+    d, nkv = cache.k.shape[-1], cache.k.shape[-2]
+    qkv = call(
+        "qkv_rope_write", x, w, norm_weight, eps, meta.positions, cache.k, cache.v, meta.slot_mapping,
+        table_dtype, rope_params[0], list(rope_params[1]), layer=layer,
+    )  # fmt: skip
+    q = qkv[:, : qkv.shape[1] - 2 * nkv * d].view(1, -1, d)
+    return call(
+        "paged_attention", q, cache.k, cache.v, meta.block_table, meta.seq_lens, meta.positions,
+        meta.query_start_loc, scale=d**-0.5, num_query=1, layer=layer,
+    )  # fmt: skip
+
+
 def _paged_kernels(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -318,7 +360,10 @@ def bind(
     `rope` (`fspec.models.layers.rope_key` of the model's config, whose cos / sin the layers pass, computed
     from meta.positions): the paged kernel computes cos / sin itself instead of reading the tables.
 
-    The cache is donated (written in place), so the caller returns the `cache` it passed in.
+    The cache is donated (written in place), so the caller returns the `cache` it passed in. With the paged
+    backend and `rope`, `attend.qkv_rope(x [1, K], w_qkv, norm_weight, eps, layer, table_dtype)` is the
+    same attention for a layer that hands over its one row and fused q/k/v weight instead (`_paged_qkv_rope`:
+    None where that path does not apply).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
@@ -347,6 +392,9 @@ def bind(
             max_context=max_context,
         )[0]
 
+    if fused and rope is not None:  # a one-row layer may hand over x and its q/k/v weight instead
+        rope_params = tuple(rope[1:])
+        attend.qkv_rope = functools.partial(_paged_qkv_rope, meta=meta, cache=cache, rope_params=rope_params)
     return attend
 
 

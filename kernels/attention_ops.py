@@ -5,6 +5,9 @@
                            -> q_out [T, N, D] (RoPE'd q in the cache's dtype)
     fspec::rope_pos_kv_write (q, k, v, positions, k_cache!, v_cache!, slot_mapping, table_dtype, rope_type,
                            rope, *, layer=0) -> q_out: cos / sin computed in the kernel
+    fspec::qkv_rope_write  (x [1, K], w, norm_weight?, eps, positions, k_cache!, v_cache!, slot_mapping,
+                           table_dtype, rope_type, rope, *, layer=0) -> [q_rot, k_rot, v] [1, (N + 2·Nkv)·D]:
+                           a one-row q/k/v product with rope_pos_kv_write as its epilogue
     fspec::paged_attention (q, k_cache, v_cache, block_table, seq_lens, positions, query_start_loc,
                             *, scale, num_query, layer=0) -> out [T, N, D]
     fspec::rope_paged_attention (q, k, v, positions, k_cache!, v_cache!, slot_mapping, block_table, seq_lens,
@@ -19,9 +22,9 @@ implementations let `torch.compile(fullgraph=True)` trace through the ops.
 Callers pass the whole cache buffers ([num_blocks, block_size, Nkv, D], or the stacked [L, ...] with
 `layer`), never views: a view of a buffer that a compiled graph cloned can be rewritten to the original
 (pytorch#198031).
-`kv_write`, `rope_kv_write`, `rope_pos_kv_write` and `rope_paged_attention` mutate exactly k_cache and
-v_cache (the cache is donated; the RoPE ops return a fresh q_out or out, never an alias); `paged_attention`
-mutates nothing and returns a fresh tensor.
+`kv_write`, `rope_kv_write`, `rope_pos_kv_write`, `qkv_rope_write` and `rope_paged_attention` mutate exactly
+k_cache and v_cache (the cache is donated; the RoPE ops return a fresh q_out or out, never an alias);
+`paged_attention` mutates nothing and returns a fresh tensor.
 """
 
 import torch
@@ -29,6 +32,7 @@ from torch import Tensor
 
 from . import kv_write as _kv
 from . import paged_attention as _pa
+from . import qkv_rope_write as _qrw
 from . import rope_cos_sin as _rcs
 from . import rope_kv_write as _rkv
 from .dispatch import kernels_interpreted, register  # noqa: F401  (kernels_interpreted re-exported)
@@ -84,6 +88,57 @@ def _(
     layer: int = 0,
 ) -> Tensor:
     return q.new_empty(q.shape, dtype=k_cache.dtype)
+
+
+@register("fspec::qkv_rope_write", mutates_args=("k_cache", "v_cache"))
+def qkv_rope_write(
+    x: Tensor,
+    w: Tensor,
+    norm_weight: Tensor | None,
+    eps: float,
+    positions: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    table_dtype: torch.dtype,
+    rope_type: str,
+    rope: list[float],
+    *,
+    layer: int = 0,
+) -> Tensor:
+    """One row's fused q/k/v product (RMSNorm of x first with `norm_weight`) with RoPE and the cache write
+    as its epilogue: `rope_pos_kv_write` of `skinny_linear`'s q, k, v in one launch; returns [q_rot, k_rot,
+    v] [1, (N + 2·Nkv)·D] in x's dtype (kernels/qkv_rope_write.py). RoPE's inverse frequencies as
+    `rope_pos_kv_write`'s."""
+    d = k_cache.shape[-1]
+    inv_freq = _rcs.cached_inv_freq((d, rope_type, tuple(rope)), x.device)
+    impl = _qrw.qkv_rope_write if _use_triton(k_cache) else _qrw.qkv_rope_write_ref
+    return impl(
+        x, w, norm_weight=norm_weight, eps=eps, positions=positions, inv_freq=inv_freq,
+        table_dtype=table_dtype, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, layer=layer,
+    )  # fmt: skip
+
+
+@qkv_rope_write.register_fake
+def _(
+    x: Tensor,
+    w: Tensor,
+    norm_weight: Tensor | None,
+    eps: float,
+    positions: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    table_dtype: torch.dtype,
+    rope_type: str,
+    rope: list[float],
+    *,
+    layer: int = 0,
+) -> Tensor:
+    kc = _kv.layer_view(k_cache, layer)
+    inv_freq = x.new_empty(kc.shape[-1] // 2, dtype=torch.float32)
+    _qrw.check_qkv_rope_args(x, w, norm_weight, eps, positions, inv_freq, table_dtype, kc, slot_mapping)
+    return x.new_empty((1, w.shape[0]))
 
 
 @register("fspec::rope_pos_kv_write", mutates_args=("k_cache", "v_cache"))

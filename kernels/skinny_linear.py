@@ -204,6 +204,13 @@ def _skinny_gemv_kernel(
     pf1_bytes,
     pf2_ptr,  # (PREFETCH >= 3) the third range
     pf2_bytes,
+    positions_ptr,  # (ROPE_HEAD_DIM) [1] int: the row's position (negative: padding, rotated as position 0)
+    inv_freq_ptr,  # (ROPE_HEAD_DIM) [D/2] float32: RoPE's inverse frequencies
+    slot_ptr,  # (ROPE_HEAD_DIM) [1] int64: the row's cache slot; negative: nothing written
+    k_cache_ptr,  # (ROPE_HEAD_DIM) [num_blocks, block_size, Nkv, D] this layer's K cache (written)
+    v_cache_ptr,  # (ROPE_HEAD_DIM) this layer's V cache, same layout (written)
+    q_cols,  # (ROPE_HEAD_DIM) N * D: the output's q columns, then Nkv * D of k, then Nkv * D of v
+    kv_cols,  # (ROPE_HEAD_DIM) Nkv * D
     BLOCK_N: tl.constexpr,  # output columns per program, a power of two
     BLOCK_K: tl.constexpr,  # reduction depth per tile, a power of two
     NORM: tl.constexpr = False,
@@ -215,6 +222,8 @@ def _skinny_gemv_kernel(
     NORM_BLOCK: tl.constexpr = 16,  # (NORM) x values per load of the RMS pass (K's next power of two if
     # registers allow: one L2 round trip instead of K / BLOCK_K dependent ones)
     PREFETCH: tl.constexpr = 0,  # ranges (pf*) to prefetch into the L2 once the program's result is stored
+    ROPE_HEAD_DIM: tl.constexpr = 0,  # D > 0: a fused q/k/v product; RoPE and the cache write as epilogue
+    TABLE_DTYPE: tl.constexpr = tl.float32,  # (ROPE_HEAD_DIM) the dtype RoPE's cos / sin tables would have
 ):
     """`_skinny_linear_kernel` for one row (a batch-1 decode step) on the CUDA cores: each [BLOCK_N, BLOCK_K]
     weight tile is multiplied by the broadcast x vector into a [BLOCK_N, BLOCK_K] float32 partial sum,
@@ -232,10 +241,21 @@ def _skinny_gemv_kernel(
 
     PREFETCH > 0: after its store each program asks the L2 for its share of up to three weight ranges that a
     later kernel reads (kernels/l2_prefetch.py: the layer's o and gate/up while the attention runs, the next
-    step's q/k/v while the sampling runs)."""
+    step's q/k/v while the sampling runs).
+
+    ROPE_HEAD_DIM = D > 0 (kernels/qkv_rope_write.py): w is a layer's fused [q; k; v] projection and the
+    epilogue does what `rope_pos_kv_write` would do next: q and k rotated (rotate-half RoPE, cos / sin from
+    the row's position), k and v written to the cache slot, the output [q_rot, k_rot, v]. A program then owns
+    BLOCK_N / 2 rotate-half pairs (d, d + D/2) of one head, so that each pair meets in its registers."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROPE_HEAD_DIM > 0:  # column i of the program: pair i // 2, half i % 2 (interleaved for tl.split)
+        i = tl.arange(0, BLOCK_N)
+        programs_per_head = ROPE_HEAD_DIM // BLOCK_N
+        first = (pid_n // programs_per_head) * ROPE_HEAD_DIM + (pid_n % programs_per_head) * (BLOCK_N // 2)
+        n = first + i // 2 + (i % 2) * (ROPE_HEAD_DIM // 2)
+    else:
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
     kk = tl.arange(0, BLOCK_K)
@@ -291,7 +311,12 @@ def _skinny_gemv_kernel(
                 u = u_next
     part = tl.sum(acc, axis=1)  # [BLOCK_N] float32
     part_up = tl.sum(acc_up, axis=1)
-    if SPLIT_K == 1:
+    if ROPE_HEAD_DIM > 0:  # (SPLIT_K = 1, no SiLU, no residual: the launcher's contract)
+        _rope_kv_epilogue(
+            part, n, pid_n, y_ptr, positions_ptr, inv_freq_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_cols,
+            kv_cols, BLOCK_N, ROPE_HEAD_DIM, TABLE_DTYPE,
+        )  # fmt: skip
+    elif SPLIT_K == 1:
         _gemv_epilogue(part, part_up, n, n_ok, y_ptr, res_ptr, SILU, RESIDUAL)
     else:
         tl.store(part_ptr + split * N + n, part, mask=n_ok)
@@ -424,6 +449,48 @@ def _gemv_epilogue(part, part_up, n, n_ok, y_ptr, res_ptr, SILU: tl.constexpr, R
         r = tl.load(res_ptr + n, mask=n_ok, other=0.0)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + n, y, mask=n_ok)
+
+
+@triton.jit
+def _rope_kv_epilogue(
+    part,
+    n,
+    pid_n,
+    y_ptr,
+    positions_ptr,
+    inv_freq_ptr,
+    slot_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    q_cols,
+    kv_cols,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    TABLE_DTYPE: tl.constexpr,
+):
+    """The fused q/k/v product's epilogue (columns n in pair order, see `_skinny_gemv_kernel`): each sum
+    rounded to y's dtype as the plain product's output is, then for q and k columns x * cos + rotate_half(x) *
+    sin in float32 with cos / sin of the row's position rounded to TABLE_DTYPE (the arithmetic of
+    `_rope_kv_write_kernel`, FROM_POSITIONS), rounded once; y <- [q_rot, k_rot, v]; k_rot and v also to the
+    cache at the row's slot (none for a negative slot)."""
+    y = part.to(y_ptr.dtype.element_ty).to(tl.float32)
+    i = tl.arange(0, BLOCK_N)  # column i holds half i % 2 of pair i // 2: its partner is column i ^ 1
+    partner = tl.gather(y, i ^ 1, 0)  # (a reshape-split-join here went through local memory on sm_90)
+    j = (pid_n % (HEAD_DIM // BLOCK_N)) * (BLOCK_N // 2) + i // 2  # the pair's frequency index
+    pos = tl.maximum(tl.load(positions_ptr), 0).to(tl.float32)
+    freqs = pos * tl.load(inv_freq_ptr + j)
+    cos = tl.cos(freqs).to(TABLE_DTYPE).to(tl.float32)
+    sin = tl.sin(freqs).to(TABLE_DTYPE).to(tl.float32)
+    # first half x1 * cos - x2 * sin, second half x2 * cos + x1 * sin (rotate_half(x) = (-x2, x1))
+    rotated = y * cos + (tl.where(i % 2 == 0, -partner, partner)) * sin
+    is_v = n >= q_cols + kv_cols
+    out = tl.where(is_v, y, rotated).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + n, out)
+    slot = tl.load(slot_ptr)
+    live = (n >= q_cols) & (slot >= 0)
+    dst = slot * kv_cols + n - q_cols - tl.where(is_v, kv_cols, 0)  # int64: slot is
+    tl.store(k_cache_ptr + dst, out.to(k_cache_ptr.dtype.element_ty), mask=live & ~is_v)
+    tl.store(v_cache_ptr + dst, out.to(v_cache_ptr.dtype.element_ty), mask=live & is_v)
 
 
 @triton.jit
@@ -625,7 +692,7 @@ def skinny_linear(
             )
         _skinny_gemv_kernel[(blocks, cfg.split_k)](
             x, w, y, norm, y if res is None else res, parts, y if counters is None else counters, n, k,
-            k_split, float(eps), w.stride(0), *l2_prefetch.region_args(regions, w),
+            k_split, float(eps), w.stride(0), *l2_prefetch.region_args(regions, w), y, y, y, y, y, 0, 0,
             BLOCK_N=cfg.block_n, BLOCK_K=block_k, NORM=norm_weight is not None, SILU=silu_mul,
             RESIDUAL=res is not None, ONE_TILE=one_tile, SPLIT_K=cfg.split_k,
             NORM_BLOCK=norm_block(k, cfg.num_warps) if norm_weight is not None else 16,

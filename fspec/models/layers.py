@@ -352,8 +352,13 @@ def decoder_layer(
     still runs over all T rows (their K/V go to the cache); o, the norm and the MLP, which are row-wise, run
     over the R rows only (a draft round's first step needs one row per request of its K + 1).
     """
-    q, k, v = project_qkv(p, attn_in, cfg=cfg)
-    out = rearrange(attend(q, k, v, layer, cos, sin), "... n d -> ... (n d)")  # RoPE happens in attend
+    # one row (a decode or later draft step, `rows` then picks that row): q/k/v, RoPE and the cache write may
+    # be one launch
+    out = _qkv_rope_attention(p, attn_in, None, attend, cfg=cfg, layer=layer, cos=cos)
+    if out is None:
+        q, k, v = project_qkv(p, attn_in, cfg=cfg)
+        out = attend(q, k, v, layer, cos, sin)  # RoPE happens in attend
+    out = rearrange(out, "... n d -> ... (n d)")
     if rows is not None:
         out, residual = out.index_select(0, rows), residual.index_select(0, rows)
     if use_fused_layer(p, residual, cfg):  # o, the post-attention norm, the MLP: three launches
@@ -408,6 +413,9 @@ def fused_decoder_layer(
     lead, hidden = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, hidden)
     eps = cfg.rms_norm_eps
+    out = _qkv_rope_attention(p, x, p["input_norm"], attend, cfg=cfg, layer=layer, cos=cos)
+    if out is not None:  # q/k/v, RoPE and the cache write in one launch, then the attention
+        return _fused_after_attention(p, out, x, cfg=cfg)
     ahead = prefetch_after_qkv(p)  # o and gate/up stream into the L2 while the attention runs
     if ahead:
         qkv = call("skinny_linear_prefetch", rows, p["qkv"], p["input_norm"], eps, False, None, ahead)
@@ -417,6 +425,30 @@ def fused_decoder_layer(
     shape = lambda t: t.reshape(*lead, *t.shape[1:])  # noqa: E731
     out = rearrange(attend(shape(q), shape(k), shape(v), layer, cos, sin), "... n d -> ... (n d)")
     return _fused_after_attention(p, out, x, cfg=cfg)
+
+
+def _qkv_rope_attention(
+    p: dict,
+    x: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    attend: Attend,
+    *,
+    cfg: ModelConfig,
+    layer: int,
+    cos: torch.Tensor,
+) -> torch.Tensor | None:
+    """The attention output [..., N, D] of one row x [..., K] (leading dims of size 1) through
+    `attend.qkv_rope` (the paged backend's `fspec::qkv_rope_write` then `fspec::paged_attention`,
+    FSPEC_QKV_ROPE): the layer's fused "qkv" weight, RMSNorm of x first with `norm_weight`, no q/k/v bias
+    and no q/k norm, on the one-row product's conditions (`use_skinny_linear`); None otherwise (the caller
+    projects, then attends)."""
+    qkv_rope = getattr(attend, "qkv_rope", None)
+    if qkv_rope is None or "qkv" not in p or "qkv_bias" in p or cfg.qk_norm:
+        return None
+    if math.prod(x.shape[:-1]) != 1 or not use_skinny_linear(x, p["qkv"]):
+        return None
+    out = qkv_rope(x.reshape(1, -1), p["qkv"], norm_weight, cfg.rms_norm_eps, layer, cos.dtype)
+    return None if out is None else out.reshape(*x.shape[:-1], *out.shape[1:])
 
 
 def _fused_after_attention(

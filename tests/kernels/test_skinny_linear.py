@@ -191,6 +191,7 @@ def _compile_for_sm90_body():
     from pathlib import Path
 
     import triton
+    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -231,9 +232,10 @@ def _compile_for_sm90_body():
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "norm_ptr": "*bf16", "res_ptr": "*bf16"}
     sig.update(part_ptr="*fp32", counter_ptr="*i32", N="i32", K="i32", K_SPLIT="i32", eps="fp32")
     sig.update(stride_wn="i32", pf0_ptr="*bf16", pf0_bytes="i32", pf1_ptr="*bf16", pf1_bytes="i32")
-    sig.update(pf2_ptr="*bf16", pf2_bytes="i32")
+    sig.update(pf2_ptr="*bf16", pf2_bytes="i32", positions_ptr="*i64", inv_freq_ptr="*fp32", slot_ptr="*i64")
+    sig.update(k_cache_ptr="*bf16", v_cache_ptr="*bf16", q_cols="i32", kv_cols="i32")
     names = ("BLOCK_N", "BLOCK_K", "NORM", "SILU", "RESIDUAL", "PDL", "ONE_TILE", "SPLIT_K", "NORM_BLOCK")
-    sig.update({name: "constexpr" for name in (*names, "PREFETCH")})
+    sig.update({name: "constexpr" for name in (*names, "PREFETCH", "ROPE_HEAD_DIM", "TABLE_DTYPE")})
     # the loop at its largest tiles, and the one-tile kernel at the largest the launcher allows
     # (GEMV_ONE_TILE_ELEMS_PER_THREAD: 16 x 2048 at 8 warps; 16 x 1024 with SiLU * up's two tiles); the
     # split reduction (its combine adds a [SPLIT_K, BLOCK_N] load and an atomic)
@@ -251,7 +253,7 @@ def _compile_for_sm90_body():
         # the L2 prefetch of up to three ranges after the store (the fused layer's q/k/v: o, gate and up
         # rows; an EAGLE-3 head's LM head: q/k/v) on every other config
         prefetch = (0, 3, 1)[(block_k + norm + silu) % 3]
-        consts.update(PREFETCH=prefetch)
+        consts.update(PREFETCH=prefetch, ROPE_HEAD_DIM=0, TABLE_DTYPE=tl.float32)  # (test_qkv_rope_write.py)
         divisible = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 15, 16, 17)
         attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
         src = ASTSource(fn=_skinny_gemv_kernel, signature=sig, constexprs=consts, attrs=attrs)

@@ -1,0 +1,152 @@
+"""A one-row layer's q/k/v projection with RoPE and the K/V cache write as its epilogue: one launch where a
+decode step had two (`skinny_linear`, then `rope_pos_kv_write`).
+
+    qkv_rope_write(x [1, K], w [(N + 2·Nkv)·D, K], *, norm_weight=None, eps, positions [1], inv_freq [D/2],
+                   table_dtype, k_cache!, v_cache!, slot_mapping [1], layer=0) -> [1, (N + 2·Nkv)·D]
+
+returns [q_rot, k_rot, v] (x's dtype) and writes k_rot and v to cache slot slot_mapping[0] of `layer` (-1:
+nothing written): `rope_pos_kv_write` applied to `skinny_linear(x, w, norm_weight=...)` split into q, k, v,
+with the same roundings (the product rounded to x's dtype, RoPE in float32 with cos / sin rounded to
+`table_dtype`, one rounding of the result), so the two paths give the same bits on the GPU.
+
+Why: in the H200's one-row decode layer the chain from the q/k/v product's last load to the attention's first
+is latency, not bytes; the cache-write launch between them is ~1.9 µs of it (RoPE, a wait, an L2 round trip
+for q/k/v). Skipping that launch outright (a timing-only experiment, DESIGN-NOTES.md) took target-only
+decoding from 1139 to 1175 tokens/s; this kernel measured 1136-1148 -> 1156-1176 (runs t, u of table
+`switches`: a layer 45.0 -> 43.4 µs). The product's programs do that work in registers before they exit:
+each owns BLOCK_N / 2 rotate-half pairs (d, d + D/2) of one head (`_skinny_gemv_kernel`, ROPE_HEAD_DIM), so a
+pair never leaves the program that computed it. One row only (batch-1 decode and draft steps), x's dtype
+equal to the cache's and w's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+
+from . import pdl
+from .kv_write import kv_write_ref, layer_view
+from .rope_cos_sin import rope_cos_sin_ref
+from .rope_kv_write import _TL_DTYPES, rope_ref
+from .skinny_linear import (
+    _skinny_gemv_kernel,
+    check_args,
+    default_config,
+    gemv_block_k,
+    norm_block,
+    skinny_linear_ref,
+)
+
+
+def check_qkv_rope_args(
+    x: Tensor,
+    w: Tensor,
+    norm_weight: Tensor | None,
+    eps: float,
+    positions: Tensor,
+    inv_freq: Tensor,
+    table_dtype: torch.dtype,
+    kc: Tensor,
+    slot_mapping: Tensor,
+) -> tuple[int, int, int]:
+    """Shapes and dtypes only (no host sync), given `layer_view`'s cache layer kc [blocks, block_size, Nkv,
+    D]: `skinny_linear.check_args`; one row of x; w [(N + 2·Nkv)·D, K] with N >= 1; D even; x's dtype the
+    cache's; positions and slot_mapping [1] integers, inv_freq [D/2], a table dtype the kernel rounds to.
+    Returns (N·D, Nkv·D, D); a ValueError names the argument otherwise."""
+    check_args(x, w, norm_weight=norm_weight, eps=eps)
+    if x.shape[0] != 1:
+        raise ValueError(f"x: expected one row [1, K], got shape {tuple(x.shape)}")
+    if kc.dim() != 4:
+        raise ValueError(f"k_cache: expected layers [num_blocks, block_size, Nkv, D], got {tuple(kc.shape)}")
+    nkv, d = kc.shape[-2:]
+    rows = w.shape[0]
+    if d % 2 or d < 2:
+        raise ValueError(f"k_cache: expected an even head dim D (rotate-half pairs d, d + D/2), got {d}")
+    if rows % d or rows <= 2 * nkv * d:
+        raise ValueError(
+            f"w: expected [(N + 2·Nkv)·D, K] rows with N >= 1, Nkv = {nkv}, D = {d} (the cache's), got {rows}"
+        )
+    if kc.dtype != x.dtype:
+        raise ValueError(f"k_cache: expected x's dtype {x.dtype}, got {kc.dtype}")
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if tuple(t.shape) != (1,) or t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise ValueError(f"{name}: expected a [1] integer tensor, got {tuple(t.shape)} {t.dtype}")
+    if tuple(inv_freq.shape) != (d // 2,):
+        raise ValueError(f"inv_freq: expected shape [D/2] = [{d // 2}], got {tuple(inv_freq.shape)}")
+    if table_dtype not in _TL_DTYPES:
+        raise ValueError(f"table_dtype: expected one of {list(_TL_DTYPES)}, got {table_dtype}")
+    return rows - 2 * nkv * d, nkv * d, d
+
+
+def qkv_rope_write(
+    x: Tensor,
+    w: Tensor,
+    *,
+    norm_weight: Tensor | None = None,
+    eps: float = 1e-6,
+    positions: Tensor,
+    inv_freq: Tensor,
+    table_dtype: torch.dtype,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    layer: int = 0,
+) -> Tensor:
+    """Launch `_skinny_gemv_kernel` with the RoPE / cache-write epilogue (the module docstring)."""
+    kc, vc = layer_view(k_cache, layer), layer_view(v_cache, layer)
+    if not (kc.is_contiguous() and vc.is_contiguous()):
+        raise ValueError("k_cache/v_cache: expected contiguous layers [num_blocks, block_size, Nkv, D]")
+    q_cols, kv_cols, d = check_qkv_rope_args(
+        x, w, norm_weight, eps, positions, inv_freq, table_dtype, kc, slot_mapping
+    )
+    rows, k = w.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    y = torch.empty((1, rows), dtype=x.dtype, device=x.device)
+    cfg = default_config(rows, k, one_row=True)
+    cfg = dataclasses.replace(cfg, block_n=min(cfg.block_n, d & -d), split_k=1)  # a power of two dividing D
+    block_k, one_tile, k_split = gemv_block_k(cfg, k)
+    norm = norm_weight.contiguous() if norm_weight is not None else x
+    interpreted = isinstance(_skinny_gemv_kernel, InterpretedFunction)
+    launch = {} if interpreted else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
+    _skinny_gemv_kernel[(rows // cfg.block_n, 1)](
+        x, w, y, norm, y, y, y, rows, k, k_split, float(eps), w.stride(0), y, 0, y, 0, y, 0,
+        positions, inv_freq.float().contiguous(), slot_mapping, kc, vc, q_cols, kv_cols,
+        BLOCK_N=cfg.block_n, BLOCK_K=block_k, NORM=norm_weight is not None, ONE_TILE=one_tile,
+        NORM_BLOCK=norm_block(k, cfg.num_warps) if norm_weight is not None else 16,
+        ROPE_HEAD_DIM=d, TABLE_DTYPE=_TL_DTYPES[table_dtype], **launch, **pdl.options(x),
+    )  # fmt: skip
+    return y
+
+
+def qkv_rope_write_ref(
+    x: Tensor,
+    w: Tensor,
+    *,
+    norm_weight: Tensor | None = None,
+    eps: float = 1e-6,
+    positions: Tensor,
+    inv_freq: Tensor,
+    table_dtype: torch.dtype,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    layer: int = 0,
+) -> Tensor:
+    """The reference: `skinny_linear_ref` (the unfused product, rounded to x's dtype), then RoPE of q and k
+    in float32 from `rope_cos_sin_ref`'s tables (`rope_ref`) and `kv_write_ref` of k_rot and v, as
+    `rope_pos_kv_write_ref` does; returns [q_rot, k_rot, v] rounded to x's dtype."""
+    kc = layer_view(k_cache, layer)
+    q_cols, kv_cols, d = check_qkv_rope_args(
+        x, w, norm_weight, eps, positions, inv_freq, table_dtype, kc, slot_mapping
+    )
+    y = skinny_linear_ref(x, w, norm_weight=norm_weight, eps=eps)
+    q, k, v = (t.reshape(1, -1, d) for t in y.split([q_cols, kv_cols, kv_cols], dim=-1))
+    cos, sin = rope_cos_sin_ref(positions, inv_freq, table_dtype)
+    q_rot, k_rot = rope_ref(q, cos, sin).to(x.dtype), rope_ref(k, cos, sin).to(x.dtype)
+    kv_write_ref(k_rot, v, k_cache, v_cache, slot_mapping, layer=layer)
+    return torch.cat([q_rot.reshape(1, -1), k_rot.reshape(1, -1), v.reshape(1, -1)], dim=-1)

@@ -1,0 +1,357 @@
+"""The one-row q/k/v product with RoPE and the cache write as its epilogue (kernels/qkv_rope_write.py,
+`fspec::qkv_rope_write`): the interpreted kernel against the two launches it replaces (`skinny_linear` then
+`rope_pos_kv_write`) and against its PyTorch reference, the op, the checks, a paged decode step through it
+(FSPEC_QKV_ROPE), the sm_90 build, and the H200 under @pytest.mark.gpu.
+
+Caches are random (poison) and stacked [L, ...] with the step writing layer 1, so a write to a wrong slot,
+head or layer shows up as a changed byte elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fresh_process import in_fresh_process
+
+import fspec
+from fspec.cache import KVCache
+from fspec.kernels import attention_ops  # noqa: F401  (registers torch.ops.fspec)
+from fspec.kernels.qkv_rope_write import qkv_rope_write, qkv_rope_write_ref
+from fspec.kernels.rope_cos_sin import inv_freq as make_inv_freq
+from fspec.kernels.rope_kv_write import rope_pos_kv_write
+from fspec.kernels.skinny_linear import skinny_linear
+from fspec.metadata import _slot_mapping
+from fspec.models import layers as L
+from fspec.models import llama
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+ROPE = ("llama3", (500.0, 8.0, 1.0, 4.0, 64.0))  # rope_type, (theta, factor, low, high, original max)
+# (N, Nkv, D, K): GQA groups of 1.5 / 4 / 1 / 5, head dims 8, 4, 16 and 12 (12: four-column programs, pairs
+# (d, d + 6) across two of them), reductions that are not multiples of the tiles
+SHAPES = [(3, 2, 8, 40), (4, 1, 4, 37), (2, 2, 16, 100), (5, 1, 12, 64)]
+
+
+def _inputs(n, nkv, d, k, dtype, *, seed, position, slot, norm):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, k, generator=gen).to(dtype)
+    w = (torch.randn((n + 2 * nkv) * d, k, generator=gen) * k**-0.5).to(dtype)
+    g = (torch.rand(k, generator=gen) + 0.5).to(dtype) if norm else None
+    shape = (2, 5, 4, nkv, d)
+    k_cache = (torch.randn(shape, generator=gen) * 100).to(dtype)
+    v_cache = (torch.randn(shape, generator=gen) * 100).to(dtype)
+    inv = make_inv_freq(d, ROPE[0], ROPE[1], "cpu")
+    return x, w, g, torch.tensor([position]), inv, k_cache, v_cache, torch.tensor([slot])
+
+
+@pytest.mark.parametrize(("n", "nkv", "d", "k"), SHAPES)
+@pytest.mark.parametrize(("position", "slot", "norm"), [(13, 9, True), (4000, 0, False), (-1, -1, True)])
+def test_kernel_equals_the_two_launches_and_the_reference(n, nkv, d, k, position, slot, norm):
+    """float32: output and both caches bit for bit as `skinny_linear` then `rope_pos_kv_write` (same inputs,
+    same float32 operations), and within float32 rounding of the reference; a padding row (position -1,
+    slot -1) is rotated as position 0 and writes nothing; the caches' other bytes never change."""
+    x, w, g, pos, inv, kc, vc, slots = _inputs(n, nkv, d, k, torch.float32, seed=n + d, position=position,
+                                               slot=slot, norm=norm)  # fmt: skip
+    kw = {"norm_weight": g, "positions": pos, "inv_freq": inv, "table_dtype": torch.float32}
+    got_k, got_v = kc.clone(), vc.clone()
+    got = qkv_rope_write(x, w, **kw, k_cache=got_k, v_cache=got_v, slot_mapping=slots, layer=1)
+    # the two launches
+    two_k, two_v = kc.clone(), vc.clone()
+    y = skinny_linear(x, w, norm_weight=g)
+    q, kk, v = (t.reshape(1, -1, d) for t in y.split([n * d, nkv * d, nkv * d], dim=-1))
+    q_rot = rope_pos_kv_write(q, kk, v, pos, inv, torch.float32, two_k, two_v, slots, layer=1)
+    assert got.shape == (1, (n + 2 * nkv) * d) and got.dtype == x.dtype
+    assert torch.equal(got[:, : n * d], q_rot.reshape(1, -1))
+    assert torch.equal(got[:, (n + nkv) * d :], y[:, (n + nkv) * d :])  # v as the product gave it
+    assert torch.equal(got_k, two_k) and torch.equal(got_v, two_v)
+    # the reference
+    ref_k, ref_v = kc.clone(), vc.clone()
+    want = qkv_rope_write_ref(x, w, **kw, k_cache=ref_k, v_cache=ref_v, slot_mapping=slots, layer=1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_k, ref_k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_v, ref_v, rtol=1e-5, atol=1e-5)
+    if slot >= 0:  # k_rot and v landed in the slot of layer 1, nothing else moved
+        b, o = divmod(slot, 4)
+        kv = got[0, n * d :].reshape(2, nkv, d)
+        assert torch.equal(got_k[1, b, o], kv[0]) and torch.equal(got_v[1, b, o], kv[1])
+        got_k[1, b, o], got_v[1, b, o] = kc[1, b, o], vc[1, b, o]
+    assert torch.equal(got_k, kc) and torch.equal(got_v, vc)
+
+
+def test_bf16_equals_the_two_launches_and_is_near_the_reference():
+    """bf16: bit for bit as the two interpreted launches (the interpreter rounds float32 -> bf16 by
+    truncation in both), and within four bf16 roundings of the row's largest value of the reference (three
+    roundings: the norm, the product, RoPE; RoPE mixes two rounded values)."""
+    x, w, g, pos, inv, kc, vc, slots = _inputs(4, 2, 16, 96, torch.bfloat16, seed=7, position=77, slot=5,
+                                               norm=True)  # fmt: skip
+    kw = {"norm_weight": g, "positions": pos, "inv_freq": inv, "table_dtype": torch.bfloat16, "layer": 1}
+    got_k, ref_k, two_k = kc.clone(), kc.clone(), kc.clone()
+    got = qkv_rope_write(x, w, **kw, k_cache=got_k, v_cache=vc.clone(), slot_mapping=slots)
+    y = skinny_linear(x, w, norm_weight=g)
+    q, kk, v = (t.reshape(1, -1, 16) for t in y.split([64, 32, 32], dim=-1))
+    q_rot = rope_pos_kv_write(q, kk, v, pos, inv, torch.bfloat16, two_k, vc.clone(), slots, layer=1)
+    assert torch.equal(got[:, :64], q_rot.reshape(1, -1)) and torch.equal(got_k, two_k)
+    want = qkv_rope_write_ref(x, w, **kw, k_cache=ref_k, v_cache=vc.clone(), slot_mapping=slots)
+    tol = 4 * 2**-8 * want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=tol)
+    torch.testing.assert_close(got_k.float(), ref_k.float(), rtol=0, atol=tol)
+
+
+def test_op_matches_the_launcher_and_passes_opcheck():
+    x, w, g, pos, _, kc, vc, slots = _inputs(3, 2, 8, 40, torch.float32, seed=1, position=21, slot=6,
+                                             norm=True)  # fmt: skip
+    op_k, op_v = kc.clone(), vc.clone()
+    got = torch.ops.fspec.qkv_rope_write(
+        x, w, g, 1e-6, pos, op_k, op_v, slots, torch.float32, ROPE[0], list(ROPE[1]), layer=1
+    )
+    inv = make_inv_freq(8, ROPE[0], ROPE[1], "cpu")
+    want_k, want_v = kc.clone(), vc.clone()
+    want = qkv_rope_write(x, w, norm_weight=g, positions=pos, inv_freq=inv, table_dtype=torch.float32,
+                          k_cache=want_k, v_cache=want_v, slot_mapping=slots, layer=1)  # fmt: skip
+    assert torch.equal(got, want) and torch.equal(op_k, want_k) and torch.equal(op_v, want_v)
+    op = torch.ops.fspec.qkv_rope_write.default
+    args = (x, w, g, 1e-6, pos, kc.clone(), vc.clone(), slots, torch.float32, ROPE[0], list(ROPE[1]))
+    torch.library.opcheck(op, args, {"layer": 1})
+
+
+def test_bad_input_names_the_argument():
+    x, w, g, pos, inv, kc, vc, slots = _inputs(3, 2, 8, 40, torch.float32, seed=2, position=3, slot=1,
+                                               norm=True)  # fmt: skip
+
+    def call(**over):
+        kw = dict(x=x, w=w, norm_weight=g, positions=pos, inv_freq=inv, table_dtype=torch.float32, k_cache=kc,
+                  v_cache=vc, slot_mapping=slots, layer=1)  # fmt: skip
+        kw.update(over)
+        a, b = kw.pop("x"), kw.pop("w")
+        return qkv_rope_write(a, b, **kw)
+
+    cases = [
+        ({"x": x.repeat(2, 1)}, r"^x: expected one row \[1, K\], got shape \(2, 40\)"),
+        ({"w": w[:-4]}, r"^w: expected \[\(N \+ 2·Nkv\)·D, K\] rows with N >= 1, Nkv = 2, D = 8"),
+        ({"w": w[: 4 * 8]}, r"^w: expected \[\(N \+ 2·Nkv\)·D, K\] rows with N >= 1"),  # no q columns
+        ({"w": w[:, :30]}, r"^w: expected a \[N, 40\] tensor"),
+        ({"k_cache": kc.double(), "v_cache": vc.double()}, r"^k_cache: expected x's dtype torch.float32"),
+        ({"positions": torch.tensor([1, 2])}, r"^positions: expected a \[1\] integer tensor, got \(2,\)"),
+        ({"positions": torch.tensor([1.0])}, r"^positions: expected a \[1\] integer tensor"),
+        ({"slot_mapping": torch.tensor([[1]])}, r"^slot_mapping: expected a \[1\] integer tensor"),
+        ({"inv_freq": inv[:3]}, r"^inv_freq: expected shape \[D/2\] = \[4\], got \(3,\)"),
+        ({"table_dtype": torch.int32}, r"^table_dtype: expected one of"),
+        ({"layer": 2}, r"^layer: expected a value in \[0, 2\), got 2"),
+        ({"norm_weight": g[:5]}, r"^norm_weight: expected a \[40\] tensor"),
+        ({"eps": -1.0}, r"^eps: expected a finite number >= 0"),
+    ]
+    for over, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call(**over)
+    odd = torch.zeros(2, 5, 4, 2, 7)
+    with pytest.raises(ValueError, match=r"^k_cache: expected an even head dim D"):
+        call(w=torch.zeros(7 * 7, 40), k_cache=odd, v_cache=odd.clone(), inv_freq=inv[:3])
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()  # the op's fake (what torch.compile traces) checks too
+    fake = [mode.from_tensor(t) for t in (x.repeat(2, 1), w, g, pos, kc, vc, slots)]
+    with mode, pytest.raises(ValueError, match=r"^x: expected one row"):
+        torch.ops.fspec.qkv_rope_write(*fake[:3], 1e-6, *fake[3:], torch.float32, ROPE[0], list(ROPE[1]))
+
+
+def _tiny() -> fspec.ModelConfig:
+    return fspec.ModelConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, rope_theta=500.0, rope_type="llama3", rope_factor=8.0,
+        rope_original_max_position_embeddings=64,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("fused_layer", [True, False])
+def test_decode_step_through_the_fused_projection_equals_the_two_launches(fused_layer, monkeypatch):
+    """A paged batch-1 decode step after a prefill, routed as on CUDA (one-row products on skinny_linear;
+    the fused decode layer, or the plain layer an EAGLE head's first layer takes): with FSPEC_QKV_ROPE=1
+    every layer launches `qkv_rope_write` and no `rope_pos_kv_write`, and the logits and every cache byte
+    equal FSPEC_QKV_ROPE=0's, under the interpreter."""
+    from fspec.kernels import qkv_rope_write as qrw
+    from fspec.kernels import rope_kv_write as rkv
+
+    cfg = _tiny()
+    params = L.fuse_projections(llama.init(cfg, seed=4))
+    for layer in params["layers"]:  # norms away from 1, so that a missing input norm shows
+        for name, leaf in layer.items():
+            if "norm" in name:
+                leaf.data.add_(0.3 * torch.randn(leaf.shape, generator=torch.Generator().manual_seed(5)))
+    tables = torch.tensor([[3, 0, 4]], dtype=torch.int32)
+    positions = torch.arange(6)
+    prefill = fspec.AttnMetadata(
+        positions=positions,
+        query_start_loc=torch.tensor([0, 6], dtype=torch.int32),
+        seq_lens=torch.tensor([6], dtype=torch.int32),
+        block_table=tables,
+        slot_mapping=_slot_mapping(tables, positions, 4, torch.zeros(6, dtype=torch.int64)),
+    )
+    step = fspec.AttnMetadata(
+        positions=torch.tensor([6]),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=torch.tensor([7], dtype=torch.int32),
+        block_table=tables,
+        slot_mapping=_slot_mapping(tables, torch.tensor([6]), 4, torch.tensor([0])),
+    )
+    ids = torch.randint(0, cfg.vocab_size, (6,), generator=torch.Generator().manual_seed(1))
+    use = L.use_fused_layer
+    monkeypatch.setattr(L, "use_skinny_linear", lambda x, w, **kw: x.shape[:-1].numel() == 1)
+    monkeypatch.setattr(L, "use_fused_layer", lambda p, x, c, **kw: fused_layer and use(p, x, c, cuda=True))
+    launches = {"qkv": 0, "rope": 0}
+    fused, rope = qrw.qkv_rope_write, rkv.rope_pos_kv_write
+
+    def count(name, fn):
+        return lambda *a, **k: launches.__setitem__(name, launches[name] + 1) or fn(*a, **k)
+
+    monkeypatch.setattr(qrw, "qkv_rope_write", count("qkv", fused))
+    monkeypatch.setattr(rkv, "rope_pos_kv_write", count("rope", rope))
+    out = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("FSPEC_QKV_ROPE", mode)
+        cache = KVCache.create(cfg, num_blocks=6, block_size=4)
+        _, _, cache = llama.forward(params, ids, prefill, cache, cfg=cfg, backend="paged", max_query_len=6)
+        before = dict(launches)
+        logits, _, cache = llama.forward(
+            params, torch.tensor([9]), step, cache, cfg=cfg, backend="paged", max_query_len=1
+        )
+        out[mode] = (logits, cache, {k: launches[k] - before[k] for k in launches})
+    (want, want_cache, off), (got, got_cache, on) = out["0"], out["1"]
+    assert off == {"qkv": 0, "rope": cfg.num_hidden_layers}
+    assert on == {"qkv": cfg.num_hidden_layers, "rope": 0}
+    assert torch.equal(got, want)
+    assert torch.equal(got_cache.k, want_cache.k) and torch.equal(got_cache.v, want_cache.v)
+    monkeypatch.setenv("FSPEC_QKV_ROPE", "yes")
+    with pytest.raises(ValueError, match=r"^FSPEC_QKV_ROPE: expected one of 0, 1, got 'yes'"):
+        llama.forward(params, torch.tensor([9]), step, cache, cfg=cfg, backend="paged", max_query_len=1)
+
+
+def test_a_layer_hands_its_one_row_to_qkv_rope_with_or_without_rows(monkeypatch):
+    """`decoder_layer` (an EAGLE head's layer) gives one row to `attend.qkv_rope` whether or not `rows`
+    picks it (later draft steps pass rows), with no input norm; two rows, or an attend without the
+    attribute, go through project_qkv and attend; the outputs agree with the plain path's."""
+    cfg = _tiny()
+    p = L.fuse_projections(llama.init(cfg, seed=6))["layers"][0]
+    monkeypatch.setattr(L, "use_skinny_linear", lambda x, w, **kw: True)
+    gen = torch.Generator().manual_seed(0)
+    x, res = torch.randn(2, 32, generator=gen), torch.randn(2, 32, generator=gen)
+    cos = sin = torch.zeros(2, 8)
+    seen = []
+
+    def attend(q, k, v, layer, cos, sin):
+        seen.append("attend")
+        return q * 0.5 + (k * v).repeat_interleave(2, dim=-2)
+
+    def qkv_rope(x1, w, norm_weight, eps, layer, table_dtype):
+        seen.append(("qkv_rope", x1.shape, w is p["qkv"], norm_weight, layer, table_dtype))
+        q, k, v = L.project_qkv(p, x1, cfg=cfg)
+        return attend(q, k, v, layer, None, None)
+
+    attend.qkv_rope = qkv_rope
+    for rows in (None, torch.tensor([0])):
+        seen.clear()
+        got = L.decoder_layer(p, x[:1], res[:1], cos[:1], sin[:1], attend, cfg=cfg, layer=1, rows=rows)
+        assert seen == [("qkv_rope", (1, 32), True, None, 1, cos.dtype), "attend"]
+        seen.clear()
+        without = lambda *a: attend(*a)  # noqa: E731  (no qkv_rope attribute)
+        plain = L.decoder_layer(p, x[:1], res[:1], cos[:1], sin[:1], without, cfg=cfg, layer=1, rows=rows)
+        assert seen == ["attend"]
+        assert torch.equal(got, plain)
+    seen.clear()
+    L.decoder_layer(p, x, res, cos, sin, attend, cfg=cfg, layer=1)  # two rows: the plain path
+    assert seen == ["attend"]
+
+
+def _compile_for_sm90_body():
+    """The one-row kernel with the RoPE epilogue at a 1B layer's (D = 64), an 8B head's (D = 128) and a 1B
+    EAGLE-3 head's q/k/v configs, with the input norm and without: no register spills (ptxas's report)."""
+    import inspect
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fspec.kernels.skinny_linear import _skinny_gemv_kernel, default_config, gemv_block_k, norm_block
+
+    nvdisasm = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / "nvdisasm"
+    names = list(inspect.signature(_skinny_gemv_kernel.fn).parameters)
+    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "norm_ptr": "*bf16", "res_ptr": "*bf16",
+             "part_ptr": "*fp32", "counter_ptr": "*i32", "eps": "fp32", "positions_ptr": "*i64",
+             "inv_freq_ptr": "*fp32", "slot_ptr": "*i64", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
+             "pf0_ptr": "*bf16", "pf1_ptr": "*bf16", "pf2_ptr": "*bf16"}  # fmt: skip
+    for rows, k, d, norm in ((3072, 2048, 64, True), (6144, 8192, 128, False), (3072, 4096, 64, False)):
+        cfg = default_config(rows, k, one_row=True)
+        block_k, one_tile, _ = gemv_block_k(cfg, k)
+        consts = {"BLOCK_N": cfg.block_n, "BLOCK_K": block_k, "NORM": norm, "SILU": False, "RESIDUAL": False,
+                  "PDL": True, "ONE_TILE": one_tile, "SPLIT_K": 1, "NORM_BLOCK": norm_block(k, cfg.num_warps),
+                  "PREFETCH": 0, "ROPE_HEAD_DIM": d, "TABLE_DTYPE": tl.bfloat16}  # fmt: skip
+        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+        src = ASTSource(fn=_skinny_gemv_kernel, signature=sig, constexprs=consts)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+        # ptxas's own account: no spills (the 32-byte stack frame is cos / sin's argument reduction for
+        # large arguments, a local array, as in _rope_kv_write_kernel)
+        with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
+            f.write(compiled.asm["ptx"])
+            f.flush()
+            info = subprocess.run(
+                [str(nvdisasm.parent / "ptxas"), "--gpu-name", "sm_90a", "-v", f.name, "-o", "/dev/null"],
+                capture_output=True, text=True, check=True,
+            )  # fmt: skip
+        report = info.stdout + info.stderr
+        assert "0 bytes spill stores, 0 bytes spill loads" in report, (
+            f"spills ({rows} x {k}, D = {d}): {report}"
+        )
+
+
+def test_kernel_compiles_for_sm90():
+    in_fresh_process(__file__, globals(), "_compile_for_sm90_body")
+
+
+@pytest.mark.gpu
+def test_gpu_equals_the_two_launches_at_llama_shapes():
+    in_fresh_process(__file__, globals(), "_gpu_body")
+
+
+def _gpu_body():
+    """On the H200, bf16 at a 1B layer's shapes (32 q heads, 8 KV heads of 64, K = 2048, input norm) and an
+    8B EAGLE-3 head's (32 / 8 of 128, K = 8192): output and caches equal `skinny_linear` then
+    `rope_pos_kv_write` (same roundings; bit for bit where the compiler contracts both the same way, else
+    within one bf16 rounding), eagerly and in a CUDA graph replayed with a new position and slot."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev = torch.device("cuda")
+    for n, nkv, d, k, norm in ((32, 8, 64, 2048, True), (32, 8, 128, 8192, False)):
+        gen = torch.Generator(device=dev).manual_seed(n + d)
+        x = torch.randn(1, k, device=dev, generator=gen, dtype=torch.bfloat16)
+        w = torch.randn((n + 2 * nkv) * d, k, device=dev, generator=gen, dtype=torch.bfloat16) * k**-0.5
+        g = torch.rand(k, device=dev, generator=gen, dtype=torch.bfloat16) + 0.5 if norm else None
+        kc = torch.randn(3, 64, 16, nkv, d, device=dev, generator=gen, dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        inv = make_inv_freq(d, ROPE[0], (500000.0, 8.0, 1.0, 4.0, 8192.0), dev)
+        pos, slot = torch.tensor([1234], device=dev), torch.tensor([517], device=dev)
+        kw = {"norm_weight": g, "positions": pos, "inv_freq": inv, "table_dtype": torch.bfloat16}
+        got_k, got_v = kc.clone(), vc.clone()
+        got = qkv_rope_write(x, w, **kw, k_cache=got_k, v_cache=got_v, slot_mapping=slot, layer=2)
+        two_k, two_v = kc.clone(), vc.clone()
+        y = skinny_linear(x, w, norm_weight=g)
+        q, kk, v = (t.reshape(1, -1, d) for t in y.split([n * d, nkv * d, nkv * d], dim=-1))
+        q_rot = rope_pos_kv_write(q, kk, v, pos, inv, torch.bfloat16, two_k, two_v, slot, layer=2)
+        torch.testing.assert_close(got[:, : n * d], q_rot.reshape(1, -1), rtol=8e-3, atol=8e-3)
+        assert torch.equal(got[:, (n + nkv) * d :], y[:, (n + nkv) * d :])
+        torch.testing.assert_close(got_k, two_k, rtol=8e-3, atol=8e-3)
+        assert torch.equal(got_v, two_v)
+        graph, static = torch.cuda.CUDAGraph(), torch.empty_like(got)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            static.copy_(qkv_rope_write(x, w, **kw, k_cache=got_k, v_cache=got_v, slot_mapping=slot, layer=2))
+        pos.fill_(77)
+        slot.fill_(3)
+        graph.replay()
+        two_k2 = two_k.clone()
+        q_rot = rope_pos_kv_write(q, kk, v, pos, inv, torch.bfloat16, two_k2, two_v, slot, layer=2)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(static[:, : n * d], q_rot.reshape(1, -1), rtol=8e-3, atol=8e-3)
+        torch.testing.assert_close(got_k[2, 0, 3], two_k2[2, 0, 3], rtol=8e-3, atol=8e-3)
+        assert torch.equal(got_v[2, 0, 3], two_v[2, 0, 3])
