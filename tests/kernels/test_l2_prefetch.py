@@ -218,3 +218,35 @@ def test_prefetching_kernels_change_no_value_on_cuda():
     P.l2_prefetch([later, later[:7]], programs=64)
     torch.cuda.synchronize()
     assert torch.equal(later, before)
+
+
+def test_the_one_row_launcher_hands_the_regions_to_the_kernel_where_enabled(monkeypatch):
+    """Where prefetches are issued (`enabled`, forced here: the CPU has no bulk prefetch) the one-row launch
+    carries PREFETCH = the number of regions and each region's (tensor, bytes); where they are not, none;
+    several rows never (the tile kernels take no regions)."""
+    from fspec.kernels import skinny_linear as SL
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((args, kw))
+
+    monkeypatch.setattr(SL, "_skinny_gemv_kernel", Recorder())
+    x, w = torch.randn(1, 32), torch.randn(48, 32)
+    regions = [w[:16], w[32:40]]
+    for on in (True, False):
+        launches.clear()
+        monkeypatch.setattr(P, "enabled", lambda t, on=on: on)
+        skinny_linear(x, w, prefetch=regions)
+        ((args, kw),) = launches
+        pf = args[12:18]  # after stride_wn: three (pointer, bytes) pairs
+        if on:
+            assert kw["PREFETCH"] == 2
+            assert pf[0] is regions[0] and pf[1] == 16 * 32 * 4
+            assert pf[2] is regions[1] and pf[3] == 8 * 32 * 4 and pf[5] == 0
+        else:
+            assert kw["PREFETCH"] == 0 and pf[1] == pf[3] == pf[5] == 0
+    launches.clear()
+    got = skinny_linear(torch.randn(3, 32), w, prefetch=regions)  # the tile kernel, no regions
+    assert launches == [] and got.shape == (3, 48)

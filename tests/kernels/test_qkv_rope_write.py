@@ -260,6 +260,46 @@ def test_a_layer_hands_its_one_row_to_qkv_rope_with_or_without_rows(monkeypatch)
     assert seen == ["attend"]
 
 
+def test_compiled_decode_step_through_the_fused_projection(monkeypatch):
+    """torch.compile(fullgraph) of a paged batch-1 decode step routed through `fspec::qkv_rope_write` (as on
+    CUDA): equal to eager (logits and cache), the graph calls the op once per layer and no
+    `rope_pos_kv_write`, and a second step at the next position reuses the graph (no recompile)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the compiled graph runs the op's reference
+    monkeypatch.setenv("FSPEC_QKV_ROPE", "1")
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+
+    cfg = _tiny()
+    params = L.fuse_projections(llama.init(cfg, seed=4))
+    monkeypatch.setattr(L, "use_skinny_linear", lambda x, w, **kw: x.shape[:-1].numel() == 1)
+    use = L.use_fused_layer
+    monkeypatch.setattr(L, "use_fused_layer", lambda p, x, c, **kw: use(p, x, c, cuda=True))
+    tables = torch.tensor([[0, 1]], dtype=torch.int32)
+
+    def step(params, ids, meta, cache):
+        return llama.forward(params, ids, meta, cache, cfg=cfg, backend="paged", max_query_len=1)[0]
+
+    eager_cache, compiled_cache = (KVCache.create(cfg, num_blocks=4, block_size=4) for _ in range(2))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, fullgraph=True)
+    for i, pos in enumerate((5, 6)):
+        meta = fspec.decode_metadata(torch.tensor([pos]), tables, block_size=4)
+        ids = torch.tensor([3 + pos])
+        want = step(params, ids, meta, eager_cache)
+        if i == 0:
+            got, codes = run_and_get_code(compiled, params, ids, meta, compiled_cache)
+            lines = [x for x in codes[-1].splitlines() if not x.strip().startswith("#")]
+            assert sum("fspec.qkv_rope_write.default(" in x for x in lines) == cfg.num_hidden_layers
+            assert not [x for x in lines if "rope_pos_kv_write" in x]
+        else:
+            got = compiled(params, ids, meta, compiled_cache)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(compiled_cache.k, eager_cache.k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(compiled_cache.v, eager_cache.v, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def _compile_for_sm90_body():
     """The one-row kernel with the RoPE epilogue at a 1B layer's (D = 64), an 8B head's (D = 128) and a 1B
     EAGLE-3 head's q/k/v configs, with the input norm and without: no register spills (ptxas's report)."""
