@@ -195,6 +195,15 @@ def rope_attention(num_query: int) -> bool:
 
 
 QKV_ROPE_DEFAULT = "1"  # target-only decoding +2% on the H200 (runs t, u of table `switches`)
+EARLY_KV_DEFAULT = "1"
+
+
+def early_kv_enabled() -> bool:
+    """FSPEC_ATTN_EARLY_KV: whether the paged attention after a layer's cache write loads the old K/V rows of
+    its first key tile before its PDL wait (`fspec::paged_attention`'s `early_kv`): "1", or "0"; unset:
+    EARLY_KV_DEFAULT. Anything else is a ValueError naming the variable. The layers call the attention right
+    after the launch that writes q and the new rows, which is the order `early_kv` asks its caller to keep."""
+    return env_choice("FSPEC_ATTN_EARLY_KV", ("0", "1"), EARLY_KV_DEFAULT) == "1"
 
 
 def qkv_rope_enabled() -> bool:
@@ -231,7 +240,7 @@ def _paged_qkv_rope(
     q = qkv[:, : qkv.shape[1] - 2 * nkv * d].view(1, -1, d)
     return call(
         "paged_attention", q, cache.k, cache.v, meta.block_table, meta.seq_lens, meta.positions,
-        meta.query_start_loc, scale=d**-0.5, num_query=1, layer=layer,
+        meta.query_start_loc, scale=d**-0.5, num_query=1, layer=layer, early_kv=early_kv_enabled(),
     )  # fmt: skip
 
 
@@ -292,6 +301,7 @@ def _paged_kernels(
         scale=q.shape[-1] ** -0.5,
         num_query=num_query,
         layer=layer,
+        early_kv=early_kv_enabled(),  # the cache write above is the launch right before
     ).to(q.dtype)
 
 

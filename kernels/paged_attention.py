@@ -250,6 +250,71 @@ def _rope_q_and_write_new_kv(
 
 
 @triton.jit
+def _query_tile(
+    q_ptr, tok, head, pos, row_ok, d, d_ok, stride_qt, stride_qn, k_new_ptr, v_new_ptr, slot_mapping_ptr,
+    positions_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, q_start, q_count, kvh, split, partition,
+    num_splits, stride_kt, stride_kh, stride_vt, stride_vh, NUM_QUERY: tl.constexpr, KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, TABLE_DTYPE: tl.constexpr, NQ_POW2: tl.constexpr, ROPE_WRITE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    """The program's [BLOCK_M, BLOCK_D] query rows, in the dtype the dots take."""
+    if ROPE_WRITE:
+        # RoPE of q in registers, after the new tokens' K/V went into the cache (before any key is read)
+        q = _rope_q_and_write_new_kv(
+            q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qn, pos, row_ok,
+            k_new_ptr, v_new_ptr, slot_mapping_ptr, positions_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr,
+            q_start, q_count, kvh, split, partition, num_splits, stride_kt, stride_kh, stride_vt, stride_vh,
+            d, NUM_QUERY, KV_HEADS, HEAD_DIM, TABLE_DTYPE, NQ_POW2,
+        ).to(k_cache_ptr.dtype.element_ty)  # fmt: skip
+    else:
+        q = tl.load(
+            q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qn + d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+    if UPCAST:
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
+def _key_tile(
+    block_table_ptr, b, stride_bt, n0, end, kvh, d, d_ok, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Keys n0 .. n0 + BLOCK_N of request b through its block table (one entry per key: any block_size):
+    (n, n < end, [BLOCK_N, BLOCK_D] element offsets of KV head kvh in a layer's cache, their mask)."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = n < end
+    blk = tl.load(block_table_ptr + b * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+    slot = blk * BLOCK_SIZE + n % BLOCK_SIZE  # [BLOCK_N] int64: caches past 2^31 elements
+    kv_off = slot[:, None] * (KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM + d[None, :]
+    if BLOCK_D == HEAD_DIM:
+        kv_ok = n_ok[:, None]  # a mask constant along D keeps the loads vectorised
+    else:
+        kv_ok = n_ok[:, None] & d_ok[None, :]
+    return n, n_ok, kv_off, kv_ok
+
+
+@triton.jit
+def _attend_tile(q, k, v, n, n_ok, pos, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr):
+    """One key tile into the online softmax (base 2): masked scores are -inf and a row with no key yet keeps
+    m = -inf. -> (m_i, l_i, acc)."""
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
+    s = tl.where((n[None, :] <= pos[:, None]) & n_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp2(-inf - -inf) would be NaN
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,  # [T, N, D] queries, head-dim stride 1
     k_cache_ptr,  # [num_blocks, block_size, Nkv, D] this layer's K cache, contiguous
@@ -296,8 +361,16 @@ def _paged_attention_kernel(
     ROPE_WRITE: tl.constexpr = False,  # q un-rotated; RoPE q and the new keys, write the new K/V first
     TABLE_DTYPE: tl.constexpr = tl.float32,  # (ROPE_WRITE) the dtype RoPE's cos / sin tables would have
     NQ_POW2: tl.constexpr = 1,  # (ROPE_WRITE) next power of two >= NUM_QUERY
+    EARLY_KV: tl.constexpr = False,  # load the first key tile's old rows before the PDL wait (see below)
+    k_early_ptr=None,  # (EARLY_KV) the K cache the pre-wait loads read: k_cache_ptr but in tests
+    v_early_ptr=None,  # (EARLY_KV) the V cache the pre-wait loads read: v_cache_ptr but in tests
 ):
-    pdl_enter(PDL)
+    # EARLY_KV: everything before the wait is read from what kernels older than the one ahead wrote: the
+    # metadata, the block table and the cache rows before this forward's own tokens. The kernel ahead
+    # (the cache write or the q/k/v product with it in its epilogue) writes only q and those new rows, so
+    # they are loaded after the wait, over the early tile. The caller vouches for that order.
+    if not EARLY_KV:
+        pdl_enter(PDL)
     M_TILES: tl.constexpr = (NUM_QUERY * GROUP + BLOCK_M - 1) // BLOCK_M
     b = tl.program_id(0) // M_TILES
     kvh = tl.program_id(1)
@@ -313,22 +386,6 @@ def _paged_attention_kernel(
     pos = tl.load(positions_ptr + tok, mask=row_ok, other=-1).to(tl.int32)  # -1: sees nothing
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    if ROPE_WRITE:
-        # RoPE of q in registers, after the new tokens' K/V went into the cache (before any key is read)
-        q = _rope_q_and_write_new_kv(
-            q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qn, pos, row_ok,
-            k_new_ptr, v_new_ptr, slot_mapping_ptr, positions_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr,
-            q_start, q_count, kvh, split, partition, num_splits, stride_kt, stride_kh, stride_vt, stride_vh,
-            d, NUM_QUERY, KV_HEADS, HEAD_DIM, TABLE_DTYPE, NQ_POW2,
-        ).to(k_cache_ptr.dtype.element_ty)  # fmt: skip
-    else:
-        q = tl.load(
-            q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qn + d[None, :],
-            mask=row_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-    if UPCAST:
-        q = q.to(tl.float32)
     # 2. Keys [start, end) of this split: never past seq_len, nor past the last row's position.
     seq_len = tl.load(seq_lens_ptr + b)
     start = split * partition
@@ -336,32 +393,48 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    if EARLY_KV:
+        # The first tile's keys before the request's first new position, then the wait, then the new ones.
+        j = tl.arange(0, NQ_POW2)
+        jpos = tl.load(positions_ptr + (q_start + j).to(tl.int64), mask=j < q_count, other=-1)
+        first_new = tl.min(tl.where(jpos >= 0, jpos, 2147483647), axis=0)  # rows at -1 write nothing
+        n, n_ok, kv_off, kv_ok = _key_tile(
+            block_table_ptr, b, stride_bt, start, end, kvh, d, d_ok, KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+            BLOCK_D,
+        )  # fmt: skip
+        old = kv_ok & (n < first_new)[:, None]
+        k = tl.load(k_early_ptr + kv_off, mask=old, other=0.0)
+        v = tl.load(v_early_ptr + kv_off, mask=old, other=0.0)
+        pdl_enter(PDL)
+        q = _query_tile(
+            q_ptr, tok, head, pos, row_ok, d, d_ok, stride_qt, stride_qn, k_new_ptr, v_new_ptr,
+            slot_mapping_ptr, positions_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, q_start, q_count, kvh,
+            split, partition, num_splits, stride_kt, stride_kh, stride_vt, stride_vh,
+            NUM_QUERY, KV_HEADS, HEAD_DIM, TABLE_DTYPE, NQ_POW2, ROPE_WRITE, UPCAST,
+        )  # fmt: skip
+        new = kv_ok & (n >= first_new)[:, None]
+        k = tl.load(k_cache_ptr + kv_off, mask=new, other=k)
+        v = tl.load(v_cache_ptr + kv_off, mask=new, other=v)
+        if start < end:
+            m_i, l_i, acc = _attend_tile(q, k, v, n, n_ok, pos, m_i, l_i, acc, scale_log2, UPCAST)
+        first = start + BLOCK_N
+    else:
+        q = _query_tile(
+            q_ptr, tok, head, pos, row_ok, d, d_ok, stride_qt, stride_qn, k_new_ptr, v_new_ptr,
+            slot_mapping_ptr, positions_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, q_start, q_count, kvh,
+            split, partition, num_splits, stride_kt, stride_kh, stride_vt, stride_vh,
+            NUM_QUERY, KV_HEADS, HEAD_DIM, TABLE_DTYPE, NQ_POW2, ROPE_WRITE, UPCAST,
+        )  # fmt: skip
+        first = start
+    for n0 in range(first, end, BLOCK_N):
         # 3. Gather BLOCK_N keys through the block table (one table entry per key: any block_size works).
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < end
-        blk = tl.load(block_table_ptr + b * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        slot = blk * BLOCK_SIZE + n % BLOCK_SIZE  # [BLOCK_N] int64: caches past 2^31 elements
-        kv_off = slot[:, None] * (KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM + d[None, :]
-        if BLOCK_D == HEAD_DIM:
-            kv_ok = n_ok[:, None]  # a mask constant along D keeps the loads vectorised
-        else:
-            kv_ok = n_ok[:, None] & d_ok[None, :]
+        n, n_ok, kv_off, kv_ok = _key_tile(
+            block_table_ptr, b, stride_bt, n0, end, kvh, d, d_ok, KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+            BLOCK_D,
+        )  # fmt: skip
         k = tl.load(k_cache_ptr + kv_off, mask=kv_ok, other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_ok, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        # 4. Online softmax in base 2; masked scores are -inf and a row with no key yet keeps m = -inf.
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
-        s = tl.where((n[None, :] <= pos[:, None]) & n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp2(-inf - -inf) would be NaN
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k, v, n, n_ok, pos, m_i, l_i, acc, scale_log2, UPCAST)
     # 5. One split: normalise and write out (rows without keys: acc = 0, l = 0 -> 0). Several: partials.
     if SPLIT:
         part = (split * T + tok) * (KV_HEADS * GROUP) + head  # [BLOCK_M] int64
@@ -506,7 +579,9 @@ def paged_attention(
     num_query: int,
     layer: int = 0,
     config: AttentionConfig | None = None,
+    early_kv: bool = False,
     _rope_write: tuple | None = None,
+    _early_cache: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Launch the kernels (see the module docstring) -> out [T, N, D] in q's dtype.
 
@@ -514,6 +589,13 @@ def paged_attention(
     benchmark's sweep). Grid and launch arguments depend on static sizes only. `_rope_write` is
     `rope_paged_attention`'s (k, v, slot_mapping, inv_freq, table_dtype): q is then un-rotated and the
     output comes in the cache's dtype.
+
+    `early_kv`: each program loads its first key tile's rows before the request's first query position
+    ahead of its PDL wait (`EARLY_KV`), so their round trips overlap the kernel ahead. The caller vouches
+    that the kernel ahead in the stream writes nothing this launch reads but q and the cache rows of the
+    query tokens' positions (a layer's cache write or q/k/v product right before; fspec/attention.py).
+    Without PDL it changes nothing. `_early_cache` (tests only): other (k_cache, v_cache) layers for those
+    early loads, so a test can tell which rows came from which load.
     """
     if config is not None:
         check_config(config, cuda=q.is_cuda)
@@ -567,6 +649,11 @@ def paged_attention(
         new_strides = (kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1))
         rope = dict(
             ROPE_WRITE=True, TABLE_DTYPE=_TL_DTYPES[table_dtype], NQ_POW2=triton.next_power_of_2(num_query)
+        )
+    if early_kv:
+        ke, ve = (kc, vc) if _early_cache is None else (layer_view(c, layer) for c in _early_cache)
+        rope = dict(
+            rope, EARLY_KV=True, NQ_POW2=triton.next_power_of_2(num_query), k_early_ptr=ke, v_early_ptr=ve
         )
     _paged_attention_kernel[(b * m_tiles, nkv, splits)](
         q, kc, vc, block_table, seq_lens, positions, query_start_loc, out, part_m, part_l, part_acc,

@@ -457,7 +457,7 @@ def _compile_kernels_for_h200() -> None:
             COMBINE_CHUNK=pa.combine_chunk(
                 -(-4096 // cfg.partition), cfg.block_m, triton_next_pow2(d), cfg.num_warps
             ) if fused else 1,
-            ROPE_WRITE=False,
+            ROPE_WRITE=False, EARLY_KV=False,
         )  # fmt: skip
         ptx = _ptx_for_h200(
             pa._paged_attention_kernel, types, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages
@@ -477,12 +477,32 @@ def _compile_kernels_for_h200() -> None:
     consts = dict(
         NUM_QUERY=1, GROUP=4, KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, SPLIT=True, FUSED_REDUCE=False,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=128, UPCAST=False, COMBINE_CHUNK=1, ROPE_WRITE=True,
-        TABLE_DTYPE=tl.bfloat16, NQ_POW2=1,
+        TABLE_DTYPE=tl.bfloat16, NQ_POW2=1, EARLY_KV=False,
     )  # fmt: skip
     ptx = _ptx_for_h200(
         pa._paged_attention_kernel, types, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages
     )
     assert "bar.sync" in ptx and "cp.async.cg.shared.global" in ptx  # the write's barrier; K/V still async
+    # EARLY_KV under PDL (decode, and K + 1 rows): the first tile's old K/V rows are requested before the
+    # wait; nothing is stored before it, and the wait comes once, ahead of the trigger
+    for nq in (1, 4):
+        cfg = pa.default_config(batch=1, kv_heads=8, group=4, num_query=nq, head_dim=64, capacity=2048)
+        types = dict(ptrs, q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16")
+        types |= dict(k_early_ptr="*bf16", v_early_ptr="*bf16")
+        consts = dict(
+            NUM_QUERY=nq, GROUP=4, KV_HEADS=8, HEAD_DIM=64, BLOCK_SIZE=16, SPLIT=True, FUSED_REDUCE=False,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=64, UPCAST=False, COMBINE_CHUNK=1,
+            ROPE_WRITE=False, NQ_POW2=nq, EARLY_KV=True, PDL=True,
+        )  # fmt: skip
+        ptx = _ptx_for_h200(
+            pa._paged_attention_kernel, types, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages
+        )
+        assert ptx.count("griddepcontrol.wait") == 1, nq
+        before, after = ptx.split("griddepcontrol.wait")
+        assert "griddepcontrol.launch_dependents" in after, nq
+        early = re.findall(r"ld\.global[\w.]*|cp\.async\.\w+\.shared\.global", before)
+        assert len(early) >= 4, (nq, early)  # metadata, the block table, K and V
+        assert not re.search(r"st\.global|atom\.|red\.", before), nq
     reduce_consts = dict(NUM_HEADS=32, HEAD_DIM=128, SPLITS_POW2=16, BLOCK_D=128)
     reduce_types = dict(part_m_ptr="*fp32", part_l_ptr="*fp32", part_acc_ptr="*fp32", out_ptr="*bf16")
     _ptx_for_h200(pa._paged_attention_reduce_kernel, reduce_types, reduce_consts, num_warps=4)

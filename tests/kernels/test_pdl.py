@@ -55,6 +55,10 @@ def test_every_kernel_takes_pdl_and_waits_before_touching_other_kernels_data():
         params = inspect.signature(fn).parameters
         assert "PDL" in params and params["PDL"].default is False, name
         body = ast.parse(inspect.getsource(fn)).body[0].body
+        if name.endswith("_paged_attention_kernel"):
+            _check_early_kv_attention(body)
+            seen += 1
+            continue
         calls = [
             i
             for i, stmt in enumerate(body)
@@ -82,6 +86,41 @@ def test_every_kernel_takes_pdl_and_waits_before_touching_other_kernels_data():
         seen += 1
     # gumbel 3, rejection 4, attention 2, kv_write, rope_kv_write, rope tables, metadata, linear 3, flags
     assert seen == 17
+
+
+# What the attention may read before its wait under EARLY_KV: metadata and the cache rows older than the
+# kernel ahead (through the early pointers); never q, the caches the kernel ahead writes, or any output.
+EARLY_KV_READS = {
+    "query_start_loc_ptr", "positions_ptr", "seq_lens_ptr", "block_table_ptr", "k_early_ptr", "v_early_ptr",
+}  # fmt: skip
+
+
+def _is_pdl_enter(stmt) -> bool:
+    return (
+        isinstance(stmt, ast.Expr)
+        and isinstance(stmt.value, ast.Call)
+        and getattr(stmt.value.func, "id", None) == "pdl_enter"
+    )
+
+
+def _check_early_kv_attention(body) -> None:
+    """The paged attention waits first unless EARLY_KV; with it, the statements before its one wait name
+    only EARLY_KV_READS among the pointers and store nothing."""
+    first = body[0]
+    assert isinstance(first, ast.If) and ast.unparse(first.test) == "not EARLY_KV", ast.unparse(first)
+    assert len(first.body) == 1 and _is_pdl_enter(first.body[0]) and not first.orelse
+    early = [i for i, s in enumerate(body) if isinstance(s, ast.If) and ast.unparse(s.test) == "EARLY_KV"]
+    assert len(early) == 1
+    branch = body[early[0]].body
+    waits = [i for i, s in enumerate(branch) if _is_pdl_enter(s)]
+    assert len(waits) == 1
+    before = body[1 : early[0]] + branch[: waits[0]]
+    names = {n.id for s in before for n in ast.walk(s) if isinstance(n, ast.Name) and n.id.endswith("_ptr")}
+    assert names <= EARLY_KV_READS and {"k_early_ptr", "block_table_ptr"} <= names, names
+    calls = {ast.unparse(n.func) for s in before for n in ast.walk(s) if isinstance(n, ast.Call)}
+    assert not calls & {"tl.store", "tl.atomic_add", "tl.atomic_xchg"}, calls
+    inside = [n for s in body for n in ast.walk(s) if _is_pdl_enter(n)]
+    assert len(inside) == 2  # the two paths' waits, nothing else
 
 
 def test_options_are_empty_off_the_gpu_and_the_switch_is_checked(monkeypatch):
