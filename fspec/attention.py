@@ -195,7 +195,8 @@ def rope_attention(num_query: int) -> bool:
 
 
 QKV_ROPE_DEFAULT = "1"  # target-only decoding +2% on the H200 (runs t, u of table `switches`)
-EARLY_KV_DEFAULT = "1"
+EARLY_KV_DEFAULT = "1"  # target-only decoding +1.7% on the H200 (run v of table `switches`)
+EARLY_RELEASE_DEFAULT = "1"
 
 
 def early_kv_enabled() -> bool:
@@ -204,6 +205,15 @@ def early_kv_enabled() -> bool:
     EARLY_KV_DEFAULT. Anything else is a ValueError naming the variable. The layers call the attention right
     after the launch that writes q and the new rows, which is the order `early_kv` asks its caller to keep."""
     return env_choice("FSPEC_ATTN_EARLY_KV", ("0", "1"), EARLY_KV_DEFAULT) == "1"
+
+
+def early_release_enabled() -> bool:
+    """FSPEC_ATTN_EARLY_RELEASE: whether the paged attention's reduce lets the launch after it start before
+    its own PDL wait (`fspec::paged_attention`'s `early_release`): "1", or "0"; unset: EARLY_RELEASE_DEFAULT.
+    Anything else is a ValueError naming the variable. What follows a layer's attention is its o projection
+    (`skinny_linear`, which reads only its weight before its wait; cuBLAS, which waits in stream order; or an
+    Inductor kernel, which waits before its first access), the order `early_release` asks for."""
+    return env_choice("FSPEC_ATTN_EARLY_RELEASE", ("0", "1"), EARLY_RELEASE_DEFAULT) == "1"
 
 
 def qkv_rope_enabled() -> bool:
@@ -241,6 +251,7 @@ def _paged_qkv_rope(
     return call(
         "paged_attention", q, cache.k, cache.v, meta.block_table, meta.seq_lens, meta.positions,
         meta.query_start_loc, scale=d**-0.5, num_query=1, layer=layer, early_kv=early_kv_enabled(),
+        early_release=early_release_enabled(),
     )  # fmt: skip
 
 
@@ -302,6 +313,7 @@ def _paged_kernels(
         num_query=num_query,
         layer=layer,
         early_kv=early_kv_enabled(),  # the cache write above is the launch right before
+        early_release=early_release_enabled(),  # the layer's o projection is the launch right after
     ).to(q.dtype)
 
 

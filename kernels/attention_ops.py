@@ -9,7 +9,8 @@
                            table_dtype, rope_type, rope, *, layer=0) -> [q_rot, k_rot, v] [1, (N + 2·Nkv)·D]:
                            a one-row q/k/v product with rope_pos_kv_write as its epilogue
     fspec::paged_attention (q, k_cache, v_cache, block_table, seq_lens, positions, query_start_loc,
-                            *, scale, num_query, layer=0, early_kv=False) -> out [T, N, D]
+                            *, scale, num_query, layer=0, early_kv=False,
+                            early_release=False) -> out [T, N, D]
     fspec::rope_paged_attention (q, k, v, positions, k_cache!, v_cache!, slot_mapping, block_table, seq_lens,
                            query_start_loc, table_dtype, rope_type, rope, *, scale, num_query, layer=0)
                            -> out [T, N, D] in the cache's dtype: rope_pos_kv_write + paged_attention
@@ -185,14 +186,16 @@ def paged_attention(
     num_query: int,
     layer: int = 0,
     early_kv: bool = False,
+    early_release: bool = False,
 ) -> Tensor:
     """Attention of q [T, N, D] over each request's cached positions 0..p (kernels/paged_attention.py).
     `early_kv`: the caller vouches that the kernel ahead writes only q and the query tokens' cache rows, so
-    the old rows may load before the PDL wait (`paged_attention`'s docstring); the result is the same."""
+    the old rows may load before the PDL wait; `early_release`: that the launch after reads only constants
+    before its wait, so the reduce lets it start early (`paged_attention`'s docstring). Same result."""
     if _use_triton(q):
         return _pa.paged_attention(
             q, k_cache, v_cache, block_table, seq_lens, positions, query_start_loc,
-            scale=scale, num_query=num_query, layer=layer, early_kv=early_kv,
+            scale=scale, num_query=num_query, layer=layer, early_kv=early_kv, early_release=early_release,
         )  # fmt: skip
     return _pa.paged_attention_ref(
         q, k_cache, v_cache, block_table, seq_lens, positions, query_start_loc,
@@ -214,6 +217,7 @@ def _(
     num_query: int,
     layer: int = 0,
     early_kv: bool = False,
+    early_release: bool = False,
 ) -> Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 

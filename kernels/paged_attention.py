@@ -45,7 +45,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from . import pdl
 from .counters import COUNTER_SLOTS, zeroed_counters
 from .kv_write import layer_view
-from .pdl import pdl_enter
+from .pdl import pdl_enter, pdl_release_then_wait
 from .rope_kv_write import _TL_DTYPES, _unit_stride, check_rope_positions, rope_pos_kv_write_ref
 
 LOG2E = 1.4426950408889634
@@ -509,8 +509,12 @@ def _paged_attention_reduce_kernel(
     SPLITS_POW2: tl.constexpr,  # next power of two >= S
     BLOCK_D: tl.constexpr,  # next power of two >= max(D, 16)
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
+    EARLY_RELEASE: tl.constexpr = False,  # let the next kernel launch before the wait (see the launcher)
 ):
-    pdl_enter(PDL)
+    if EARLY_RELEASE:
+        pdl_release_then_wait(PDL)
+    else:
+        pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_POW2)
@@ -580,6 +584,7 @@ def paged_attention(
     layer: int = 0,
     config: AttentionConfig | None = None,
     early_kv: bool = False,
+    early_release: bool = False,
     _rope_write: tuple | None = None,
     _early_cache: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
@@ -594,7 +599,11 @@ def paged_attention(
     ahead of its PDL wait (`EARLY_KV`), so their round trips overlap the kernel ahead. The caller vouches
     that the kernel ahead in the stream writes nothing this launch reads but q and the cache rows of the
     query tokens' positions (a layer's cache write or q/k/v product right before; fspec/attention.py).
-    Without PDL it changes nothing. `_early_cache` (tests only): other (k_cache, v_cache) layers for those
+    `early_release`: the reduce kernel lets the launch after it start before its own wait, so that launch's
+    pre-wait loads (the o projection's weight tiles) overlap the attention. The caller vouches that the
+    launch after reads nothing before its PDL wait but constants (`skinny_linear`: weights; Inductor's
+    kernels under FSPEC_INDUCTOR_PDL: nothing). Without PDL, or with one split (no reduce), it changes
+    nothing. `_early_cache` (tests only): other (k_cache, v_cache) layers for those
     early loads, so a test can tell which rows came from which load.
     """
     if config is not None:
@@ -671,6 +680,7 @@ def paged_attention(
         _paged_attention_reduce_kernel[(t, n)](
             part_m, part_l, part_acc, out, out.stride(0), out.stride(1), t, splits,
             NUM_HEADS=n, HEAD_DIM=d, SPLITS_POW2=triton.next_power_of_2(splits), BLOCK_D=block_d,
+            EARLY_RELEASE=early_release,
             num_warps=4,
             **launch,
         )  # fmt: skip

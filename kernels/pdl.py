@@ -14,6 +14,15 @@ sees a write of any earlier kernel still in flight. Reads of weights (constant d
 before it; `skinny_linear` loads its first weight tile there. Kernels launched without the attribute (cuBLAS,
 Inductor's kernels unless TORCHINDUCTOR_ENABLE_PDL=1) keep plain stream order.
 
+Two relaxations, each a flag its caller sets because only the caller knows the neighbours (the layers of
+fspec/attention.py do): when a PDL kernel starts, the kernel ahead has passed its wait, so every launch
+before that one has completed and only what the kernel ahead writes is unsafe to read. The paged attention
+with `early_kv` reads before its wait what older launches wrote (metadata, block table, the cache rows
+before the forward's own tokens): the kernel ahead must write nothing of that. Its reduce with
+`early_release` lets its successor launch before its own wait (`pdl_release_then_wait`): the successor must
+read nothing before its wait but constants (a `skinny_linear` o projection). A grid releases its successor
+only once all its programs run, so an early successor never holds the SMs a predecessor still needs.
+
     options(t) -> {"PDL": True, "launch_pdl": True} or {}      keyword arguments for a launch
 """
 
@@ -61,3 +70,12 @@ def pdl_enter(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_release_then_wait(PDL: tl.constexpr):
+    """Let the next kernel launch, then wait for the one ahead: for a kernel whose successor reads nothing
+    before its own wait but constants (weights), so that successor's pre-wait loads start earlier."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()

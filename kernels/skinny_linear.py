@@ -92,7 +92,11 @@ def default_config(n: int, k: int, *, one_row: bool = False) -> SkinnyConfig:
     has its whole 2048-deep reduction in flight at once (1B o 4.1 -> 3.3 us, down 12.3 -> 9.4); up to 4096
     BLOCK_K 512, eight warps; up to 8192 four warps; up to 16384 BLOCK_K 256, eight warps; wider four warps,
     BLOCK_K 256 over deep reductions (the 8B head's gate/up) and 512 over K <= 2048 (a 32000-token draft LM
-    head). The split reduction (`split_k`) won no shape of the sweep: it stays off. Several rows keep the
+    head). Up to N = 2048 the whole reduction is one tile where it fits in registers (`one_tile`: a 1B o
+    projection, 16 x 2048 at eight warps; deeper ones keep the loop): alone it measured no faster (3.6
+    against 3.3 us), but in place, launched while the attention before it still runs (`early_release`),
+    its every weight load is in flight before its wait (target-only decoding +0.8%, DESIGN-NOTES.md).
+    The split reduction (`split_k`) won no shape of the sweep: it stays off. Several rows keep the
     tile kernel: `_skinny_rows_kernel` (2..FMA_MAX_ROWS rows on the CUDA cores, an explicit `fma` config)
     measured slower than cuBLAS for a first draft step's K + 1 rows (DESIGN-NOTES.md)."""
     kmax = max(16, triton.next_power_of_2(k))
@@ -104,7 +108,14 @@ def default_config(n: int, k: int, *, one_row: bool = False) -> SkinnyConfig:
             else (256, 8) if n <= 16384
             else (256 if k > 2048 else 512, 4)
         )  # fmt: skip
-        return SkinnyConfig(block_n=16, block_k=min(block_k, kmax), num_warps=warps, num_stages=1, fma=True)
+        return SkinnyConfig(
+            block_n=16,
+            block_k=min(block_k, kmax),
+            num_warps=warps,
+            num_stages=1,
+            fma=True,
+            one_tile=n <= 2048,
+        )
     block_n = 16 if n <= 2048 else 32 if n <= 4096 else 64
     block_k = min(512 if n <= 4096 else 256 if n <= 8192 else 128, kmax)
     return SkinnyConfig(block_n=block_n, block_k=block_k, num_stages=4)

@@ -1,5 +1,6 @@
 """The paged attention's early K/V loads (`early_kv`, FSPEC_ATTN_EARLY_KV): each program requests its first
-key tile's old rows before its PDL wait and the rows of the forward's own tokens after it.
+key tile's old rows before its PDL wait and the rows of the forward's own tokens after it; and its early
+release (`early_release`, FSPEC_ATTN_EARLY_RELEASE): the reduce lets the next launch start before its wait.
 
 Under the interpreter nothing runs concurrently, so the tests hand the early loads a different copy of the
 cache (`_early_cache`): NaN where the new rows are in the early copy and where the old rows of each split's
@@ -67,19 +68,29 @@ def test_old_rows_come_from_the_early_load_and_new_rows_from_the_late_one(lens, 
     )
 
 
-def test_op_passes_early_kv_through_and_passes_opcheck(monkeypatch):
+def test_op_passes_both_flags_through_and_passes_opcheck(monkeypatch):
     q, kc, vc, table, seq, positions, qsl = _case("ragged", 3, torch.float32)
     args = (q, kc, vc, table, seq, positions, qsl)
     seen = []
     launch = pa.paged_attention
-    monkeypatch.setattr(pa, "paged_attention", lambda *a, **k: seen.append(k["early_kv"]) or launch(*a, **k))
+    monkeypatch.setattr(
+        pa, "paged_attention",
+        lambda *a, **k: seen.append((k["early_kv"], k["early_release"])) or launch(*a, **k),
+    )  # fmt: skip
     want = launch(*args, scale=0.3, num_query=3)
-    for early in (False, True):
-        got = torch.ops.fspec.paged_attention(*args, scale=0.3, num_query=3, early_kv=early)
+    flags = [(False, False), (True, False), (False, True), (True, True)]
+    for early, release in flags:
+        got = torch.ops.fspec.paged_attention(
+            *args, scale=0.3, num_query=3, early_kv=early, early_release=release
+        )
         assert torch.equal(got, want)
-    assert seen == [False, True]
-    torch.library.opcheck(
-        torch.ops.fspec.paged_attention.default, args, {"scale": 0.3, "num_query": 3, "early_kv": True}
+    assert seen == flags
+    kwargs = {"scale": 0.3, "num_query": 3, "early_kv": True, "early_release": True}
+    torch.library.opcheck(torch.ops.fspec.paged_attention.default, args, kwargs)
+    # the reduce kernel with EARLY_RELEASE (interpreted: launches run in program order) computes the same
+    split = launch(*args, scale=0.3, num_query=3, config=CONFIGS["split_bn4"])
+    assert torch.equal(
+        launch(*args, scale=0.3, num_query=3, config=CONFIGS["split_bn4"], early_release=True), split
     )
 
 
@@ -94,10 +105,11 @@ def _tiny():
 
 
 @pytest.mark.parametrize("qkv_rope", ["0", "1"])
-def test_layers_ask_for_early_loads_by_the_switch(qkv_rope, monkeypatch):
+def test_layers_ask_for_early_loads_and_release_by_the_switches(qkv_rope, monkeypatch):
     """A paged prefill then a decode step of a tiny Llama (the decode's one row through `qkv_rope_write` or
-    the separate cache write): every attention launch gets early_kv as FSPEC_ATTN_EARLY_KV says (default on),
-    the logits and caches are the same either way, and a bad value is a ValueError naming the variable."""
+    the separate cache write): every attention launch gets early_kv as FSPEC_ATTN_EARLY_KV says and
+    early_release as FSPEC_ATTN_EARLY_RELEASE says (both on by default), the logits and caches are the same
+    either way, and a bad value is a ValueError naming the variable."""
     import fspec
     from fspec.cache import KVCache
     from fspec.metadata import _slot_mapping
@@ -120,27 +132,34 @@ def test_layers_ask_for_early_loads_by_the_switch(qkv_rope, monkeypatch):
     monkeypatch.setenv("FSPEC_QKV_ROPE", qkv_rope)
     seen = []
     launch = pa.paged_attention
-    monkeypatch.setattr(pa, "paged_attention", lambda *a, **k: seen.append(k["early_kv"]) or launch(*a, **k))
+    monkeypatch.setattr(
+        pa, "paged_attention",
+        lambda *a, **k: seen.append((k["early_kv"], k["early_release"])) or launch(*a, **k),
+    )  # fmt: skip
     out = {}
-    for mode in (None, "0", "1"):
-        if mode is None:
-            monkeypatch.delenv("FSPEC_ATTN_EARLY_KV", raising=False)
-        else:
-            monkeypatch.setenv("FSPEC_ATTN_EARLY_KV", mode)
+    for kv, release in ((None, None), ("0", "1"), ("1", "0"), ("0", "0")):
+        for name, value in (("FSPEC_ATTN_EARLY_KV", kv), ("FSPEC_ATTN_EARLY_RELEASE", release)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
         seen.clear()
         cache = KVCache.create(cfg, num_blocks=5, block_size=4)
         _, _, cache = llama.forward(params, ids, meta(torch.arange(6)), cache, cfg=cfg, backend="paged",
                                     max_query_len=6)  # fmt: skip
         logits, _, cache = llama.forward(params, torch.tensor([7]), meta(torch.tensor([6])), cache, cfg=cfg,
                                          backend="paged", max_query_len=1)  # fmt: skip
-        assert seen == [mode != "0"] * (2 * cfg.num_hidden_layers), (mode, seen)
-        out[mode] = (logits, cache.k, cache.v)
-    for a, b in zip(out["0"], out["1"]):
-        assert torch.equal(a, b)
-    monkeypatch.setenv("FSPEC_ATTN_EARLY_KV", "yes")
-    with pytest.raises(ValueError, match=r"^FSPEC_ATTN_EARLY_KV: expected one of 0, 1, got 'yes'"):
-        llama.forward(params, torch.tensor([7]), meta(torch.tensor([6])), cache, cfg=cfg, backend="paged",
-                      max_query_len=1)  # fmt: skip
+        assert seen == [(kv != "0", release != "0")] * (2 * cfg.num_hidden_layers), (kv, release, seen)
+        out[kv, release] = (logits, cache.k, cache.v)
+    for other in list(out)[1:]:
+        for a, b in zip(out[None, None], out[other]):
+            assert torch.equal(a, b)
+    for name in ("FSPEC_ATTN_EARLY_KV", "FSPEC_ATTN_EARLY_RELEASE"):
+        monkeypatch.setenv(name, "yes")
+        with pytest.raises(ValueError, match=rf"^{name}: expected one of 0, 1, got 'yes'"):
+            llama.forward(params, torch.tensor([7]), meta(torch.tensor([6])), cache, cfg=cfg, backend="paged",
+                          max_query_len=1)  # fmt: skip
+        monkeypatch.setenv(name, "1")
 
 
 @pytest.mark.gpu
@@ -152,9 +171,10 @@ def _gpu_body():
     """On the H200 with PDL, bf16, 1B-layer shapes (32 / 8 heads of 64, K = 2048, context ~2k, 64-token
     splits): a CUDA graph of `qkv_rope_write` then `paged_attention(early_kv=True)` (decode), and of
     `rope_pos_kv_write` then the attention over four new rows per request (a first draft step or a
-    verification, B = 3), replayed with new positions whose slots hold NaN before each replay: the output
-    equals the reference attention over the written cache (a new row taken from the early load would be NaN
-    or stale), and so does an eager call."""
+    verification, B = 3), each followed by an o projection (`skinny_linear`) that the reduce releases before
+    its wait (`early_release`), replayed with new positions whose slots hold NaN before each replay: the
+    output equals the reference attention over the written cache (a new row taken from the early load would
+    be NaN or stale), the projection equals one of that output run afterwards, and so do eager calls."""
     from fspec.kernels import pdl
     from fspec.kernels.rope_cos_sin import inv_freq as make_inv_freq
 
@@ -173,6 +193,7 @@ def _gpu_case(nq, batch, *, n, nkv, d, k, bs, max_blocks, gen, inv):
     """One case of `_gpu_body`: nq rows per request, `batch` requests."""
     from fspec.kernels.qkv_rope_write import qkv_rope_write
     from fspec.kernels.rope_kv_write import rope_pos_kv_write
+    from fspec.kernels.skinny_linear import skinny_linear
 
     dev = torch.device("cuda")
     num_blocks = batch * max_blocks + 3
@@ -183,6 +204,7 @@ def _gpu_case(nq, batch, *, n, nkv, d, k, bs, max_blocks, gen, inv):
     x = torch.randn(batch * nq, k, device=dev, generator=gen, dtype=torch.bfloat16)
     w = torch.randn((n + 2 * nkv) * d, k, device=dev, generator=gen, dtype=torch.bfloat16) * k**-0.5
     qkv = x @ w.T  # the multi-row case's projection (the graph replays the cache write + attention)
+    w_o = torch.randn(n * d, n * d, device=dev, generator=gen, dtype=torch.bfloat16) * (n * d) ** -0.5
     positions = torch.zeros(batch * nq, dtype=torch.int64, device=dev)
     seq = torch.zeros(batch, dtype=torch.int32, device=dev)
     slots = torch.zeros_like(positions)
@@ -206,8 +228,8 @@ def _gpu_case(nq, batch, *, n, nkv, d, k, bs, max_blocks, gen, inv):
             q, kk, v = (t.reshape(batch * nq, -1, d) for t in qkv.split([n * d, nkv * d, nkv * d], -1))
             q = rope_pos_kv_write(q, kk, v, positions, inv, torch.bfloat16, kc, vc, slots)
         out = torch.ops.fspec.paged_attention(q, kc, vc, table, seq, positions, qsl, scale=d**-0.5,
-                                              num_query=nq, early_kv=True)  # fmt: skip
-        return q, out
+                                              num_query=nq, early_kv=True, early_release=True)  # fmt: skip
+        return q, out, skinny_linear(out.reshape(batch * nq, -1), w_o)  # o starts before the reduce waits
 
     contexts = ([2047], [1999]) if nq == 1 else ([2040, 1500, 77], [1700, 2047, 64])
     set_context(contexts[0])
@@ -216,7 +238,7 @@ def _gpu_case(nq, batch, *, n, nkv, d, k, bs, max_blocks, gen, inv):
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_q, static_out = step()
+        static_q, static_out, static_o = step()
     for lens in contexts + contexts[:1]:
         set_context(lens)
         graph.replay()
@@ -225,8 +247,11 @@ def _gpu_case(nq, batch, *, n, nkv, d, k, bs, max_blocks, gen, inv):
                                       num_query=nq)  # fmt: skip
         assert not torch.isnan(static_out).any(), (nq, lens)
         torch.testing.assert_close(static_out, want, rtol=2e-2, atol=2e-2)
+        # the o projection released early read this replay's attention output, not the last one's
+        assert torch.equal(static_o, skinny_linear(static_out.reshape(batch * nq, -1), w_o)), (nq, lens)
         set_context(lens)
-        eager_q, eager_out = step()
+        eager_q, eager_out, eager_o = step()
         torch.cuda.synchronize()
         assert not torch.isnan(eager_out).any(), (nq, lens)
         torch.testing.assert_close(eager_out, static_out, rtol=0, atol=0)
+        assert torch.equal(eager_o, static_o), (nq, lens)

@@ -503,9 +503,16 @@ def _compile_kernels_for_h200() -> None:
         early = re.findall(r"ld\.global[\w.]*|cp\.async\.\w+\.shared\.global", before)
         assert len(early) >= 4, (nq, early)  # metadata, the block table, K and V
         assert not re.search(r"st\.global|atom\.|red\.", before), nq
-    reduce_consts = dict(NUM_HEADS=32, HEAD_DIM=128, SPLITS_POW2=16, BLOCK_D=128)
+    reduce_consts = dict(NUM_HEADS=32, HEAD_DIM=128, SPLITS_POW2=16, BLOCK_D=128, EARLY_RELEASE=False)
     reduce_types = dict(part_m_ptr="*fp32", part_l_ptr="*fp32", part_acc_ptr="*fp32", out_ptr="*bf16")
     _ptx_for_h200(pa._paged_attention_reduce_kernel, reduce_types, reduce_consts, num_warps=4)
+    # EARLY_RELEASE under PDL: the next launch is released first, then the wait, then every load and store
+    for release in (False, True):
+        consts = dict(reduce_consts, EARLY_RELEASE=release, PDL=True)
+        ptx = _ptx_for_h200(pa._paged_attention_reduce_kernel, reduce_types, consts, num_warps=4)
+        wait, trigger = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
+        assert (trigger < wait) == release and ptx.count("griddepcontrol") == 2, release
+        assert not re.search(r"ld\.global|st\.global", ptx[:wait]), release
     kv_types = dict(
         k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", slot_mapping_ptr="*i64"
     )

@@ -15,6 +15,7 @@ from fspec.kernels.skinny_linear import (
     NORM_MAX_BLOCK_K,
     SkinnyConfig,
     default_config,
+    gemv_block_k,
     skinny_linear,
     skinny_linear_ref,
 )
@@ -168,8 +169,10 @@ def test_default_config_follows_the_h200_sweep_and_caps_the_tile_depth():
     assert default_config(100, 40).block_k == 64
     # one row (benchmarks/results/skinny_linear_one_row.json): the CUDA-core kernel, 16 columns per program
     gemv = SkinnyConfig(block_n=16, block_k=512, num_warps=8, num_stages=1, fma=True)
-    assert default_config(2048, 2048, one_row=True) == dataclasses.replace(gemv, block_k=1024)  # 1B o
-    assert default_config(2048, 8192, one_row=True) == dataclasses.replace(gemv, block_k=1024)  # 1B down
+    one = dataclasses.replace(gemv, block_k=1024, one_tile=True)  # one tile where it fits (gemv_block_k)
+    assert default_config(2048, 2048, one_row=True) == one  # 1B o
+    assert default_config(2048, 8192, one_row=True) == one  # 1B down (does not fit: the loop)
+    assert gemv_block_k(one, 2048) == (2048, True, 2048) and gemv_block_k(one, 8192) == (1024, False, 8192)
     assert default_config(3072, 2048, one_row=True) == gemv  # 1B q/k/v
     assert default_config(4096, 14336, one_row=True) == gemv  # 8B down
     assert default_config(6144, 8192, one_row=True) == dataclasses.replace(gemv, num_warps=4)  # 8B q/k/v
@@ -459,8 +462,8 @@ def test_one_row_kernel_gets_a_tile_that_fits_in_registers(monkeypatch):
     assert launched[-1] == ((2, 1), 64, 64)  # out = 128 columns; two sums: 32 each
     skinny_linear(x, w, config=dataclasses.replace(cfg, num_warps=8))
     assert launched[-1] == ((4, 1), 64, 256)
-    skinny_linear(x, w, norm_weight=torch.ones(2048))  # the default: 16 columns, BLOCK_K 1024 up to N = 2048
-    assert launched[-1] == ((16, 1), 16, 1024)  # no NORM_MAX_BLOCK_K cap: the one-row kernel's x is a vector
+    skinny_linear(x, w, norm_weight=torch.ones(2048))  # the default up to N = 2048: 16 columns, one tile
+    assert launched[-1] == ((16, 1), 16, 2048)  # no NORM_MAX_BLOCK_K cap: the one-row kernel's x is a vector
     count = len(launched)
     assert skinny_linear(torch.randn(2, 2048), w, config=cfg).shape == (2, 256)
     assert len(launched) == count  # two rows: `_skinny_rows_kernel`
