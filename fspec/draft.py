@@ -68,7 +68,10 @@ def _step(
     is the next state's metadata where the caller has it already (`decode_rollout`), else `decode_after`."""
     attn = state.attn
     b = attn.num_requests
-    rows = last_live_rows(attn)  # [B]
+    # Each request's last live row. With one row per request (every step after a round's first) that is
+    # row b of request b, so nothing is selected: a gather would be a launch between the attention and the
+    # o projection, which the attention's reduce otherwise releases early (`early_release`).
+    rows = last_live_rows(attn) if attn.num_tokens > b else None  # [B]
     # 1-3. embed + combine with hidden, one decoder layer (K/V written at slot_mapping), logits of last rows.
     logits, hidden, cache = _head_forward(
         params,

@@ -131,6 +131,31 @@ def test_last_live_rows_picks_each_requests_last_live_token():
     assert last_live_rows(meta).tolist() == [1, 3, 8]
 
 
+def test_one_row_steps_select_no_rows(monkeypatch):
+    """A round's first step (K + 1 rows per request) passes each request's last live row to the head; the
+    later steps, one row per request, pass none (that row is the request's own: a gather would be one more
+    launch between the attention and the o projection), and their result is the selected rows' exactly."""
+    import fspec.draft as D
+
+    draft = tiny_draft(TARGET, kind="eagle3", k=3)
+    sc = scenario(draft, context_lens=[4, 5, 7], live=[2, 4, 1], temperature=[0.9, 0.0, 1.3])
+    seen = []
+    forward = D._head_forward
+    monkeypatch.setattr(D, "_head_forward", lambda *a, **k: seen.append(k["logit_rows"]) or forward(*a, **k))
+    first, cache = fspec.draft_step(draft.params, sc.state, sc.cache, cfg=draft.cfg)
+    assert torch.equal(seen[0], last_live_rows(sc.state.attn))
+    assert first.attn.num_tokens == first.attn.num_requests == 3
+    second, cache = fspec.draft_step(draft.params, first, cache, cfg=draft.cfg)
+    assert seen[1] is None
+    # the same step with the rows selected explicitly (arange: one row per request) gives the same state
+    explicit = lambda *a, **k: forward(*a, **dict(k, logit_rows=torch.arange(3)))  # noqa: E731
+    monkeypatch.setattr(D, "_head_forward", explicit)
+    again, _ = fspec.draft_step(draft.params, first, cache, cfg=draft.cfg)  # rewrites the same K/V rows
+    assert torch.equal(again.draft_tokens, second.draft_tokens)
+    torch.testing.assert_close(again.draft_probs, second.draft_probs, rtol=0, atol=0)
+    torch.testing.assert_close(again.hidden, second.hidden, rtol=0, atol=0)
+
+
 def test_step_rejects_a_state_that_does_not_fit_the_cache_or_config():
     """Eager calls validate: block tables past the cache and a K mismatch are named."""
     draft = tiny_draft(TARGET, kind="eagle", k=3)
