@@ -1,7 +1,7 @@
 """Paged attention over the KV cache, driven by the `AttnMetadata` tensors (fspec/state.py).
 
     paged_attention(q [T, N, D], k_cache, v_cache, block_table, seq_lens, positions, query_start_loc,
-                    *, scale, num_query, layer=0) -> out [T, N, D]
+                    *, scale, num_query, layer=0, early_kv=False, early_release=False) -> out [T, N, D]
 
 Request b owns query rows query_start_loc[b] : query_start_loc[b+1] (at most `num_query` of them; the usual
 layout is exactly num_query rows per request, T = B * num_query: 1 for decode, K + 1 for the first draft step
@@ -24,6 +24,9 @@ Design (flash-decoding with GQA packing):
   tile, left at zero for the next launch; one stream at a time per device).
 * Everything the launch depends on (B, num_query, max_blocks, block_size, config) is static; block_table,
   seq_lens, positions and query_start_loc are loaded inside the kernels, so the launch is CUDA-graph safe.
+* Under PDL (kernels/pdl.py), `early_kv` loads each program's first key tile of rows before the request's
+  first query position ahead of the wait, and `early_release` lets the launch after the reduce start before
+  the reduce's wait: each is the caller's promise about its neighbours (the launcher's docstring).
 * fp32 accumulation and softmax in base 2 (scale * log2(e) folded into the scores). On a GPU the dots run in
   the cache dtype (bf16/fp16 tensor cores, fp32 accumulate; fp32 inputs use "ieee", not tf32); under the
   interpreter everything is cast to fp32 right after loading (its bf16 arithmetic is garbage).
