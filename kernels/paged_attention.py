@@ -409,26 +409,20 @@ def _paged_attention_kernel(
         k = tl.load(k_early_ptr + kv_off, mask=old, other=0.0)
         v = tl.load(v_early_ptr + kv_off, mask=old, other=0.0)
         pdl_enter(PDL)
-        q = _query_tile(
-            q_ptr, tok, head, pos, row_ok, d, d_ok, stride_qt, stride_qn, k_new_ptr, v_new_ptr,
-            slot_mapping_ptr, positions_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, q_start, q_count, kvh,
-            split, partition, num_splits, stride_kt, stride_kh, stride_vt, stride_vh,
-            NUM_QUERY, KV_HEADS, HEAD_DIM, TABLE_DTYPE, NQ_POW2, ROPE_WRITE, UPCAST,
-        )  # fmt: skip
+    q = _query_tile(
+        q_ptr, tok, head, pos, row_ok, d, d_ok, stride_qt, stride_qn, k_new_ptr, v_new_ptr, slot_mapping_ptr,
+        positions_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, q_start, q_count, kvh, split, partition,
+        num_splits, stride_kt, stride_kh, stride_vt, stride_vh,
+        NUM_QUERY, KV_HEADS, HEAD_DIM, TABLE_DTYPE, NQ_POW2, ROPE_WRITE, UPCAST,
+    )  # fmt: skip
+    first = start
+    if EARLY_KV:
         new = kv_ok & (n >= first_new)[:, None]
         k = tl.load(k_cache_ptr + kv_off, mask=new, other=k)
         v = tl.load(v_cache_ptr + kv_off, mask=new, other=v)
         if start < end:
             m_i, l_i, acc = _attend_tile(q, k, v, n, n_ok, pos, m_i, l_i, acc, scale_log2, UPCAST)
         first = start + BLOCK_N
-    else:
-        q = _query_tile(
-            q_ptr, tok, head, pos, row_ok, d, d_ok, stride_qt, stride_qn, k_new_ptr, v_new_ptr,
-            slot_mapping_ptr, positions_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, q_start, q_count, kvh,
-            split, partition, num_splits, stride_kt, stride_kh, stride_vt, stride_vh,
-            NUM_QUERY, KV_HEADS, HEAD_DIM, TABLE_DTYPE, NQ_POW2, ROPE_WRITE, UPCAST,
-        )  # fmt: skip
-        first = start
     for n0 in range(first, end, BLOCK_N):
         # 3. Gather BLOCK_N keys through the block table (one table entry per key: any block_size works).
         n, n_ok, kv_off, kv_ok = _key_tile(

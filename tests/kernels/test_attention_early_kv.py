@@ -68,15 +68,26 @@ def test_old_rows_come_from_the_early_load_and_new_rows_from_the_late_one(lens, 
     )
 
 
+def _record_flags(monkeypatch) -> list:
+    """Replace the launcher with one that records each call's (early_kv, early_release) and launches; the
+    original stays reachable as `pa.paged_attention.__wrapped__`."""
+    seen = []
+    launch = pa.paged_attention
+
+    def recording(*a, **k):
+        seen.append((k["early_kv"], k["early_release"]))
+        return launch(*a, **k)
+
+    recording.__wrapped__ = launch
+    monkeypatch.setattr(pa, "paged_attention", recording)
+    return seen
+
+
 def test_op_passes_both_flags_through_and_passes_opcheck(monkeypatch):
     q, kc, vc, table, seq, positions, qsl = _case("ragged", 3, torch.float32)
     args = (q, kc, vc, table, seq, positions, qsl)
-    seen = []
-    launch = pa.paged_attention
-    monkeypatch.setattr(
-        pa, "paged_attention",
-        lambda *a, **k: seen.append((k["early_kv"], k["early_release"])) or launch(*a, **k),
-    )  # fmt: skip
+    seen = _record_flags(monkeypatch)
+    launch = pa.paged_attention.__wrapped__
     want = launch(*args, scale=0.3, num_query=3)
     flags = [(False, False), (True, False), (False, True), (True, True)]
     for early, release in flags:
@@ -130,12 +141,7 @@ def test_layers_ask_for_early_loads_and_release_by_the_switches(qkv_rope, monkey
     ids = torch.randint(0, cfg.vocab_size, (6,), generator=torch.Generator().manual_seed(2))
     monkeypatch.setattr(L, "use_skinny_linear", lambda x, w, **kw: x.shape[:-1].numel() == 1)
     monkeypatch.setenv("FSPEC_QKV_ROPE", qkv_rope)
-    seen = []
-    launch = pa.paged_attention
-    monkeypatch.setattr(
-        pa, "paged_attention",
-        lambda *a, **k: seen.append((k["early_kv"], k["early_release"])) or launch(*a, **k),
-    )  # fmt: skip
+    seen = _record_flags(monkeypatch)
     out = {}
     for kv, release in ((None, None), ("0", "1"), ("1", "0"), ("0", "0")):
         for name, value in (("FSPEC_ATTN_EARLY_KV", kv), ("FSPEC_ATTN_EARLY_RELEASE", release)):

@@ -118,7 +118,7 @@ def _check_early_kv_attention(body) -> None:
     assert isinstance(first, ast.If) and ast.unparse(first.test) == "not EARLY_KV", ast.unparse(first)
     assert len(first.body) == 1 and _is_pdl_enter(first.body[0]) and not first.orelse
     early = [i for i, s in enumerate(body) if isinstance(s, ast.If) and ast.unparse(s.test) == "EARLY_KV"]
-    assert len(early) == 1
+    assert len(early) == 2  # the loads before the wait (and the wait), then the new rows' loads after it
     branch = body[early[0]].body
     waits = [i for i, s in enumerate(branch) if _is_pdl_enter(s)]
     assert len(waits) == 1
