@@ -17,6 +17,8 @@
 #   memcheck     compute-sanitizer memcheck over the kernel GPU tests (caching allocator off; graph tests
 #                excluded: capture cannot allocate with the allocator off)
 #   racecheck    compute-sanitizer racecheck over the same tests
+#   memcheck-graphs  compute-sanitizer memcheck, caching allocator on, over the kernel GPU tests that capture
+#                a CUDA graph (the q/k/v epilogue, the L2 prefetch, the attention's early K/V and release)
 #   ncu-sampling Nsight Compute speed-of-light of the Gumbel block kernel at B = 256, V = 128256
 #   timelines    kernel_timeline.py (1B draft loop, K = 3, and decode step) once per "TAG:VAR=VALUE,..."
 #                argument (environment switches; default: the paged-attention switches FSPEC_ATTN_MIN_PARTITION
@@ -54,6 +56,9 @@ case "$stage" in
       > "$log" 2>&1 ;;
   memcheck) PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 300 compute-sanitizer --tool memcheck \
       --target-processes all python3 -m pytest -q -m gpu -p no:cacheprovider "${kernel_tests[@]}" > "$log" 2>&1 ;;
+  memcheck-graphs) timeout 400 compute-sanitizer --tool memcheck --target-processes all python3 -m pytest -q \
+      -m gpu -p no:cacheprovider tests/kernels/test_qkv_rope_write.py tests/kernels/test_l2_prefetch.py \
+      tests/kernels/test_attention_early_kv.py > "$log" 2>&1 ;;
   racecheck) timeout 400 compute-sanitizer --tool racecheck --target-processes all \
       python3 -m pytest -q -m gpu -p no:cacheprovider "${kernel_tests[@]}" > "$log" 2>&1 ;;
   ncu-sampling) timeout 300 ncu --kernel-name regex:_gumbel_block_kernel --launch-skip 3 --launch-count 1 \
