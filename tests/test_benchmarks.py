@@ -124,6 +124,36 @@ def test_dependent_timing_runs_the_dependency_before_every_call_and_subtracts_it
     assert order[count:] == ["before", "call"] * 8  # the dependency's own time is measured once
 
 
+def test_back_to_back_time_is_the_median_window_and_every_window_is_kept(monkeypatch):
+    """bench_draft_loop's back-to-back figure: BACK_TO_BACK_WINDOWS windows of `reps` calls each, the median
+    window's time per call returned and each window's kept, so one stalled window cannot decide it."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bdl", ROOT / "benchmarks" / "bench_draft_loop.py")
+    bdl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bdl)
+    window_ms = iter([2.0, 2.2, 9.0, 2.1, 1.9])  # one stalled window (9 ms for 20 calls)
+
+    class Event:
+        def __init__(self, **kw):
+            pass
+
+        def record(self):
+            pass
+
+        def elapsed_time(self, other):
+            return next(window_ms)
+
+    calls = []
+    monkeypatch.setattr(bdl.torch.cuda, "Event", Event)
+    monkeypatch.setattr(bdl.torch.cuda, "synchronize", lambda: None)
+    host, per_call, windows = bdl.host_and_back_to_back_us(lambda: calls.append(1), 20)
+    assert bdl.BACK_TO_BACK_WINDOWS == 5 and len(calls) == 20 + 5 * 20  # host-timed calls, then the windows
+    assert windows == [100.0, 110.0, 450.0, 105.0, 95.0]  # µs per call
+    assert per_call == 105.0 and host >= 0
+
+
 def test_dispatch_smoke_times_every_op_both_ways_with_equal_results(tmp_path):
     d = _run(
         "bench_dispatch.py", "--device", "cpu", "--calls", "2", "--vocab", "300", out=tmp_path / "d.json"
