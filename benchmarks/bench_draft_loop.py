@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from results_io import copy_bandwidth_tbps
 
 HEADS = {
     "8b": dict(
@@ -66,24 +67,6 @@ def parse_args(argv=None):
     p.add_argument("--profile", help="write the compiled loop's CUDA kernel table (top 40) to this file")
     p.add_argument("--out", default="benchmarks/results/draft_loop.json")
     return p.parse_args(argv)
-
-
-def copy_bandwidth_tbps() -> float:
-    n = 1 << 29  # 1 GiB of bytes
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    times.sort()
-    return 2 * n / times[len(times) // 2] / 1e12
 
 
 def time_us(fn, reps: int) -> float:

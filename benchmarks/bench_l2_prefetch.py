@@ -32,21 +32,6 @@ SHAPES = {  # name: (rows of w, K, fused ops)
 }
 
 
-def copy_bandwidth(dev: torch.device) -> float:
-    """Bytes per second of a 1 GiB device-to-device copy (read + write), median of 10."""
-    a = torch.empty(1 << 29, dtype=torch.int16, device=dev)
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(12):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e-3)
-    return 2 * a.numel() * a.element_size() / statistics.median(times[2:])
-
-
 def sample(x, w, kw: dict, flush, cycles: int, case: str, fraction: float) -> float:
     """µs of one product after the L2 was evicted, then (case) warmed by the product or prefetched for the
     leading `fraction` of w (of both halves with SiLU * up), then an idle stretch of `cycles`."""
@@ -78,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    bw = copy_bandwidth(dev)
+    bw = RIO.copy_bandwidth_tbps(dev) * 1e12  # bytes per second
     flush = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
     cycles = int(args.idle_us * 1e-6 * torch.cuda.get_device_properties(dev).clock_rate * 1e3)
     rows = []

@@ -1,5 +1,5 @@
-"""The header every benchmark result carries (machine, device, versions, date, command, FSPEC_* switches) and
-how a result is written, for the scripts that share them."""
+"""The header every benchmark result carries (machine, device, versions, date, command, FSPEC_* switches),
+how a result is written, and the copy bandwidth its floors divide by, for the scripts that share them."""
 
 from __future__ import annotations
 
@@ -13,6 +13,25 @@ import torch
 import triton
 
 from fspec.config import env_switches
+
+
+def copy_bandwidth_tbps(device: str | torch.device = "cuda", *, reps: int = 20) -> float:
+    """TB/s of a 1 GiB device-to-device copy: (bytes read + bytes written) / the median of `reps` copies timed
+    with CUDA events, after three warm-up copies."""
+    src = torch.empty(1 << 29, dtype=torch.int16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    times.sort()
+    return 2 * src.numel() * src.element_size() / times[len(times) // 2] / 1e12
 
 
 def header(script: str, argv: list[str] | None, device: str) -> dict:
