@@ -66,13 +66,23 @@ def layer_view(cache: Tensor, layer: int) -> Tensor:
     )
 
 
+def contiguous_layers(k_cache: Tensor, v_cache: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+    """`layer_view` of both caches, each a contiguous [num_blocks, block_size, Nkv, D] buffer (the kernels
+    address slots as slot * Nkv * D): a ValueError naming the strides otherwise."""
+    kc, vc = layer_view(k_cache, layer), layer_view(v_cache, layer)
+    if not (kc.is_contiguous() and vc.is_contiguous()):
+        raise ValueError(
+            "k_cache/v_cache: expected contiguous layers [num_blocks, block_size, Nkv, D], got strides "
+            f"{kc.stride()} and {vc.stride()} for shapes {tuple(kc.shape)} and {tuple(vc.shape)}"
+        )
+    return kc, vc
+
+
 def kv_write(
     k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, *, layer: int = 0
 ) -> None:
     """Launch the write: k/v [T, Nkv, D] go to `layer` of k_cache/v_cache at slot_mapping [T] (-1 skipped)."""
-    kc, vc = layer_view(k_cache, layer), layer_view(v_cache, layer)
-    if not (kc.is_contiguous() and vc.is_contiguous()):
-        raise ValueError("k_cache/v_cache: expected contiguous layers [num_blocks, block_size, Nkv, D]")
+    kc, vc = contiguous_layers(k_cache, v_cache, layer)
     t, nkv, d = k.shape
     if t == 0:
         return

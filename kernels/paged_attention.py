@@ -47,7 +47,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from . import pdl
 from .counters import COUNTER_SLOTS, zeroed_counters
-from .kv_write import layer_view
+from .kv_write import contiguous_layers, layer_view
 from .pdl import pdl_enter, pdl_release_then_wait
 from .rope_kv_write import _TL_DTYPES, _unit_stride, check_rope_positions, rope_pos_kv_write_ref
 
@@ -605,9 +605,7 @@ def paged_attention(
     """
     if config is not None:
         check_config(config, cuda=q.is_cuda)
-    kc, vc = layer_view(k_cache, layer), layer_view(v_cache, layer)
-    if not (kc.is_contiguous() and vc.is_contiguous()):
-        raise ValueError("k_cache/v_cache: expected contiguous layers [num_blocks, block_size, Nkv, D]")
+    kc, vc = contiguous_layers(k_cache, v_cache, layer)
     t, n, d = q.shape
     _, block_size, nkv, _ = kc.shape
     b, max_blocks = block_table.shape

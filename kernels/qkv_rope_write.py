@@ -28,7 +28,7 @@ from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
 from . import pdl
-from .kv_write import kv_write_ref, layer_view
+from .kv_write import contiguous_layers, kv_write_ref, layer_view
 from .rope_cos_sin import rope_cos_sin_ref
 from .rope_kv_write import _TL_DTYPES, rope_ref
 from .skinny_linear import (
@@ -96,9 +96,7 @@ def qkv_rope_write(
     layer: int = 0,
 ) -> Tensor:
     """Launch `_skinny_gemv_kernel` with the RoPE / cache-write epilogue (the module docstring)."""
-    kc, vc = layer_view(k_cache, layer), layer_view(v_cache, layer)
-    if not (kc.is_contiguous() and vc.is_contiguous()):
-        raise ValueError("k_cache/v_cache: expected contiguous layers [num_blocks, block_size, Nkv, D]")
+    kc, vc = contiguous_layers(k_cache, v_cache, layer)
     q_cols, kv_cols, d = check_qkv_rope_args(
         x, w, norm_weight, eps, positions, inv_freq, table_dtype, kc, slot_mapping
     )

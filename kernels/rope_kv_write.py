@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import pdl
-from .kv_write import kv_write_ref, layer_view
+from .kv_write import contiguous_layers, kv_write_ref, layer_view
 from .pdl import pdl_enter
 from .rope_cos_sin import rope_cos_sin_ref
 
@@ -157,9 +157,7 @@ def rope_kv_write(
 ) -> Tensor:
     """Launch the kernel (see the module docstring): rotated k and v to `layer` of the caches at slot_mapping
     [T] (-1 skipped); returns the rotated q [T, N, D] in the cache's dtype."""
-    kc, vc = layer_view(k_cache, layer), layer_view(v_cache, layer)
-    if not (kc.is_contiguous() and vc.is_contiguous()):
-        raise ValueError("k_cache/v_cache: expected contiguous layers [num_blocks, block_size, Nkv, D]")
+    kc, vc = contiguous_layers(k_cache, v_cache, layer)
     _check(q, k, v, cos, sin, kc, slot_mapping)
     t, n, d = q.shape
     nkv = k.shape[1]
@@ -221,9 +219,7 @@ def rope_pos_kv_write(
     """`rope_kv_write` with cos / sin computed in the kernel from positions [T] and inv_freq [D/2], rounded to
     `table_dtype` as `rope_cos_sin`'s tables are: the same bits, without the tables' launch (a paged decode
     step's RoPE tables then have no other reader and are not computed at all)."""
-    kc, vc = layer_view(k_cache, layer), layer_view(v_cache, layer)
-    if not (kc.is_contiguous() and vc.is_contiguous()):
-        raise ValueError("k_cache/v_cache: expected contiguous layers [num_blocks, block_size, Nkv, D]")
+    kc, vc = contiguous_layers(k_cache, v_cache, layer)
     check_rope_positions(q, k, v, kc, slot_mapping, positions, inv_freq, table_dtype)
     t, n, d = q.shape
     nkv = k.shape[1]

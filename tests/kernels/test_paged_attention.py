@@ -706,3 +706,31 @@ def test_bad_launch_configs_are_value_errors_naming_the_field():
             q, cache, cache, *meta, torch.tensor([0, 1], dtype=torch.int32), scale=0.25, num_query=1,
             config=AttentionConfig(block_m=12),
         )  # fmt: skip
+
+
+def test_every_cache_launcher_refuses_a_non_contiguous_layer_naming_its_strides():
+    """The kernels address a slot as slot * Nkv * D: each launcher that takes the caches (the write, the two
+    RoPE writes, the q/k/v epilogue, the attention) refuses a strided layer with a ValueError naming the
+    strides and shapes, before it reads any other argument."""
+    from fspec.kernels import paged_attention as pa
+    from fspec.kernels import qkv_rope_write as qrw
+    from fspec.kernels import rope_kv_write as rkv
+
+    good = torch.zeros(2, 4, 2, 8)
+    bad = torch.zeros(2, 4, 8, 2).transpose(2, 3)  # [2, 4, 2, 8], D-stride 2
+    x = torch.zeros(1)
+    calls = {
+        "kv_write": lambda kc, vc: kv_write(x, x, kc, vc, x),
+        "rope_kv_write": lambda kc, vc: rkv.rope_kv_write(x, x, x, x, x, kc, vc, x),
+        "rope_pos_kv_write": lambda kc, vc: rkv.rope_pos_kv_write(x, x, x, x, x, torch.float32, kc, vc, x),
+        "qkv_rope_write": lambda kc, vc: qrw.qkv_rope_write(
+            x, x, positions=x, inv_freq=x, table_dtype=torch.float32, k_cache=kc, v_cache=vc, slot_mapping=x
+        ),
+        "paged_attention": lambda kc, vc: pa.paged_attention(x, kc, vc, x, x, x, x, scale=1.0, num_query=1),
+    }
+    want = r"^k_cache/v_cache: expected contiguous layers \[num_blocks, block_size, Nkv, D\], got strides "
+    for call in calls.values():
+        for kc, vc, strides in ((bad, good, r"\(64, 16, 1, 2\) and \(64, 16, 8, 1\)"),
+                                (good, bad, r"\(64, 16, 8, 1\) and \(64, 16, 1, 2\)")):  # fmt: skip
+            with pytest.raises(ValueError, match=want + strides + r" for shapes \(2, 4, 2, 8\)"):
+                call(kc, vc)
