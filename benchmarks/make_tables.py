@@ -266,6 +266,8 @@ ALIASES = {
     "draft_loop_b1": "draft_loop",
     "draft_loop_cuda_graph": "draft_loop",
     "draft_loop_b1_cuda_graph": "draft_loop",
+    "draft_loop_b1_1b": "draft_loop",
+    "draft_loop_b1_1b_cuda_graph": "draft_loop",
     "switches_m": "switches",
 }  # result files drawn by another's renderer
 
@@ -279,6 +281,8 @@ NAMES = [
     "draft_loop_b1",
     "draft_loop_cuda_graph",
     "draft_loop_b1_cuda_graph",
+    "draft_loop_b1_1b",
+    "draft_loop_b1_1b_cuda_graph",
     "generate",
     "call_overhead",
     "skinny_linear",
