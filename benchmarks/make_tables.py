@@ -55,6 +55,23 @@ def sampling(d: dict) -> list[str]:
     return out
 
 
+def sampling_blocks(d: dict) -> list[str]:
+    """The tokens-per-program sweep of bench_sampling.py --blocks: graph replay µs per block size."""
+    blocks = sorted({r["block"] for r in d["block_sweep"]})
+    cases: dict[tuple, dict] = {}
+    for r in d["block_sweep"]:
+        cases.setdefault((r["op"], r["B"], r["V"]), {"floor": r["floor_us"]})[r["block"]] = r["fspec_graph_us"]
+    out = [
+        "| op | B | V | floor µs | " + " | ".join(f"{b} tokens, graph µs" for b in blocks) + " | fastest |",
+        "|---|---:|---:|---:|" + "---:|" * len(blocks) + "---:|",
+    ]
+    for (op, b, v), t in cases.items():
+        best = min(blocks, key=lambda k: t.get(k, float("inf")))
+        cells = " | ".join(_f(t.get(k)) for k in blocks)
+        out.append(f"| {op} | {b} | {v} | {_f(t['floor'])} | {cells} | {best} |")
+    return out
+
+
 def draft_loop(d: dict) -> list[str]:
     out = [
         "| head | B | K | floor µs/step | compiled whole loop µs/step | whole loop, back to back µs/step "
@@ -275,6 +292,7 @@ ALIASES = {
 NAMES = [
     "attention",
     "sampling",
+    "sampling_blocks",
     "draft_loop",
     "draft_loop_b1_b32",
     "draft_loop_b1_b32_rows",
