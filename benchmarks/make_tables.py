@@ -60,7 +60,8 @@ def sampling_blocks(d: dict) -> list[str]:
     blocks = sorted({r["block"] for r in d["block_sweep"]})
     cases: dict[tuple, dict] = {}
     for r in d["block_sweep"]:
-        cases.setdefault((r["op"], r["B"], r["V"]), {"floor": r["floor_us"]})[r["block"]] = r["fspec_graph_us"]
+        case = cases.setdefault((r["op"], r["B"], r["V"]), {"floor": r["floor_us"]})
+        case[r["block"]] = r["fspec_graph_us"]
     out = [
         "| op | B | V | floor µs | " + " | ".join(f"{b} tokens, graph µs" for b in blocks) + " | fastest |",
         "|---|---:|---:|---:|" + "---:|" * len(blocks) + "---:|",

@@ -1,9 +1,12 @@
-"""Gumbel kernel (interpreted) against its PyTorch reference and against plain softmax / argmax."""
+"""Gumbel kernel (interpreted) against its PyTorch reference and against plain softmax / argmax; on the
+H200 (@pytest.mark.gpu) the two sampling launches under PDL right behind the LM head that writes their
+logits."""
 
 import math
 
 import pytest
 import torch
+from fresh_process import in_fresh_process
 
 from fspec.kernels import gumbel
 from fspec.kernels.gumbel import gumbel_sample, gumbel_sample_ref
@@ -271,3 +274,80 @@ def test_scratch_buffers_are_disjoint_contiguous_large_enough_and_16_byte_aligne
         for i, t in enumerate(bufs):
             t.fill_(i)
         assert all(bool((t == i).all()) for i, t in enumerate(bufs))
+
+
+@pytest.mark.gpu
+def test_gpu_finish_kernel_reads_the_logits_of_the_launch_before_its_block_kernel():
+    in_fresh_process(__file__, globals(), "_gpu_finish_body")
+
+
+def _gpu_finish_body():
+    """On the H200 with PDL: a CUDA graph of a draft LM head (`skinny_linear`, which lets the next launch
+    start once its first weight tile is requested) followed by `gumbel_sample` into a column (the block
+    kernel, then the finish kernel, each waiting on the launch ahead before it reads), replayed with new
+    hidden rows each time, and the same calls eagerly: the probabilities written equal the reference softmax
+    over that replay's logits (a block read before the LM head finished would hold the last replay's),
+    greedy rows get the one-hot of their exact argmax, sampled rows the reference's token (near-ties
+    aside)."""
+    from fspec.kernels import pdl
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev = torch.device("cuda")
+    assert pdl.enabled(torch.empty(1, device=dev)), "the test is about PDL's early start"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    w = torch.randn(32000, 2048, device=dev, generator=gen, dtype=torch.bfloat16) * (3 * 2048**-0.5)
+    for temps in ([1.0], [0.7, 0.0, 1.3]):  # the one-row product, and three rows (a greedy one among them)
+        _gpu_finish_case(torch.tensor(temps, device=dev), w, gen)
+
+
+def _gpu_finish_case(temperature, w, gen, col=2):
+    """One case of `_gpu_finish_body`: one row per temperature, the LM head's weight `w` [V, H]."""
+    from fspec.kernels.skinny_linear import skinny_linear
+
+    dev, n, (v, h) = w.device, len(temperature), w.shape
+    x = torch.empty(n, h, device=dev, dtype=torch.bfloat16)
+    seed = torch.arange(n, device=dev) * 7 + 11
+    positions = torch.arange(n, device=dev) + 2000
+    out_tokens = torch.full((n, 4), -1, dtype=torch.int64, device=dev)
+    out_probs = torch.zeros(n, 4, v, device=dev)
+    col_t, next_col = torch.tensor(col, device=dev), torch.zeros((), dtype=torch.int64, device=dev)
+    greedy = temperature.cpu() == 0
+
+    def step():
+        logits = skinny_linear(x, w)
+        tokens = gumbel.gumbel_sample(logits, temperature, seed, positions, salt=SALT_DRAFT,
+                                      out_tokens=out_tokens, out_probs=out_probs, col=col_t,
+                                      next_col=next_col)  # fmt: skip
+        return logits, tokens
+
+    def check(logits, tokens, what):
+        ref_t, ref_p = torch.full((n, 4), -1, dtype=torch.int64), torch.zeros(n, 4, v)
+        want = gumbel_sample_ref(logits.cpu(), temperature.cpu(), seed.cpu(), positions.cpu(),
+                                 salt=SALT_DRAFT, out_tokens=ref_t, out_probs=ref_p,
+                                 col=torch.tensor(col))  # fmt: skip
+        assert torch.equal(tokens.cpu()[greedy], want[greedy]), what
+        assert int((tokens.cpu() != want).sum()) <= 1, what
+        assert torch.equal(out_tokens[:, col], tokens) and int(next_col) == col + 1, what
+        torch.testing.assert_close(out_probs[:, col].cpu()[~greedy], ref_p[:, col][~greedy],
+                                   rtol=1e-4, atol=1e-6, msg=what)  # fmt: skip
+        hot = torch.nn.functional.one_hot(tokens.cpu()[greedy], v).float()
+        assert torch.equal(out_probs[:, col].cpu()[greedy], hot), what
+
+    x.copy_(torch.randn(n, h, device=dev, generator=gen))
+    step()  # warm-up: compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_logits, static_tokens = step()
+    for i in range(4):
+        x.copy_(torch.randn(n, h, device=dev, generator=gen))  # new logits: stale ones would show
+        out_probs.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        check(static_logits, static_tokens, f"replay {i}, n = {n}")
+        x.copy_(torch.randn(n, h, device=dev, generator=gen))
+        out_probs.zero_()
+        logits, tokens = step()
+        torch.cuda.synchronize()
+        check(logits, tokens, f"eager {i}, n = {n}")
