@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from results_io import copy_bandwidth_tbps
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -220,13 +221,6 @@ def time_us(fn, *, reps: int, warmup: int, flush: torch.Tensor) -> float:
     return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
 
 
-def copy_bandwidth_TBps(flush: torch.Tensor) -> float:
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")  # 2 GiB
-    dst = torch.empty_like(src)
-    us = time_us(lambda: dst.copy_(src), reps=20, warmup=3, flush=flush)
-    return 2 * src.numel() / (us * 1e-6) / 1e12  # bytes read + written per second
-
-
 def graphed(fn):
     """Capture fn once in a CUDA graph (after a warm-up on a side stream); returns the replay function."""
     stream = torch.cuda.Stream()
@@ -385,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, value)
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    bw = copy_bandwidth_TBps(flush)
+    bw = copy_bandwidth_tbps()
     print(f"copy bandwidth {bw:.2f} TB/s on {torch.cuda.get_device_name()}", flush=True)
     result = {
         "machine": torch.cuda.get_device_name(),

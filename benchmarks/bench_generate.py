@@ -25,7 +25,7 @@ Rows, for each batch size B:
  5. HF assisted generation with the same model as its own assistant, num_assistant_tokens = K (constant
     schedule, confidence threshold off); transformers runs it at batch 1 only (B > 1 records its error).
 Beside them:
- * floor: the target's weight bytes (the tied embedding counted once) / the copy bandwidth (a 2 GiB
+ * floor: the target's weight bytes (the tied embedding counted once) / the copy bandwidth (a 1 GiB
    device-to-device copy, (bytes read + written) / time) is the time of one decode step; floor tokens/s =
    B / that step. KV-cache reads (< 5% here) are left out. Speculative rows may exceed it (ratio > 1).
  * round model (speculative rows): T_target(K+1), the target forward over K + 1 tokens per request (EAGLE-3
@@ -64,6 +64,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import results_io
 import torch
 
 import fspec
@@ -268,22 +269,15 @@ def time_us(fn: Callable[[], object], s: Setup) -> float:
 
 
 def copy_bandwidth_tbps(s: Setup) -> float:
-    """Copy bandwidth in TB/s: (bytes read + bytes written) / median time of a large copy (2 GiB on a GPU)."""
-    n = (1 << 29) if s.device.type == "cuda" else (1 << 24)
-
-    def measure() -> float:
-        src = torch.empty(n, dtype=torch.float32, device=s.device)
-        dst = torch.empty_like(src)
-        if s.device.type == "cuda":
-            import triton.testing
-
-            return triton.testing.do_bench(lambda: dst.copy_(src), rep=200, return_mode="median") * 1e-3
-        return time_us(lambda: dst.copy_(src), s) * 1e-6
-
-    sec = measure()
+    """Copy bandwidth in TB/s: (bytes read + bytes written) / median time of a large copy; on a GPU the
+    shared measurement of every benchmark (`results_io.copy_bandwidth_tbps`), on the CPU a 64 MiB copy."""
     if s.device.type == "cuda":
+        bw = results_io.copy_bandwidth_tbps(s.device)
         torch.cuda.empty_cache()
-    return 2 * n * 4 / sec / 1e12
+        return bw
+    src = torch.empty(1 << 24, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / (time_us(lambda: dst.copy_(src), s) * 1e-6) / 1e12
 
 
 def weight_bytes(params) -> int:

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
+from results_io import copy_bandwidth_tbps
 
 import fspec
 from fspec.config import env_switches
@@ -87,14 +88,6 @@ def block_sweep(blocks: list[int], vocab: list[int], batch: list[int], rep: int,
         else:
             os.environ["FSPEC_SAMPLING_BLOCK"] = saved
     return out
-
-
-def copy_bandwidth_tbps(rep: int) -> float:
-    """Device-to-device copy bandwidth in TB/s: (bytes read + bytes written) / median time of a 2 GiB copy."""
-    src = torch.empty(1 << 29, dtype=torch.float32, device=DEVICE)  # 2 GiB
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), rep=rep, return_mode="median")
-    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e12
 
 
 def _time_us(fn, rep: int, graph: bool = False) -> float:
@@ -246,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("bench_sampling: unset TRITON_INTERPRET to time the compiled kernels", file=sys.stderr)
         return 1
-    bandwidth = copy_bandwidth_tbps(args.rep)
+    bandwidth = copy_bandwidth_tbps(DEVICE)
     rows = []
     for v in args.vocab:
         for b in args.batch:

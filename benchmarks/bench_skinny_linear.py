@@ -121,13 +121,6 @@ def tile_config(n: int, k: int, kw: dict) -> SkinnyConfig:
     return cfg
 
 
-def copy_bandwidth_tbps() -> float:
-    src = torch.empty(1 << 29, dtype=torch.float32, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), rep=200, return_mode="median")
-    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e12
-
-
 _ALONE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # `before` -> its own time per call, µs
 
 
@@ -232,7 +225,7 @@ def main(argv=None) -> int:
     if not smoke and not torch.cuda.is_available():
         raise SystemExit("bench_skinny_linear: needs a CUDA device (or --cpu-smoke)")
     dev, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
-    bandwidth = None if smoke else copy_bandwidth_tbps()
+    bandwidth = None if smoke else RIO.copy_bandwidth_tbps()
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = fusion_rows(smoke, bandwidth, gen, args.dependent) if args.fusions else []
     for name, (n, k) in {} if args.fusions else (SMOKE_SHAPES if smoke else SHAPES).items():
