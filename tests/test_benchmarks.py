@@ -218,3 +218,28 @@ def test_benchmarks_md_tables_are_the_rendered_results():
     for name, text in rendered.items():
         if text is not None:
             assert text.strip() in md, f"BENCHMARKS.md: the {name} section differs from make_tables.py {name}"
+
+
+def test_sampling_blocks_table_has_one_row_per_shape_and_names_its_fastest_block():
+    """make_tables.sampling_blocks pivots bench_sampling.py's --blocks sweep: one row per (op, B, V) in sweep
+    order, one column per block size in ascending order (a size missing from a shape shows as "-"), and the
+    fastest size of the row, whichever order the sweep ran in."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_tables", ROOT / "benchmarks" / "make_tables.py")
+    make_tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_tables)
+    sweep = [
+        {"op": "gumbel_sample", "B": 64, "V": 32000, "block": 2048, "fspec_graph_us": 7.8, "floor_us": 1.9},
+        {"op": "gumbel_sample", "B": 64, "V": 32000, "block": 512, "fspec_graph_us": 9.3, "floor_us": 1.9},
+        {"op": "rejection_sample", "B": 1, "V": 7, "block": 512, "fspec_graph_us": 3.0, "floor_us": 0.1},
+        {"op": "gumbel_sample", "B": 64, "V": 32000, "block": 1024, "fspec_graph_us": 7.6, "floor_us": 1.9},
+    ]
+    lines = make_tables.sampling_blocks({"block_sweep": sweep})
+    assert lines[0] == (
+        "| op | B | V | floor µs | 512 tokens, graph µs | 1024 tokens, graph µs | 2048 tokens, graph µs "
+        "| fastest |"
+    )
+    assert lines[2] == "| gumbel_sample | 64 | 32000 | 1.9 | 9.3 | 7.6 | 7.8 | 1024 |"
+    assert lines[3] == "| rejection_sample | 1 | 7 | 0.1 | 3.0 | - | - | 512 |"
+    assert len(lines) == 4
