@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +45,12 @@ SHAREABLE = ("embed", "lm_head")  # draft params that default to the target's Pa
 @dataclasses.dataclass(frozen=True)
 class Target:
     """A loaded target. Attributes: cfg (ModelConfig), params (dict pytree), tokenizer (tokenizers.Tokenizer
-    or None)."""
+    or None), chat_template (the checkpoint's Jinja chat template, or None; `render_chat` renders it)."""
 
     cfg: ModelConfig
     params: dict
     tokenizer: Any = None
+    chat_template: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,19 +229,44 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 def load_target(
     path, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu", fuse: bool = True
 ) -> Target:
-    """A `Target` from a local HF directory; dtype None keeps the checkpoint's.
+    """A `Target` from a local HF directory or a Llama-architecture `.gguf` file (llama.cpp's format,
+    `fspec.gguf`); dtype None keeps the checkpoint's (float32 for a quantized GGUF, which is dequantized).
 
     fuse (default): each layer's q/k/v and gate/up weights are concatenated (`fuse_projections`), so a
     decode step runs 4 matmuls per layer instead of 7 (measured on an H200, BENCHMARKS.md); `save_target`
     writes the HF layout either way. fuse=False keeps HF's separate weights.
 
-    Raises FileNotFoundError for a missing directory, config or weights; ValueError for an unsupported
-    architecture or a missing, unexpected or mis-shaped key (named, with the expected and actual shapes).
+    The chat template comes from chat_template.jinja or tokenizer_config.json's "chat_template" (a GGUF's
+    ``tokenizer.chat_template``).
+
+    Raises FileNotFoundError for a missing directory, file, config or weights; ValueError for an unsupported
+    architecture or a missing, unexpected or mis-shaped key (named, with the expected and actual shapes), and
+    for a GGUF file that is truncated, not GGUF, or holds an unsupported tensor type.
     """
     _check_fuse(fuse)
+    if Path(path).suffix.lower() == ".gguf" and not Path(path).is_dir():
+        from fspec.gguf import read_gguf
+
+        gguf = read_gguf(path, dtype=dtype)
+        cfg = ModelConfig.from_hf(gguf.config)
+        params = _target_params(cfg, gguf.tensors, where=Path(path), dtype=dtype, device=device, fuse=fuse)
+        return Target(cfg=cfg, params=params, tokenizer=gguf.tokenizer, chat_template=gguf.chat_template)
     path = _directory(path)
     cfg = ModelConfig.from_hf(_read_config(path))
     tensors = _read_tensors(path)
+    params = _target_params(cfg, tensors, where=path, dtype=dtype, device=device, fuse=fuse)
+    tokenizer = None
+    if (path / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    return Target(cfg=cfg, params=params, tokenizer=tokenizer, chat_template=_read_chat_template(path))
+
+
+def _target_params(
+    cfg: ModelConfig, tensors: dict[str, torch.Tensor], *, where: Path, dtype, device, fuse: bool
+) -> dict:
+    """The target's params from HF-keyed `tensors`, names and shapes checked against `cfg`."""
     template = llama.init(cfg, seed=0, device="meta")
     keys = target_key_map(template)
     ignored = {k for k in tensors if k.endswith("rotary_emb.inv_freq")}
@@ -248,18 +275,87 @@ def load_target(
     unexpected = sorted(set(tensors) - set(keys) - ignored)
     if unexpected:
         raise ValueError(
-            f"{path}: unexpected keys {unexpected[:4]}{' ...' if len(unexpected) > 4 else ''} for "
+            f"{where}: unexpected keys {unexpected[:4]}{' ...' if len(unexpected) > 4 else ''} for "
             f"model_type={cfg.model_type!r} (does config.json match the weights?)"
         )
-    params = _fill(template, keys, tensors, where=path, dtype=dtype, device=device)
+    params = _fill(template, keys, tensors, where=where, dtype=dtype, device=device)
     if fuse:
         L.fuse_projections_(params)
-    tokenizer = None
-    if (path / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
+    return params
 
-        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-    return Target(cfg=cfg, params=params, tokenizer=tokenizer)
+
+def _read_chat_template(path: Path) -> str | None:
+    """chat_template.jinja (which transformers prefers), else tokenizer_config.json's "chat_template" (a
+    string, or a list of {"name", "template"} whose "default" entry is taken), else None."""
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text(encoding="utf-8")
+    file = path / "tokenizer_config.json"
+    if not file.is_file():
+        return None
+    template = json.loads(file.read_text(encoding="utf-8")).get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def render_chat(target: Target, messages, *, add_generation_prompt: bool = True) -> str:
+    """`messages` (a list of {"role": str, "content": str}) rendered with the target's chat template, as
+    transformers' `apply_chat_template(..., tokenize=False)` renders it (`_chat_environment`), given
+    `messages`, `add_generation_prompt`, `bos_token` and `eos_token` (the strings of the config's BOS and
+    first EOS id; "" without a tokenizer).
+
+    Raises ValueError when the target has no template, for malformed messages (named by index), and when
+    the template itself refuses them (its `raise_exception`).
+    """
+    import jinja2
+
+    if not target.chat_template:
+        raise ValueError("target.chat_template: expected a Jinja chat template, got None")
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"messages: expected a non-empty list of role/content dicts, got {messages!r}")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"messages[{i}]: expected a dict with str 'role' and 'content', got {m!r}")
+    tok, cfg = target.tokenizer, target.cfg
+    name = lambda i: (tok.id_to_token(i) or "") if tok is not None and i >= 0 else ""
+    try:
+        return (
+            _chat_environment()
+            .from_string(target.chat_template)
+            .render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                bos_token=name(cfg.bos_token_id),
+                eos_token=name(cfg.eos_token_ids[0] if cfg.eos_token_ids else -1),
+            )
+        )
+    except jinja2.exceptions.TemplateError as e:
+        raise ValueError(f"messages: the chat template refused them: {e}") from e
+
+
+def _chat_environment():
+    """transformers' chat-template Jinja environment (utils/chat_template_utils.py): sandboxed and
+    immutable, trim_blocks and lstrip_blocks, loop controls, `raise_exception`, `strftime_now` and a
+    `tojson` that does not HTML-escape."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
+    return env
 
 
 def save_target(target: Target, path, *, max_shard_bytes: int | None = None) -> None:
