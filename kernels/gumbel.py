@@ -33,6 +33,12 @@ from .philox import philox_gumbel_ref, philox_gumbel_tile
 from .salts import SALT_DRAFT
 
 DEFAULT_BLOCK = 2048  # tokens per program: 63 blocks at V = 128256, 16 tokens per thread at 4 warps
+# Vocabulary blocks a per-row reduction loads at once (NB_POW2, at most this; more blocks loop). Every
+# vocabulary of fspec's targets fits one load at DEFAULT_BLOCK (24 blocks at SmolLM2's 49152, 63 at 128256),
+# but NB grows with V / block: 2^24 tokens (philox.MAX_VOCAB) at 2048 per block are 8192 blocks, a [8192]
+# tile of each of five partials in every program; at a 4-token block (FSPEC_SAMPLING_BLOCK=4) 32768.
+MAX_REDUCE_BLOCKS = 256
+MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1 (the vocabulary blocks): the block grows to keep under it
 
 
 def launch_block(block: int | None) -> int:
@@ -48,6 +54,16 @@ def launch_block(block: int | None) -> int:
     if not env.isdigit() or int(env) < 4 or int(env) & (int(env) - 1):
         raise ValueError(f"FSPEC_SAMPLING_BLOCK: expected a power of two >= 4, got {env!r}")
     return int(env)
+
+
+def vocab_blocks(v: int, block: int) -> tuple[int, int, int]:
+    """(BLOCK, NB, NB_POW2) of the sampling launches over V tokens at the asked `block`: the block doubled
+    until NB = cdiv(V, BLOCK) fits grid axis 1 (MAX_GRID_Y; only tiny blocks of huge vocabularies need it),
+    and the blocks per load of the per-row reductions, next_pow2(NB) capped at MAX_REDUCE_BLOCKS."""
+    while triton.cdiv(v, block) > MAX_GRID_Y:
+        block *= 2
+    nb = triton.cdiv(v, block)
+    return block, nb, min(triton.next_power_of_2(max(nb, 1)), MAX_REDUCE_BLOCKS)
 
 
 def scratch(dtype: torch.dtype, device: torch.device, *shapes: tuple[int, ...]) -> list[Tensor]:
@@ -181,32 +197,64 @@ def _gumbel_block_kernel(
 
 
 @triton.jit
-def _row_token(block_key_ptr, block_token_ptr, block_hot_ptr, row, V, NB, NB_POW2: tl.constexpr):
-    """A row's sampled token (int64) from its blocks' maxima: the first maximal block's token, or, where
-    logits / T reaches +inf in some block, the first raw argmax among those blocks."""
-    nb = tl.arange(0, NB_POW2)
+def _token_chunk(block_key_ptr, block_token_ptr, block_hot_ptr, row, c0, V, NB, NB_POW2: tl.constexpr):
+    """Blocks c0 .. c0 + NB_POW2 of a row: (max key, the first maximal block's token, max hot logit, the first
+    block's token attaining it). Blocks are ordered, so the smallest id among maximal blocks is the first
+    maximal block's token."""
+    nb = c0 + tl.arange(0, NB_POW2)
     in_row = nb < NB
     key = tl.load(block_key_ptr + row * NB + nb, mask=in_row, other=float("-inf"))
     tok = tl.load(block_token_ptr + row * NB + nb, mask=in_row, other=V)
-    best = tl.max(key, axis=0)
-    # blocks are ordered, so the smallest id among maximal blocks is the first maximal block's token
-    token = tl.min(tl.where(in_row & (key == best), tok, V), axis=0)
-    # a row whose logits / T reaches +inf takes its first raw argmax, held by a block that overflows
     hot = tl.load(block_hot_ptr + row * NB + nb, mask=in_row, other=float("-inf"))
+    best = tl.max(key, axis=0)
+    token = tl.min(tl.where(in_row & (key == best), tok, V), axis=0)
     hot_best = tl.max(hot, axis=0)
     hot_token = tl.min(tl.where(in_row & (hot == hot_best), tok, V), axis=0)
-    return tl.where(hot_best > float("-inf"), hot_token, token)
+    return best, token, hot_best, hot_token
 
 
 @triton.jit
-def _row_softmax_stats(block_max_ptr, block_sum_ptr, row, NB, NB_POW2: tl.constexpr):
-    """(max of logits / T over the row, sum of exp(logits / T - that max)) from the blocks' statistics."""
-    nb = tl.arange(0, NB_POW2)
-    in_row = nb < NB
-    bmax = tl.load(block_max_ptr + row * NB + nb, mask=in_row, other=float("-inf"))
-    bsum = tl.load(block_sum_ptr + row * NB + nb, mask=in_row, other=0.0)
-    m = tl.max(bmax, axis=0)
-    return m, tl.sum(bsum * tl.exp(bmax - softmax_shift(m)), axis=0)
+def _row_reduce(
+    block_key_ptr, block_token_ptr, block_hot_ptr, block_max_ptr, block_sum_ptr, row, V, NB,
+    NB_POW2: tl.constexpr, STATS: tl.constexpr,
+):  # fmt: skip
+    """(token, m, s) of a row from its blocks' results: the sampled token (int64: the first maximal block's,
+    or where logits / T reaches +inf in some block the first raw argmax among those blocks) and, with
+    STATS, the max m of logits / T and the sum s of exp(logits / T - m) (else 0, 0).
+
+    NB_POW2 blocks per load. The first load is the whole reduction wherever NB <= NB_POW2 (every target
+    vocabulary at the default block), straight-line code with all its loads issued together; further
+    blocks (tiny blocks, huge vocabularies) loop, an earlier chunk keeping a tie (its tokens are smaller)
+    and the softmax sum rescaled per chunk. (Measured on the H200, B = 1, V = 49152: two loops from the
+    first chunk, one per reduction, made a sample into a column 4.0 -> 4.8 us.)"""
+    best, token, hot_best, hot_token = _token_chunk(
+        block_key_ptr, block_token_ptr, block_hot_ptr, row, 0, V, NB, NB_POW2
+    )
+    m = tl.zeros([], tl.float32)
+    s = tl.zeros([], tl.float32)
+    if STATS:
+        nb = tl.arange(0, NB_POW2)
+        bmax = tl.load(block_max_ptr + row * NB + nb, mask=nb < NB, other=float("-inf"))
+        bsum = tl.load(block_sum_ptr + row * NB + nb, mask=nb < NB, other=0.0)
+        m = tl.max(bmax, axis=0)
+        s = tl.sum(bsum * tl.exp(bmax - softmax_shift(m)), axis=0)
+    for c0 in range(NB_POW2, NB, NB_POW2):
+        c_best, c_token, c_hot, c_hot_token = _token_chunk(
+            block_key_ptr, block_token_ptr, block_hot_ptr, row, c0, V, NB, NB_POW2
+        )
+        token = tl.where(c_best > best, c_token, token)
+        best = tl.maximum(best, c_best)
+        hot_token = tl.where(c_hot > hot_best, c_hot_token, hot_token)
+        hot_best = tl.maximum(hot_best, c_hot)
+        if STATS:
+            nb = c0 + tl.arange(0, NB_POW2)
+            bmax = tl.load(block_max_ptr + row * NB + nb, mask=nb < NB, other=float("-inf"))
+            bsum = tl.load(block_sum_ptr + row * NB + nb, mask=nb < NB, other=0.0)
+            m_new = tl.maximum(m, tl.max(bmax, axis=0))
+            shift = softmax_shift(m_new)
+            s = s * tl.exp(m - shift) + tl.sum(bsum * tl.exp(bmax - shift), axis=0)
+            m = m_new
+    return tl.where(hot_best > float("-inf"), hot_token, token), m, s
 
 
 @triton.jit
@@ -230,12 +278,15 @@ def _gumbel_reduce_kernel(
     V,  # vocabulary size (sentinel token id)
     NB,  # number of vocabulary blocks
     MAP: tl.constexpr,  # emit t + d2t[t] (EAGLE-3's draft-to-target ids) to mapped
-    NB_POW2: tl.constexpr,  # next power of two >= NB
+    NB_POW2: tl.constexpr,  # blocks per load: next power of two >= NB, at most MAX_REDUCE_BLOCKS
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
-    token = _row_token(block_key_ptr, block_token_ptr, block_hot_ptr, row, V, NB, NB_POW2)
+    token, _, _ = _row_reduce(
+        block_key_ptr, block_token_ptr, block_hot_ptr, block_key_ptr, block_key_ptr, row, V, NB, NB_POW2,
+        False,
+    )  # fmt: skip
     tl.store(tokens_ptr + row, token)
     _emit(token, row, d2t_ptr, mapped_ptr, MAP)
 
@@ -262,7 +313,7 @@ def _gumbel_finish_kernel(
     K,  # columns of out_tokens and out_probs
     MAP: tl.constexpr,  # emit t + d2t[t] to mapped and out_tokens
     NEXT_COL: tl.constexpr,  # write col + 1 to next_col
-    NB_POW2: tl.constexpr,  # next power of two >= NB
+    NB_POW2: tl.constexpr,  # blocks per load: next power of two >= NB, at most MAX_REDUCE_BLOCKS
     BLOCK: tl.constexpr,  # tokens per program
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
@@ -274,19 +325,21 @@ def _gumbel_finish_kernel(
     # dependent chain each launch costs ~1-1.5 us on the H200 (benchmarks/results/timelines/).
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
-    token = _row_token(block_key_ptr, block_token_ptr, block_hot_ptr, row, V, NB, NB_POW2)
-    m, s = _row_softmax_stats(block_max_ptr, block_sum_ptr, row, NB, NB_POW2)
+    # the block's logits first: their load does not wait for the row's reduction
+    offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < V
+    x = tl.load(logits_ptr + row * stride_row + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    t = tl.load(temperature_ptr + row)
     col = tl.load(col_ptr)
+    token, m, s = _row_reduce(
+        block_key_ptr, block_token_ptr, block_hot_ptr, block_max_ptr, block_sum_ptr, row, V, NB, NB_POW2, True
+    )
     if blk == 0:
         tl.store(tokens_ptr + row, token)
         tl.store(out_tokens_ptr + row * K + col, _emit(token, row, d2t_ptr, mapped_ptr, MAP))
         if NEXT_COL and row == 0:
             tl.store(next_col_ptr, col + 1)
-    offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < V
-    x = tl.load(logits_ptr + row * stride_row + offs, mask=valid, other=float("-inf")).to(tl.float32)
     x = tl.where(x != x, float("-inf"), x)
-    t = tl.load(temperature_ptr + row)
     one_hot = tl.where(offs == token, 1.0, 0.0)
     # greedy rows, rows without a finite logit, rows whose logits / T reach +inf: the one-hot of their token
     soft = (t > 0) & (m > float("-inf")) & (m < float("inf"))
@@ -321,14 +374,13 @@ def gumbel_sample(
     receives col + 1. Two launches: the block kernel, then the per-row reduction or, with the out
     buffers, the reduction and probability write in one (`_gumbel_finish_kernel`).
     """
-    block = launch_block(block)
     n, v = logits.shape
+    block, nb, nb_load = vocab_blocks(v, launch_block(block))
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     # per-row inputs are read at ptr + row: a strided or expanded view must become a real [N] tensor
     temperature, seed, positions = temperature.contiguous(), seed.contiguous(), positions.contiguous()
     into = out_tokens is not None
-    nb = triton.cdiv(v, block)
     tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
     mapped = tokens if d2t is None else torch.empty_like(tokens)
     if n == 0:
@@ -353,12 +405,12 @@ def gumbel_sample(
             logits, logits.stride(0), temperature, block_key, block_token, block_max, block_sum, block_hot,
             tokens, out_tokens, out_probs, col, col if next_col is None else next_col, d2t_arg, mapped,
             v, nb, out_tokens.shape[1], MAP=d2t is not None, NEXT_COL=next_col is not None,
-            NB_POW2=triton.next_power_of_2(nb), BLOCK=block, **launch,
+            NB_POW2=nb_load, BLOCK=block, **launch,
         )  # fmt: skip
     else:
         _gumbel_reduce_kernel[(n,)](
             block_key, block_token, block_hot, tokens, d2t_arg, mapped, v, nb, MAP=d2t is not None,
-            NB_POW2=triton.next_power_of_2(nb), **launch,
+            NB_POW2=nb_load, **launch,
         )  # fmt: skip
     return mapped
 

@@ -106,6 +106,20 @@ PROGRAMS_PER_SM = 4  # split until the grid has about this many programs per SM 
 COMBINE_VALUES_PER_THREAD = (
     32  # the fused reduction's partial outputs in registers per load (`combine_chunk`)
 )
+MAX_GRID_YZ = 65535  # CUDA's limit on grid axes 1 and 2 (axis 0: 2^31 - 1); splits sit on axis 2
+# Query rows of a request whose positions an EARLY_KV program scans in one [NQ_POW2] load for its first new
+# position: every decode, draft and verification step (K + 1 <= 17). Beyond it (a prefill) the launch drops
+# the early loads: they hide one launch's latency, which a prefill's attention does not notice, and the scan
+# is a tile of next_pow2(prompt) positions per program, 8192 int64 for SmolLM2's longest prompt, read by
+# each of its ~10^5 programs (sm_90 compile at 9/3 heads of 64: 208 bytes of stack at 22 rows, 280 at 64).
+MAX_EARLY_KV_QUERY = 32
+REDUCE_WARPS = 4  # warps of the split-K reduce kernel
+# float32 partial outputs the reduce kernel loads at once ([SPLITS_POW2, BLOCK_D], 128 per thread at 4
+# warps): it used to load all S splits of a row at once, S x BLOCK_D growing with the context
+# (`reduce_chunk`). The cap is the largest tile the heuristic made up to 8192-token contexts (128 splits x
+# 128 dims): those keep their one load (a second, dependent chunk cost the H200 +2 us at B = 1, 128 splits
+# of D = 64); longer contexts loop instead of growing the tile (512 splits at 32k: 512 x 128 per program).
+REDUCE_TILE = 16384
 
 
 @functools.cache
@@ -136,6 +150,8 @@ def default_config(
         want = max(1, triton.cdiv(PROGRAMS_PER_SM * num_sms, programs))
         splits = max(1, min(want, capacity // min_partition()), triton.cdiv(capacity, MAX_PARTITION))
         partition = triton.cdiv(capacity, splits)
+    # splits are grid axis 2: at most MAX_GRID_YZ of them, whatever the capacity or the override
+    partition = max(partition, triton.cdiv(capacity, MAX_GRID_YZ))
     partition = max(cfg.block_n, triton.cdiv(partition, cfg.block_n) * cfg.block_n)
     fused = cfg.fused_reduce
     if fused is None:
@@ -154,6 +170,12 @@ def combine_chunk(splits: int, block_m: int, block_d: int, num_warps: int) -> in
     return chunk
 
 
+def reduce_chunk(splits: int, block_d: int) -> int:
+    """Splits the reduce kernel combines per load (SPLITS_POW2): next_pow2(splits), at most
+    REDUCE_TILE // block_d (256 at D = 64, 128 at D = 128: every context up to 8192 tokens is one load)."""
+    return min(triton.next_power_of_2(splits), max(1, REDUCE_TILE // block_d))
+
+
 def min_partition() -> int:
     """Smallest split of the heuristic: FSPEC_ATTN_MIN_PARTITION (a positive multiple of 16, for
     benchmarking other splits), else MIN_PARTITION."""
@@ -163,6 +185,84 @@ def min_partition() -> int:
     if not env.isdigit() or int(env) < 16 or int(env) % 16:
         raise ValueError(f"FSPEC_ATTN_MIN_PARTITION: expected a positive multiple of 16, got {env!r}")
     return int(env)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """Grids and size-derived constexprs of one `paged_attention` call (`launch_plan`).
+
+    Attributes:
+        config: the complete `AttentionConfig` (`default_config`).
+        splits: S, context partitions (grid axis 2), cdiv(capacity, config.partition) <= MAX_GRID_YZ.
+        m_tiles: programs per (request, KV head) along the (query, head) rows, cdiv(Q * group, block_m).
+        block_d: next power of two >= max(D, 16).
+        grid: (B * m_tiles, Nkv, S) of the main kernel.
+        reduce_grid: (T, N) of the reduce kernel, or None (one split, or the fused reduce).
+        reduce_chunk: splits the reduce kernel combines per load (SPLITS_POW2; it loops over more).
+        combine_chunk: (fused reduce) splits combined per load (COMBINE_CHUNK).
+        early_kv: whether the launch takes the early loads (asked for and Q <= MAX_EARLY_KV_QUERY).
+        nq_pow2: NQ_POW2, next power of two >= Q, where the rope write or the early loads read all Q rows
+            of a request at once (Q <= MAX_ROPE_WRITE_QUERY or MAX_EARLY_KV_QUERY), else 1.
+    """
+
+    config: AttentionConfig
+    splits: int
+    m_tiles: int
+    block_d: int
+    grid: tuple[int, int, int]
+    reduce_grid: tuple[int, int] | None
+    reduce_chunk: int
+    combine_chunk: int
+    early_kv: bool
+    nq_pow2: int
+
+
+def launch_plan(
+    *,
+    tokens: int,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    num_query: int,
+    max_blocks: int,
+    block_size: int,
+    num_sms: int = 132,
+    config: AttentionConfig | None = None,
+    early_kv: bool = False,
+    rope_write: bool = False,
+    fused_counters: bool = True,
+) -> LaunchPlan:
+    """Everything `paged_attention` launches from static sizes only: T query tokens of B requests, N / Nkv
+    heads of D, num_query rows per request, a block table of max_blocks blocks of block_size tokens.
+    `fused_counters`: the fused reduce's counters exist (False while capturing before they do)."""
+    group = heads // kv_heads
+    capacity = max_blocks * block_size
+    cfg = default_config(
+        batch=batch, kv_heads=kv_heads, group=group, num_query=num_query, head_dim=head_dim,
+        capacity=capacity, num_sms=num_sms, override=config,
+    )  # fmt: skip
+    splits = triton.cdiv(capacity, cfg.partition)
+    m_tiles = triton.cdiv(num_query * group, cfg.block_m)
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16: small heads pad to 16
+    fused = splits > 1 and cfg.fused_reduce and fused_counters and batch * m_tiles * kv_heads <= COUNTER_SLOTS
+    early = early_kv and num_query <= MAX_EARLY_KV_QUERY
+    if rope_write and num_query > MAX_ROPE_WRITE_QUERY:
+        raise ValueError(
+            f"num_query: expected 1..{MAX_ROPE_WRITE_QUERY} with the rope write, got {num_query}"
+        )
+    return LaunchPlan(
+        config=cfg,
+        splits=splits,
+        m_tiles=m_tiles,
+        block_d=block_d,
+        grid=(batch * m_tiles, kv_heads, splits),
+        reduce_grid=(tokens, heads) if splits > 1 and not fused else None,
+        reduce_chunk=reduce_chunk(splits, block_d),
+        combine_chunk=combine_chunk(splits, cfg.block_m, block_d, cfg.num_warps),
+        early_kv=early,
+        nq_pow2=triton.next_power_of_2(num_query) if rope_write or early else 1,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -363,7 +463,7 @@ def _paged_attention_kernel(
     COMBINE_CHUNK: tl.constexpr = 1,  # (FUSED_REDUCE) splits combined per load, a power of two
     ROPE_WRITE: tl.constexpr = False,  # q un-rotated; RoPE q and the new keys, write the new K/V first
     TABLE_DTYPE: tl.constexpr = tl.float32,  # (ROPE_WRITE) the dtype RoPE's cos / sin tables would have
-    NQ_POW2: tl.constexpr = 1,  # (ROPE_WRITE) next power of two >= NUM_QUERY
+    NQ_POW2: tl.constexpr = 1,  # (ROPE_WRITE, EARLY_KV) next power of two >= NUM_QUERY (`launch_plan`)
     EARLY_KV: tl.constexpr = False,  # load the first key tile's old rows before the PDL wait (see below)
     k_early_ptr=None,  # (EARLY_KV) the K cache the pre-wait loads read: k_cache_ptr but in tests
     v_early_ptr=None,  # (EARLY_KV) the V cache the pre-wait loads read: v_cache_ptr but in tests
@@ -503,7 +603,7 @@ def _paged_attention_reduce_kernel(
     num_splits,  # S
     NUM_HEADS: tl.constexpr,  # N
     HEAD_DIM: tl.constexpr,  # D
-    SPLITS_POW2: tl.constexpr,  # next power of two >= S
+    SPLITS_POW2: tl.constexpr,  # splits combined per load, a power of two (`LaunchPlan.reduce_chunk`)
     BLOCK_D: tl.constexpr,  # next power of two >= max(D, 16)
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
     EARLY_RELEASE: tl.constexpr = False,  # let the next kernel launch before the wait (see the launcher)
@@ -514,22 +614,33 @@ def _paged_attention_reduce_kernel(
         pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    s = tl.arange(0, SPLITS_POW2)
     d = tl.arange(0, BLOCK_D)
-    part = (s * T + t) * NUM_HEADS + h  # [SPLITS_POW2] int64
-    s_ok = s < num_splits
-    m = tl.load(part_m_ptr + part, mask=s_ok, other=float("-inf"))
-    l_s = tl.load(part_l_ptr + part, mask=s_ok, other=0.0)
-    m_max = tl.max(m, axis=0)
-    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # 0 for splits without keys
-    live = s_ok & (m > float("-inf"))
-    acc = tl.load(
-        part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
-        mask=live[:, None] & (d < HEAD_DIM)[None, :],
-        other=0.0,
-    )
-    num = tl.sum(acc * w[:, None], axis=0)  # [BLOCK_D]
-    den = tl.sum(l_s * w, axis=0)
+    # SPLITS_POW2 splits per load, the running max rescaled per chunk (as the fused combine): the [S, D]
+    # tile of all splits at once grew with the context (a 128k-token cache has up to 528 splits: 528 x 128
+    # float32 per program). With S <= SPLITS_POW2 (every context up to 8192 tokens) it is one iteration with
+    # the arithmetic and the bits of the single load it replaces (alpha = 0 times zeros).
+    m_run = tl.full([], float("-inf"), dtype=tl.float32)
+    num = tl.zeros([BLOCK_D], dtype=tl.float32)
+    den = tl.zeros([], dtype=tl.float32)
+    for c0 in range(0, num_splits, SPLITS_POW2):
+        s = c0 + tl.arange(0, SPLITS_POW2)
+        part = (s * T + t) * NUM_HEADS + h  # [SPLITS_POW2] int64
+        s_ok = s < num_splits
+        m = tl.load(part_m_ptr + part, mask=s_ok, other=float("-inf"))
+        l_s = tl.load(part_l_ptr + part, mask=s_ok, other=0.0)
+        live = s_ok & (m > float("-inf"))
+        acc = tl.load(
+            part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
+            mask=live[:, None] & (d < HEAD_DIM)[None, :],
+            other=0.0,
+        )
+        m_new = tl.maximum(m_run, tl.max(m, axis=0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_ref)  # 0 while nothing was combined
+        w = tl.exp2(m - m_ref)  # 0 for splits without keys
+        num = num * alpha + tl.sum(acc * w[:, None], axis=0)  # [BLOCK_D]
+        den = den * alpha + tl.sum(l_s * w, axis=0)
+        m_run = m_new
     o = num / tl.where(den > 0, den, 1.0)  # a row that saw no key (padding) -> 0
     tl.store(out_ptr + t * stride_ot + h * stride_on + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
@@ -596,6 +707,7 @@ def paged_attention(
     ahead of its PDL wait (`EARLY_KV`), so their round trips overlap the kernel ahead. The caller vouches
     that the kernel ahead in the stream writes nothing this launch reads but q and the cache rows of the
     query tokens' positions (a layer's cache write or q/k/v product right before; fspec/attention.py).
+    Ignored above MAX_EARLY_KV_QUERY query rows per request (a prefill): the same result, no early loads.
     `early_release`: the reduce kernel lets the launch after it start before its own wait, so that launch's
     pre-wait loads (the o projection's weight tiles) overlap the attention. The caller vouches that the
     launch after reads nothing before its PDL wait but constants (`skinny_linear`: weights; Inductor's
@@ -621,29 +733,25 @@ def paged_attention(
     seq_lens, positions = seq_lens.contiguous(), positions.contiguous()
     query_start_loc = query_start_loc.contiguous()
     group = n // nkv
-    cfg = default_config(
-        batch=b,
-        kv_heads=nkv,
-        group=group,
-        num_query=num_query,
-        head_dim=d,
-        capacity=max_blocks * block_size,
-        num_sms=_num_sms(q.device.index if q.is_cuda else None),
-        override=config,
-    )
-    splits = triton.cdiv(max_blocks * block_size, cfg.partition)
+    sizes = dict(
+        tokens=t, batch=b, heads=n, kv_heads=nkv, head_dim=d, num_query=num_query, max_blocks=max_blocks,
+        block_size=block_size, num_sms=_num_sms(q.device.index if q.is_cuda else None), config=config,
+        early_kv=early_kv, rope_write=_rope_write is not None,
+    )  # fmt: skip
+    plan = launch_plan(**sizes)
+    cfg, splits = plan.config, plan.splits
+    counters = None
+    if splits > 1 and plan.reduce_grid is None:
+        counters = zeroed_counters(q.device)  # None while capturing before they exist: two launches
+        if counters is None:
+            plan = launch_plan(**sizes, fused_counters=False)
     f32 = dict(dtype=torch.float32, device=q.device)
     part_m = torch.empty((splits, t, n), **f32) if splits > 1 else out
     part_l = torch.empty((splits, t, n), **f32) if splits > 1 else out
     part_acc = torch.empty((splits, t, n, d), **f32) if splits > 1 else out
-    m_tiles = triton.cdiv(num_query * group, cfg.block_m)
-    counters = None
-    if splits > 1 and cfg.fused_reduce and b * m_tiles * nkv <= COUNTER_SLOTS:
-        counters = zeroed_counters(q.device)  # None while capturing before they exist: two launches
     # tl.dot needs one input dtype; the interpreter's bf16 arithmetic is garbage
     interpreted = isinstance(_paged_attention_kernel, InterpretedFunction)
     upcast = interpreted or out.dtype != kc.dtype or torch.float32 in (out.dtype, kc.dtype, vc.dtype)
-    block_d = max(16, triton.next_power_of_2(d))  # tl.dot needs K >= 16: small heads pad (masked) to 16
     launch = pdl.options(q)  # one environment read for the call's launches
     if _rope_write is None:
         kn = vn = slots = inv_freq = seq_lens  # unread
@@ -651,32 +759,28 @@ def paged_attention(
     else:
         kn, vn, slots, inv_freq, table_dtype = _rope_write
         new_strides = (kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1))
-        rope = dict(
-            ROPE_WRITE=True, TABLE_DTYPE=_TL_DTYPES[table_dtype], NQ_POW2=triton.next_power_of_2(num_query)
-        )
-    if early_kv:
+        rope = dict(ROPE_WRITE=True, TABLE_DTYPE=_TL_DTYPES[table_dtype], NQ_POW2=plan.nq_pow2)
+    if plan.early_kv:
         ke, ve = (kc, vc) if _early_cache is None else (layer_view(c, layer) for c in _early_cache)
-        rope = dict(
-            rope, EARLY_KV=True, NQ_POW2=triton.next_power_of_2(num_query), k_early_ptr=ke, v_early_ptr=ve
-        )
-    _paged_attention_kernel[(b * m_tiles, nkv, splits)](
+        rope = dict(rope, EARLY_KV=True, NQ_POW2=plan.nq_pow2, k_early_ptr=ke, v_early_ptr=ve)
+    _paged_attention_kernel[plan.grid](
         q, kc, vc, block_table, seq_lens, positions, query_start_loc, out, part_m, part_l, part_acc,
         seq_lens if counters is None else counters, kn, vn, slots, inv_freq, *new_strides,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         t, cfg.partition, splits, scale * LOG2E,
         NUM_QUERY=num_query, GROUP=group, KV_HEADS=nkv, HEAD_DIM=d, BLOCK_SIZE=block_size, SPLIT=splits > 1,
-        FUSED_REDUCE=counters is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        COMBINE_CHUNK=combine_chunk(splits, cfg.block_m, block_d, cfg.num_warps),
+        FUSED_REDUCE=counters is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=plan.block_d,
+        COMBINE_CHUNK=plan.combine_chunk,
         UPCAST=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch, **rope,
     )  # fmt: skip
-    if splits > 1 and counters is None:
-        _paged_attention_reduce_kernel[(t, n)](
+    if plan.reduce_grid is not None:
+        _paged_attention_reduce_kernel[plan.reduce_grid](
             part_m, part_l, part_acc, out, out.stride(0), out.stride(1), t, splits,
-            NUM_HEADS=n, HEAD_DIM=d, SPLITS_POW2=triton.next_power_of_2(splits), BLOCK_D=block_d,
+            NUM_HEADS=n, HEAD_DIM=d, SPLITS_POW2=plan.reduce_chunk, BLOCK_D=plan.block_d,
             EARLY_RELEASE=early_release,
-            num_warps=4,
+            num_warps=REDUCE_WARPS,
             **launch,
         )  # fmt: skip
     return out

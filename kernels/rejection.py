@@ -40,10 +40,25 @@ from .gumbel import (
     softmax_ref,
     softmax_shift,
     tile_offsets,
+    vocab_blocks,
 )
 from .pdl import pdl_enter
 from .philox import log_abs, philox_gumbel_ref, philox_gumbel_tile, philox_offset, philox_uniform_ref
 from .salts import SALT_ACCEPT, SALT_BONUS, SALT_RESIDUAL
+
+# The decide kernel's tiles: slots per load (K1_POW2: next_pow2(K + 1), at most MAX_DECIDE_SLOTS; more slots
+# loop) and [K1_POW2, NB_POW2] block partials per load (at most MAX_DECIDE_TILE). A config's K <= 16 and any
+# target's vocabulary at the default block fit one load; the public `fspec.rejection_sample` takes any K.
+MAX_DECIDE_SLOTS = 32
+MAX_DECIDE_TILE = 2048
+
+
+def decide_tiles(k1: int, nb_load: int) -> tuple[int, int]:
+    """(K1_POW2, NB_POW2) of the decide kernel for K + 1 slots, given the per-row reductions' blocks per
+    load (`vocab_blocks`' third value)."""
+    k1_pow2 = min(triton.next_power_of_2(k1), MAX_DECIDE_SLOTS)
+    return k1_pow2, min(nb_load, max(1, MAX_DECIDE_TILE // k1_pow2))
+
 
 _SALT_ACCEPT: tl.constexpr = tl.constexpr(SALT_ACCEPT)
 _SALT_RESIDUAL: tl.constexpr = tl.constexpr(SALT_RESIDUAL)
@@ -194,53 +209,104 @@ def _rejection_decide_kernel(
     NB,  # vocabulary blocks
     K,  # draft tokens per request
     HAS_Q: tl.constexpr,  # draft_probs given (sampled drafts)
-    K1_POW2: tl.constexpr,  # next power of two >= K + 1
-    NB_POW2: tl.constexpr,  # next power of two >= NB
+    K1_POW2: tl.constexpr,  # slots per load: next power of two >= K + 1, at most MAX_DECIDE_SLOTS
+    NB_POW2: tl.constexpr,  # blocks per load: next power of two >= NB, capped (`decide_tiles`)
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
-    kk = tl.arange(0, K1_POW2).to(tl.int64)  # slot index k
-    in_row = kk < K + 1
-    is_draft = kk < K
-    rows = b * (K + 1) + kk  # [K1_POW2]
     t = tl.load(temperature_ptr + b)
-    # 1. Each slot's softmax statistics and raw argmax, from the stats kernel's block partials.
-    nb = tl.arange(0, NB_POW2)
+    seed, position = tl.load(seed_ptr + b), tl.load(positions_ptr + b)
+    # K1_POW2 slots at a time (one iteration for every config's K): slot k is accepted-and-kept iff no
+    # rejection comes before it, which only slots of this and earlier chunks decide, so each chunk writes
+    # its tokens with the first rejection seen so far.
+    n = tl.zeros([], tl.int64) + K  # first rejection so far (K: none)
+    for k0 in range(0, K + 1, K1_POW2):
+        kk = k0 + tl.arange(0, K1_POW2).to(tl.int64)  # slot index k
+        in_row = kk < K + 1
+        is_draft = kk < K
+        rows = b * (K + 1) + kk  # [K1_POW2]
+        # the drafts' own values first: their loads do not wait for the statistics
+        x = tl.load(draft_tokens_ptr + b * K + kk, mask=is_draft, other=-1)
+        xc = tl.minimum(tl.maximum(x, 0), V - 1)
+        lx = tl.load(logits_ptr + b * stride_b + kk * stride_k + xc, mask=is_draft, other=float("-inf"))
+        if HAS_Q:
+            q_x = tl.load(draft_probs_ptr + (b * K + kk) * V + xc, mask=is_draft, other=1.0)
+        else:
+            q_x = tl.full([K1_POW2], 1.0, tl.float32)
+        # 1. Each slot's softmax statistics and raw argmax, from the stats kernel's block partials.
+        m, s, greedy = _slot_stats(
+            block_max_ptr, block_sum_ptr, block_token_ptr, block_raw_ptr, rows, in_row, V, NB, K1_POW2,
+            NB_POW2,
+        )  # fmt: skip
+        tl.store(row_max_ptr + rows, m, mask=in_row)
+        tl.store(row_sum_ptr + rows, s, mask=in_row)
+        tl.store(greedy_ptr + rows, greedy, mask=in_row)
+        # a slot whose logits / T reach +inf is a greedy slot (the T -> 0 limit of p: a point mass)
+        sampled = ((tl.zeros([K1_POW2], tl.float32) + t) > 0) & (m < float("inf"))  # [K1_POW2]
+        # 2. Acceptance: u_k * q(x_k) < p(x_k) (no division); greedy target: argmax p == x_k.
+        lx = lx.to(tl.float32)
+        lx = tl.where(lx != lx, float("-inf"), lx) * inv_temperature(t)
+        lx, m, s = _one_hot_if_degenerate(lx, xc == 0, m, tl.where(in_row, s, 1.0))
+        p_x = tl.exp(lx - m) / s
+        u = tl.rand(seed, philox_offset(position + kk, 0, _SALT_ACCEPT))
+        accept = tl.where(sampled, u * q_x < p_x, greedy == x)
+        # 3. n = index of the first rejection (K if none): drafts before it, -1 after it; slot n comes later.
+        n = tl.minimum(n, tl.min(tl.where(is_draft & (accept == 0), kk, K), axis=0))
+        tl.store(tokens_ptr + b * (K + 1) + kk, tl.where(kk < n, x, -1), mask=in_row)
+    tl.store(num_accepted_ptr + b, n)
+
+
+@triton.jit
+def _slot_partials(block_max_ptr, block_sum_ptr, block_token_ptr, block_raw_ptr, rows, in_row, c0, V, NB,
+                   NB_POW2: tl.constexpr):  # fmt: skip
+    """Blocks c0 .. c0 + NB_POW2 of slots `rows`: [K1_POW2, NB_POW2] tiles (block max of logits / T, block
+    sums, block max raw logit) and [K1_POW2] (raw max, the first block's token attaining it)."""
+    nb = c0 + tl.arange(0, NB_POW2)
     at = rows[:, None] * NB + nb[None, :]  # [K1_POW2, NB_POW2]
     live = in_row[:, None] & (nb[None, :] < NB)
     bmax = tl.load(block_max_ptr + at, mask=live, other=float("-inf"))
     bsum = tl.load(block_sum_ptr + at, mask=live, other=0.0)
-    m = tl.max(bmax, axis=1)  # [K1_POW2]
-    s = tl.sum(bsum * tl.exp(bmax - softmax_shift(m)[:, None]), axis=1)
     braw = tl.load(block_raw_ptr + at, mask=live, other=float("-inf"))
+    btok = tl.load(block_token_ptr + at, mask=live, other=V)
     mr = tl.max(braw, axis=1)
     # all blocks -inf: every block matches and block 0 starts at token 0
-    btok = tl.load(block_token_ptr + at, mask=live, other=V)
     greedy = tl.min(tl.where(live & (braw == mr[:, None]), btok, V), axis=1)
-    tl.store(row_max_ptr + rows, m, mask=in_row)
-    tl.store(row_sum_ptr + rows, s, mask=in_row)
-    tl.store(greedy_ptr + rows, greedy, mask=in_row)
-    # a slot whose logits / T reach +inf is a greedy slot (the T -> 0 limit of p: a point mass)
-    sampled = ((tl.zeros([K1_POW2], tl.float32) + t) > 0) & (m < float("inf"))  # [K1_POW2]
-    # 2. Acceptance: u_k * q(x_k) < p(x_k) (no division); greedy target: argmax p == x_k.
-    x = tl.load(draft_tokens_ptr + b * K + kk, mask=is_draft, other=-1)
-    xc = tl.minimum(tl.maximum(x, 0), V - 1)
-    lx = tl.load(logits_ptr + b * stride_b + kk * stride_k + xc, mask=is_draft, other=float("-inf"))
-    lx = lx.to(tl.float32)
-    lx = tl.where(lx != lx, float("-inf"), lx) * inv_temperature(t)
-    lx, m, s = _one_hot_if_degenerate(lx, xc == 0, m, tl.where(in_row, s, 1.0))
-    p_x = tl.exp(lx - m) / s
-    if HAS_Q:
-        q_x = tl.load(draft_probs_ptr + (b * K + kk) * V + xc, mask=is_draft, other=1.0)
-    else:
-        q_x = tl.full([K1_POW2], 1.0, tl.float32)
-    u = tl.rand(tl.load(seed_ptr + b), philox_offset(tl.load(positions_ptr + b) + kk, 0, _SALT_ACCEPT))
-    accept = tl.where(sampled, u * q_x < p_x, greedy == x)
-    # 3. n = index of the first rejection (K if none): drafts before it, -1 after it; slot n comes later.
-    n = tl.min(tl.where(is_draft & (accept == 0), kk, K), axis=0)
-    tl.store(tokens_ptr + b * (K + 1) + kk, tl.where(kk < n, x, -1), mask=in_row)
-    tl.store(num_accepted_ptr + b, n)
+    return bmax, bsum, mr, greedy
+
+
+@triton.jit
+def _slot_stats(
+    block_max_ptr,  # [R, NB] float32: block max of logits / T
+    block_sum_ptr,  # [R, NB] float32: block sum of exp(logits / T - block max)
+    block_token_ptr,  # [R, NB] int64: block argmax of the raw logits
+    block_raw_ptr,  # [R, NB] float32: block max of the raw logits
+    rows,  # [K1_POW2] int64 slots (rows of the partials)
+    in_row,  # [K1_POW2] live slots
+    V,  # vocabulary size (sentinel token id)
+    NB,  # vocabulary blocks
+    K1_POW2: tl.constexpr,
+    NB_POW2: tl.constexpr,  # blocks per load
+):
+    """(max of logits / T, sum of exp(logits / T - max), first raw argmax) per slot [K1_POW2], NB_POW2
+    blocks per load: the first load straight-line (the whole reduction wherever NB <= NB_POW2), further
+    blocks looping with the running sum rescaled and an earlier chunk keeping an argmax tie."""
+    bmax, bsum, mr, greedy = _slot_partials(
+        block_max_ptr, block_sum_ptr, block_token_ptr, block_raw_ptr, rows, in_row, 0, V, NB, NB_POW2
+    )
+    m = tl.max(bmax, axis=1)  # [K1_POW2]
+    s = tl.sum(bsum * tl.exp(bmax - softmax_shift(m)[:, None]), axis=1)
+    for c0 in range(NB_POW2, NB, NB_POW2):
+        bmax, bsum, c_mr, c_greedy = _slot_partials(
+            block_max_ptr, block_sum_ptr, block_token_ptr, block_raw_ptr, rows, in_row, c0, V, NB, NB_POW2
+        )
+        m_new = tl.maximum(m, tl.max(bmax, axis=1))
+        shift = softmax_shift(m_new)
+        s = s * tl.exp(m - shift) + tl.sum(bsum * tl.exp(bmax - shift[:, None]), axis=1)
+        m = m_new
+        greedy = tl.where(c_mr > mr, c_greedy, greedy)
+        mr = tl.maximum(mr, c_mr)
+    return m, s, greedy
 
 
 @triton.jit
@@ -258,7 +324,7 @@ def _rejection_finalize_kernel(
     V,  # vocabulary size (sentinel token id)
     NB,  # vocabulary blocks
     K,  # draft tokens per request
-    NB_POW2: tl.constexpr,  # next power of two >= NB
+    NB_POW2: tl.constexpr,  # blocks per load: next power of two >= NB, at most gumbel.MAX_REDUCE_BLOCKS
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl_enter(PDL)
@@ -269,20 +335,42 @@ def _rejection_finalize_kernel(
     greedy = tl.load(greedy_ptr + row)
     token = greedy
     if (t > 0) & (tl.load(row_max_ptr + row) < float("inf")):  # the residual kernel sampled this slot
-        nb = tl.arange(0, NB_POW2)
-        live = nb < NB
-        res_key = tl.load(res_key_ptr + b * NB + nb, mask=live, other=float("-inf"))
-        res_best = tl.max(res_key, axis=0)
-        res_tok = tl.load(res_token_ptr + b * NB + nb, mask=live, other=V)
-        res_tok = tl.min(tl.where(live & (res_key == res_best), res_tok, V), axis=0)
-        has_mass = tl.max(tl.load(res_mass_ptr + b * NB + nb, mask=live, other=0.0), axis=0) > 0
-        p_key = tl.load(p_key_ptr + b * NB + nb, mask=live, other=float("-inf"))
-        p_best = tl.max(p_key, axis=0)
-        p_tok = tl.load(p_token_ptr + b * NB + nb, mask=live, other=V)
-        p_tok = tl.min(tl.where(live & (p_key == p_best), p_tok, V), axis=0)
+        # NB_POW2 blocks per load: the first straight-line (all of them at every target's vocabulary), more
+        # looping, an earlier chunk keeping a tie
+        res_best, res_tok, mass, p_best, p_tok = _sample_chunk(
+            res_key_ptr, res_token_ptr, res_mass_ptr, p_key_ptr, p_token_ptr, b, 0, V, NB, NB_POW2
+        )
+        for c0 in range(NB_POW2, NB, NB_POW2):
+            c_res, c_res_tok, c_mass, c_p, c_p_tok = _sample_chunk(
+                res_key_ptr, res_token_ptr, res_mass_ptr, p_key_ptr, p_token_ptr, b, c0, V, NB, NB_POW2
+            )
+            res_tok = tl.where(c_res > res_best, c_res_tok, res_tok)
+            res_best = tl.maximum(res_best, c_res)
+            mass = tl.maximum(mass, c_mass)
+            p_tok = tl.where(c_p > p_best, c_p_tok, p_tok)
+            p_best = tl.maximum(p_best, c_p)
         # a rejected draft takes the residual sample (p itself without residual mass); all accepted: bonus
-        token = tl.where((n < K) & has_mass, res_tok, p_tok)
+        token = tl.where((n < K) & (mass > 0), res_tok, p_tok)
     tl.store(tokens_ptr + b * (K + 1) + n, token)
+
+
+@triton.jit
+def _sample_chunk(res_key_ptr, res_token_ptr, res_mass_ptr, p_key_ptr, p_token_ptr, b, c0, V, NB,
+                  NB_POW2: tl.constexpr):  # fmt: skip
+    """Blocks c0 .. c0 + NB_POW2 of request b's slot n: (max residual key, its first token, max residual
+    mass, max key of p, its first token)."""
+    nb = c0 + tl.arange(0, NB_POW2)
+    live = nb < NB
+    res_key = tl.load(res_key_ptr + b * NB + nb, mask=live, other=float("-inf"))
+    res_tok = tl.load(res_token_ptr + b * NB + nb, mask=live, other=V)
+    mass = tl.max(tl.load(res_mass_ptr + b * NB + nb, mask=live, other=0.0), axis=0)
+    p_key = tl.load(p_key_ptr + b * NB + nb, mask=live, other=float("-inf"))
+    p_tok = tl.load(p_token_ptr + b * NB + nb, mask=live, other=V)
+    res_best = tl.max(res_key, axis=0)
+    p_best = tl.max(p_key, axis=0)
+    res_tok = tl.min(tl.where(live & (res_key == res_best), res_tok, V), axis=0)
+    p_tok = tl.min(tl.where(live & (p_key == p_best), p_tok, V), axis=0)
+    return res_best, res_tok, mass, p_best, p_tok
 
 
 def rejection_sample(
@@ -300,8 +388,8 @@ def rejection_sample(
     Inputs are assumed validated (fspec.verify.rejection_sample checks them). `block` is a power of two >= 4
     (None: `launch_block`).
     """
-    block = launch_block(block)
     b, k1, v = target_logits.shape
+    block, nb, nb_load = vocab_blocks(v, launch_block(block))
     k = k1 - 1
     dev = target_logits.device
     if target_logits.stride(-1) != 1:
@@ -314,7 +402,8 @@ def rejection_sample(
     num_accepted = torch.empty(b, dtype=torch.int64, device=dev)
     if b == 0:
         return tokens, num_accepted
-    r, nb = b * k1, triton.cdiv(v, block)
+    r = b * k1
+    k1_pow2, decide_nb = decide_tiles(k1, nb_load)
     # scratch: per (slot, block) statistics; per (request, block) results of the one sampled slot; per slot
     block_max, block_sum, block_raw, res_key, res_mass, p_key, row_max, row_sum = scratch(
         torch.float32, dev, *[(r, nb)] * 3, *[(b, nb)] * 3, (r,), (r,)
@@ -330,7 +419,7 @@ def rejection_sample(
     _rejection_decide_kernel[(b,)](
         target_logits, sb, sk, draft_tokens, draft_probs, temperature, seed, positions, block_max, block_sum,
         block_token, block_raw, row_max, row_sum, greedy, tokens, num_accepted, v, nb, k, HAS_Q=has_q,
-        K1_POW2=triton.next_power_of_2(k1), NB_POW2=triton.next_power_of_2(nb),
+        K1_POW2=k1_pow2, NB_POW2=decide_nb,
         **launch,
     )  # fmt: skip
     _rejection_residual_kernel[(b, nb)](
@@ -341,7 +430,7 @@ def rejection_sample(
     )  # fmt: skip
     _rejection_finalize_kernel[(b,)](
         temperature, row_max, greedy, res_key, res_token, res_mass, p_key, p_token, tokens, num_accepted,
-        v, nb, k, NB_POW2=triton.next_power_of_2(nb),
+        v, nb, k, NB_POW2=nb_load,
         **launch,
     )  # fmt: skip
     return tokens, num_accepted

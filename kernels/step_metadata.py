@@ -14,7 +14,7 @@ is what `fspec.metadata` computed before this kernel existed):
   max_model_len - 1) where seq_lens > 0, else the row is padding (-1, seq_len 0). With `steps` = S > 1, the
   metadata of S such steps in a row (each from the one before: step s's position is min(seq_lens + s,
   max_model_len - 1)), stacked: step s's fields are rows [s * B, (s + 1) * B) (query_start_loc is the same
-  for every step). A draft rollout's K decode steps then cost one launch instead of K (grid axis 1 = s).
+  for every step). A draft rollout's K decode steps then cost one launch instead of K.
 * MODE_FIRST: request b's `count[b]` tokens sit at start[b] + j, j < count[b]; its other rows of Q are
   padding; a request with start < 0 is a padding row (seq_len 0).
 * MODE_ADVANCE (Q = 1): `start` holds decode positions, `count` their seq_lens; live rows (position >= 0)
@@ -31,6 +31,8 @@ launches of ~1 µs plus a ~0.4 µs gap each in a CUDA graph (benchmarks/kernel_t
 1B-shaped EAGLE-3 head on the H200). One kernel writes all four.
 """
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -40,7 +42,54 @@ from . import pdl
 from .pdl import pdl_enter
 
 MODE_DECODE, MODE_AFTER, MODE_FIRST, MODE_ADVANCE = 0, 1, 2, 3
-BLOCK_B = 128  # requests per program
+BLOCK_B = 128  # requests per program, at most (fewer where a request's query rows fill the tile)
+# Elements of one program's [BLOCK_B, BLOCK_Q] tile, at most, and query rows per program, at most. The tile
+# holds int64 positions, slots and block-table entries; the launch used to make it BLOCK_B x next_pow2(Q),
+# so a 129-token prefill asked for 128 x 256 x 8 bytes = 262144 bytes of shared memory on the H200 (limit
+# 232448) and a prompt of 8192 tokens for 8 MB. A decode step (Q = 1) and a first draft step (Q = K + 1 <= 8)
+# keep their 128-request tiles; a prefill's rows are cut into BLOCK_Q-row tiles of as many requests as fit.
+MAX_TILE = 1024
+MAX_BLOCK_Q = 1024
+MAX_GRID = 2**31 - 1  # CUDA's limit on grid axis 0 (axes 1 and 2: 65535); the launch uses axis 0 only
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """The launch of `_step_metadata_kernel` for B requests of Q query rows, `steps` steps.
+
+    Attributes:
+        block_b: requests per program (a power of two, block_b * block_q <= MAX_TILE).
+        block_q: query rows per program (a power of two, at most MAX_BLOCK_Q).
+        b_tiles: programs along the requests, cdiv(B + 1, block_b) (query_start_loc has B + 1 entries).
+        q_tiles: programs along each request's query rows, cdiv(Q, block_q).
+        grid: (steps * b_tiles * q_tiles,): program p is step p // (b_tiles * q_tiles), request tile
+            (p // q_tiles) % b_tiles and query tile p % q_tiles, all on axis 0 (no axis-1/2 limit).
+    """
+
+    block_b: int
+    block_q: int
+    b_tiles: int
+    q_tiles: int
+    grid: tuple[int]
+
+
+def launch_config(
+    b: int, q: int, steps: int = 1, *, max_tile: int | None = None, max_block_q: int | None = None
+) -> LaunchConfig:
+    """Tiles and grid for B requests of Q rows (the caps default to MAX_TILE and MAX_BLOCK_Q, read at call
+    time, so a test can lower them to run the looping path under the interpreter)."""
+    max_tile = MAX_TILE if max_tile is None else max_tile
+    max_block_q = MAX_BLOCK_Q if max_block_q is None else max_block_q
+    block_q = min(triton.next_power_of_2(max(q, 1)), max_block_q, max_tile)
+    block_b = max(1, min(BLOCK_B, max_tile // block_q))
+    b_tiles, q_tiles = triton.cdiv(b + 1, block_b), triton.cdiv(max(q, 1), block_q)
+    programs = steps * b_tiles * q_tiles
+    if programs > MAX_GRID:
+        raise ValueError(
+            f"start/num_query/steps: expected at most {MAX_GRID} programs, got {programs} for B = {b}, "
+            f"Q = {q}, steps = {steps}"
+        )
+    return LaunchConfig(block_b=block_b, block_q=block_q, b_tiles=b_tiles, q_tiles=q_tiles, grid=(programs,))
 
 
 @triton.jit
@@ -48,27 +97,32 @@ def _step_metadata_kernel(
     start_ptr,  # [B] int: positions (DECODE, ADVANCE), previous seq_lens (AFTER) or first positions (FIRST)
     count_ptr,  # [B] int: live tokens per request (FIRST), seq_lens (ADVANCE); unread otherwise
     block_table_ptr,  # [B, max_blocks] int: cache block of each request's j-th block (-1 = unallocated)
-    positions_ptr,  # [B * Q] int64 out
+    positions_ptr,  # [S * B * Q] int64 out
     query_start_loc_ptr,  # [B + 1] int32 out
-    seq_lens_ptr,  # [B] int32 out
-    slot_mapping_ptr,  # [B * Q] int64 out
+    seq_lens_ptr,  # [S * B] int32 out
+    slot_mapping_ptr,  # [S * B * Q] int64 out
     B,  # requests
     max_blocks,  # columns of the block table
     stride_table,  # elements between rows of the block table
     block_size,  # tokens per cache block
     max_model_len,  # AFTER, ADVANCE: positions clamp at max_model_len - 1
+    b_tiles,  # programs along the requests (`LaunchConfig.b_tiles`)
     Q: tl.constexpr,  # query rows per request (1 but for FIRST)
-    Q_POW2: tl.constexpr,  # next power of two >= Q
+    Q_TILES: tl.constexpr,  # programs along a request's query rows, cdiv(Q, BLOCK_Q)
     MODE: tl.constexpr,  # MODE_DECODE, MODE_AFTER, MODE_FIRST or MODE_ADVANCE
     BLOCK: tl.constexpr,  # requests per program
+    BLOCK_Q: tl.constexpr,  # query rows per program, a power of two (BLOCK * BLOCK_Q <= MAX_TILE)
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl_enter(PDL)
-    b = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-    s = tl.program_id(1).to(tl.int64)  # step of a MODE_AFTER rollout (0 otherwise)
+    pid = tl.program_id(0).to(tl.int64)
+    s = pid // (b_tiles * Q_TILES)  # step of a MODE_AFTER rollout (0 otherwise)
+    tile = pid % (b_tiles * Q_TILES)
+    qt = tile % Q_TILES  # this program's query rows: qt * BLOCK_Q + [0, BLOCK_Q)
+    b = (tile // Q_TILES) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     b_ok = b < B
     x = tl.load(start_ptr + b, mask=b_ok, other=-1).to(tl.int64)
-    j = tl.arange(0, Q_POW2).to(tl.int64)  # [Q_POW2]
+    j = qt * BLOCK_Q + tl.arange(0, BLOCK_Q).to(tl.int64)  # [BLOCK_Q]
     j_ok = j < Q
     if MODE == 1:  # AFTER: x is the previous seq_lens
         row_live = x > 0
@@ -89,7 +143,7 @@ def _step_metadata_kernel(
         seq = tl.where(row_live, x + count, 0)
         live = row_live[:, None] & (j[None, :] < count[:, None])
         pos = tl.where(live, x[:, None] + j[None, :], -1)
-    ok = b_ok[:, None] & j_ok[None, :]  # [BLOCK, Q_POW2]
+    ok = b_ok[:, None] & j_ok[None, :]  # [BLOCK, BLOCK_Q]
     p = tl.maximum(pos, 0)
     col = p // block_size
     beyond = col >= max_blocks
@@ -99,8 +153,9 @@ def _step_metadata_kernel(
     row = s * B * Q + b[:, None] * Q + j[None, :]
     tl.store(positions_ptr + row, pos, mask=ok)
     tl.store(slot_mapping_ptr + row, slot, mask=ok)
-    tl.store(seq_lens_ptr + s * B + b, seq.to(tl.int32), mask=b_ok)
-    tl.store(query_start_loc_ptr + b, (b * Q).to(tl.int32), mask=(b <= B) & (s == 0))
+    # per-request fields: written by the request's first query tile only
+    tl.store(seq_lens_ptr + s * B + b, seq.to(tl.int32), mask=b_ok & (qt == 0))
+    tl.store(query_start_loc_ptr + b, (b * Q).to(tl.int32), mask=(b <= B) & (s == 0) & (qt == 0))
 
 
 def _outputs(b: int, q: int, device: torch.device, steps: int = 1) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -139,10 +194,11 @@ def step_metadata(
     outs = _outputs(b, q, start.device, steps)
     start = start.contiguous()
     count = start if count is None else count.contiguous()
-    _step_metadata_kernel[(triton.cdiv(b + 1, BLOCK_B), steps)](
+    cfg = launch_config(b, q, steps)
+    _step_metadata_kernel[cfg.grid](
         start, count, block_table, *outs, b, block_table.shape[1], block_table.stride(0), block_size,
-        max_model_len, Q=q, Q_POW2=triton.next_power_of_2(q), MODE=mode, BLOCK=BLOCK_B,
-        **pdl.options(start),
+        max_model_len, cfg.b_tiles, Q=q, Q_TILES=cfg.q_tiles, MODE=mode, BLOCK=cfg.block_b,
+        BLOCK_Q=cfg.block_q, **pdl.options(start),
     )  # fmt: skip
     return outs
 

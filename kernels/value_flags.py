@@ -36,7 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import pdl
-from .gumbel import inv_temperature, inv_temperature_ref, launch_block
+from .gumbel import inv_temperature, inv_temperature_ref, launch_block, vocab_blocks
 from .pdl import pdl_enter
 from .philox import POSITION_MASK
 
@@ -66,6 +66,7 @@ _FLAG_DRAFTS: tl.constexpr = tl.constexpr(FLAG_DRAFTS)
 _FLAG_PROBS: tl.constexpr = tl.constexpr(FLAG_PROBS)
 _FLAG_D2T: tl.constexpr = tl.constexpr(FLAG_D2T)
 _INF: tl.constexpr = tl.constexpr(float("inf"))
+MAX_DRAFTS_PER_LOAD = 64  # K_POW2: a request's draft tokens checked per load (more loop)
 
 
 @triton.jit
@@ -92,7 +93,7 @@ def _value_flags_kernel(
     S,  # rows per request
     logit_rows,  # B * S
     BLOCK: tl.constexpr,
-    K_POW2: tl.constexpr,
+    K_POW2: tl.constexpr,  # drafts per load (`draft_block`)
     HAS_COL: tl.constexpr,
     HAS_DRAFTS: tl.constexpr,
     HAS_PROBS: tl.constexpr,
@@ -119,11 +120,12 @@ def _value_flags_kernel(
             flags |= tl.where(~_finite(t) | (t < 0), _FLAG_TEMPERATURE, 0)
             p = tl.load(positions_ptr + b)
             flags |= tl.where((p < -1) | (p > _POSITION_MASK - span), _FLAG_POSITIONS, 0)
-            if HAS_DRAFTS:
-                k = tl.arange(0, K_POW2)
-                d = tl.load(drafts_ptr + b.to(tl.int64) * K + k, mask=k < K, other=0)
-                bad = tl.max(((d < 0) | (d >= V)).to(tl.int32), axis=0)
-                flags |= tl.where(bad > 0, _FLAG_DRAFTS, 0)
+            if HAS_DRAFTS:  # K_POW2 drafts per load (one load for every config's K <= 16)
+                for k0 in range(0, K, K_POW2):
+                    k = k0 + tl.arange(0, K_POW2)
+                    d = tl.load(drafts_ptr + b.to(tl.int64) * K + k, mask=k < K, other=0)
+                    bad = tl.max(((d < 0) | (d >= V)).to(tl.int32), axis=0)
+                    flags |= tl.where(bad > 0, _FLAG_DRAFTS, 0)
         if HAS_COL:
             if (r == 0) & (j == 0):
                 c = tl.load(col_ptr)
@@ -151,6 +153,11 @@ def _rows(logits: Tensor) -> tuple[Tensor, int, int, int, int]:
     return logits, logits.shape[0], logits.shape[1], logits.stride(0), logits.stride(1)
 
 
+def draft_block(k: int) -> int:
+    """K_POW2: drafts per load for K drafts per request, next_pow2(K) in [2, MAX_DRAFTS_PER_LOAD]."""
+    return max(2, min(triton.next_power_of_2(max(k, 1)), MAX_DRAFTS_PER_LOAD))
+
+
 def value_flags(
     logits: Tensor,
     temperature: Tensor,
@@ -168,9 +175,9 @@ def value_flags(
     [N, V] (one row per request) or [B, S, V]; temperature and positions [B]; col a 0-d tensor checked
     against [0, ncols); draft_tokens [B, K]; draft_probs [B, K, V]; d2t [V]. Shapes, dtypes and devices are
     the caller's to check first (they are read as given)."""
-    block = launch_block(block)
     logits, b, s, sb, ss = _rows(logits)
     v = logits.shape[-1]
+    block, nb, _ = vocab_blocks(v, launch_block(block))  # nb: grid axis 1, at most gumbel.MAX_GRID_Y
     flags = torch.zeros(1, dtype=torch.int32, device=logits.device)
     temperature, positions = temperature.contiguous(), positions.contiguous()
     drafts = draft_tokens.contiguous() if draft_tokens is not None else positions
@@ -180,10 +187,10 @@ def value_flags(
     rows = b * s + q_rows
     if rows == 0 or v == 0:
         return flags
-    _value_flags_kernel[(rows, triton.cdiv(v, block))](
+    _value_flags_kernel[(rows, nb)](
         logits, sb, ss, temperature, positions, span, col if col is not None else positions, ncols, drafts, k,
         probs, d2t.contiguous() if d2t is not None else positions, flags, v, s, b * s,
-        BLOCK=block, K_POW2=max(2, triton.next_power_of_2(k)), HAS_COL=col is not None,
+        BLOCK=block, K_POW2=draft_block(k), HAS_COL=col is not None,
         HAS_DRAFTS=draft_tokens is not None, HAS_PROBS=draft_probs is not None, HAS_D2T=d2t is not None,
         **pdl.options(logits),
     )  # fmt: skip

@@ -351,3 +351,55 @@ def _gpu_finish_case(temperature, w, gen, col=2):
         logits, tokens = step()
         torch.cuda.synchronize()
         check(logits, tokens, f"eager {i}, n = {n}")
+
+
+def _hard_rows(v: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows whose winner sits in a later chunk of blocks or ties across chunks: random sampled and greedy
+    rows, an equal maximum in blocks 1 and 9 (greedy), +inf in blocks 4 and 7 (the first wins), logits
+    overflowing at a tiny T, a dead row (NaN and -inf), and the maximum in the last, partial block."""
+    logits = torch.randn(8, v, generator=gen) * 3
+    logits[2, [20, 150]] = 9.0
+    logits[3, [70, 120]] = float("inf")
+    logits[4, 5], logits[4, v - 3] = 3e30, 5e30
+    logits[5] = float("nan")
+    logits[5, ::3] = float("-inf")
+    logits[6, v - 1] = 12.0
+    t = torch.tensor([0.9, 0.0, 0.0, 0.7, 1e-9, 1.1, 0.0, 1.4])
+    return logits, t
+
+
+@pytest.mark.parametrize("cap", [2, 8])
+def test_row_reductions_over_many_blocks_load_a_chunk_at_a_time(monkeypatch, cap):
+    """MAX_REDUCE_BLOCKS lowered to 2 or 8 of the 12 vocabulary blocks (V = 187, block 16): the per-row
+    reductions of the tokens-only and the column launches loop over chunks, the last one partial at 8
+    (first maximal block kept across chunks, the softmax sum rescaled per chunk) and equal the reference:
+    tokens exactly, the probabilities within the block-wise tolerance."""
+    monkeypatch.setattr(gumbel, "MAX_REDUCE_BLOCKS", cap)
+    v = 187
+    assert gumbel.vocab_blocks(v, 16) == (16, 12, cap)
+    logits, t = _hard_rows(v, torch.Generator().manual_seed(cap))
+    seeds, positions = torch.arange(8) * 7 + 3, torch.arange(8) * 11
+    tokens = gumbel_sample(logits, t, seeds, positions, block=16)
+    want = gumbel_sample_ref(logits, t, seeds, positions)
+    assert torch.equal(tokens, want)
+    assert tokens[2:7].tolist() == [20, 70, v - 3, 0, v - 1]
+    out_tokens, out_probs = _buffers(8, 3, v)
+    ref_tokens, ref_probs = _buffers(8, 3, v)
+    col = torch.tensor(1)
+    got = gumbel_sample(logits, t, seeds, positions, out_tokens=out_tokens, out_probs=out_probs, col=col,
+                        block=16)  # fmt: skip
+    gumbel_sample_ref(logits, t, seeds, positions, out_tokens=ref_tokens, out_probs=ref_probs, col=col)
+    assert torch.equal(got, want) and torch.equal(out_tokens, ref_tokens)
+    torch.testing.assert_close(out_probs, ref_probs, rtol=1e-5, atol=PROB_TOL[torch.float32])
+
+
+def test_tiny_blocks_of_a_large_vocabulary_grow_to_fit_grid_axis_1(monkeypatch):
+    """The vocabulary blocks are grid axis 1 (CUDA: at most 65535): a block too small for V doubles until
+    they fit (MAX_GRID_Y lowered to 3 here: 4 -> 16 tokens for V = 41), with the same tokens."""
+    assert gumbel.vocab_blocks(49152, 2048) == (2048, 24, 32)  # SmolLM2 at the default block: unchanged
+    assert gumbel.vocab_blocks(1 << 24, 4)[1] <= gumbel.MAX_GRID_Y  # philox.MAX_VOCAB at the smallest block
+    monkeypatch.setattr(gumbel, "MAX_GRID_Y", 3)
+    assert gumbel.vocab_blocks(41, 4) == (16, 3, 4)
+    logits, temperature, seeds, positions = _inputs(7, 41, torch.float32, seed=2)
+    got = gumbel_sample(logits, temperature, seeds, positions, block=4)
+    assert torch.equal(got, gumbel_sample_ref(logits, temperature, seeds, positions))

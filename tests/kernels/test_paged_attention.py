@@ -734,3 +734,66 @@ def test_every_cache_launcher_refuses_a_non_contiguous_layer_naming_its_strides(
                                 (good, bad, r"\(64, 16, 8, 1\) and \(64, 16, 1, 2\)")):  # fmt: skip
             with pytest.raises(ValueError, match=want + strides + r" for shapes \(2, 4, 2, 8\)"):
                 call(kc, vc)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Bounds for long prompts and long contexts (tile caps lowered so the interpreter runs the loops)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tile", [16, 32])
+def test_reduce_kernel_combines_many_splits_a_chunk_at_a_time(monkeypatch, tile):
+    """REDUCE_TILE lowered: 5 splits (partition 4 of the 20-token capacity) are combined 1 or 2 at a time by
+    the reduce kernel, the running max rescaled per chunk: equal to the per-token loop, as with one load."""
+    from fspec.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "REDUCE_TILE", tile)
+    cfg = AttentionConfig(block_n=4, partition=4)
+    for lens in LENS:
+        for num_query in (1, 3):
+            q, kc, vc, table, seq, positions, qsl = _case(lens, num_query, torch.float32, seed=3)
+            plan = pa.launch_plan(
+                tokens=q.shape[0], batch=4, heads=4, kv_heads=2, head_dim=16, num_query=num_query,
+                max_blocks=MAX_BLOCKS, block_size=BLOCK_SIZE, config=cfg,
+            )  # fmt: skip
+            assert plan.splits == 5 and plan.reduce_chunk == tile // 16 and plan.reduce_grid is not None
+            out = paged_attention(q, kc, vc, table, seq, positions, qsl, scale=0.3, num_query=num_query,
+                                  config=cfg)  # fmt: skip
+            want = _naive(q, kc, vc, table, seq, positions, qsl, scale=0.3)
+            torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+            assert (out[positions < 0] == 0).all()
+
+
+def test_early_kv_is_dropped_above_its_query_cap_with_the_same_result(monkeypatch):
+    """Above MAX_EARLY_KV_QUERY rows per request (a prefill) the launch takes no early loads: its
+    [next_pow2(Q)] scan of positions would grow with the prompt. Early caches of NaN are then never read,
+    and the output is bit-identical to the plain launch; at or below the cap the early loads stay."""
+    from fspec.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "MAX_EARLY_KV_QUERY", 2)
+    cfg = CONFIGS["split_bn4"]
+    sizes = dict(tokens=12, batch=4, heads=4, kv_heads=2, head_dim=16, max_blocks=MAX_BLOCKS,
+                 block_size=BLOCK_SIZE, config=cfg, early_kv=True)  # fmt: skip
+    assert pa.launch_plan(**sizes, num_query=2).early_kv and pa.launch_plan(**sizes, num_query=2).nq_pow2 == 2
+    plan = pa.launch_plan(**sizes, num_query=3)
+    assert not plan.early_kv and plan.nq_pow2 == 1
+    q, kc, vc, table, seq, positions, qsl = _case("ragged", 3, torch.float32, seed=4)
+    args = (q, kc, vc, table, seq, positions, qsl)
+    plain = paged_attention(*args, scale=0.3, num_query=3, config=cfg)
+    poison = (torch.full_like(kc, float("nan")), torch.full_like(vc, float("nan")))
+    early = paged_attention(*args, scale=0.3, num_query=3, config=cfg, early_kv=True, _early_cache=poison)
+    assert torch.equal(early, plain)
+
+
+def test_launch_plan_keeps_splits_on_grid_axis_2_within_cuda_limits():
+    """A partition override far below capacity / 65535 is raised so the splits (grid axis 2) stay within
+    CUDA's 65535; the rope write's NQ_POW2 is bounded by MAX_ROPE_WRITE_QUERY (more rows: a ValueError)."""
+    from fspec.kernels import paged_attention as pa
+
+    big = dict(tokens=1, batch=1, heads=9, kv_heads=3, head_dim=64, num_query=1, block_size=16)
+    plan = pa.launch_plan(**big, max_blocks=1 << 20, config=AttentionConfig(partition=64))
+    assert plan.splits <= pa.MAX_GRID_YZ and plan.grid[1] <= pa.MAX_GRID_YZ
+    assert plan.config.partition % plan.config.block_n == 0
+    assert pa.launch_plan(**big, max_blocks=512, rope_write=True).nq_pow2 == 1
+    with pytest.raises(ValueError, match="num_query"):
+        pa.launch_plan(**dict(big, num_query=pa.MAX_ROPE_WRITE_QUERY + 1), max_blocks=512, rope_write=True)

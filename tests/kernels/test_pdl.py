@@ -166,7 +166,7 @@ for on in (False, True):
         {"M_PAD": 16, "BLOCK_N": 16, "BLOCK_K": 256, "UPCAST": False, "NORM": False, "SILU": False,
          "RESIDUAL": False, "PDL": on})
     out[f"meta{int(on)}"] = ptx(_step_metadata_kernel, meta,
-        {"Q": 1, "Q_POW2": 1, "MODE": 3, "BLOCK": 128, "PDL": on})
+        {"Q": 1, "Q_TILES": 1, "MODE": 3, "BLOCK": 128, "BLOCK_Q": 1, "PDL": on})
 print(json.dumps(out))
 """
 

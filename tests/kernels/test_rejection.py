@@ -152,3 +152,38 @@ def test_rejection_kernel_slots_reaching_inf_verify_greedily():
     if int(n[1]) >= 1:  # slot 0 of request 1 is sampled; when it is accepted, slot 1 is the greedy one
         assert int(n[1]) == 1 and int(tokens[1, 1]) == 5
     assert int(n[2]) == k and tokens[2].tolist() == [30, 30, 30, 30]
+
+
+@pytest.mark.parametrize("sampled", [True, False])
+def test_decide_and_finalize_loop_over_slot_and_block_chunks(monkeypatch, sampled):
+    """Caps lowered: the decide kernel walks K + 1 = 6 slots 2 at a time and 10 vocabulary blocks 2 at a
+    time (MAX_DECIDE_SLOTS, MAX_DECIDE_TILE), the finalize kernel 4 at a time (MAX_REDUCE_BLOCKS, the last
+    chunk partial):
+    tokens and counts equal the reference, first rejections in every chunk of slots among them; greedy
+    and sampled targets, with a +inf slot and a dead one."""
+    from fspec.kernels import gumbel, rejection
+
+    monkeypatch.setattr(gumbel, "MAX_REDUCE_BLOCKS", 4)
+    monkeypatch.setattr(rejection, "MAX_DECIDE_SLOTS", 2)
+    monkeypatch.setattr(rejection, "MAX_DECIDE_TILE", 4)
+    b, k, v, block = 6, 5, 150, 16
+    assert rejection.decide_tiles(k + 1, gumbel.vocab_blocks(v, block)[2]) == (2, 2)
+    gen = torch.Generator().manual_seed(21 + sampled)
+    target = torch.randn(b, k + 1, v, generator=gen) * 2
+    target[4, 2, 33] = float("inf")  # a slot that verifies greedily (point mass at 33)
+    target[5, 1] = float("nan")  # a dead slot: one-hot at token 0
+    temperature = torch.tensor([0.9, 0.0, 1.2, 0.7, 1.0, 0.0])
+    seeds, positions = torch.arange(b) * 5 + 2, torch.arange(b) * 17
+    drafts, q = _draft(target, temperature, seeds, positions, sampled=sampled, closeness=0.2, gen=gen)
+    greedy = target[:, :k].float().argmax(-1)
+    drafts[0] = greedy[0]  # request 0 (sampled target) likely accepts far
+    drafts[1, :4] = greedy[1, :4]  # request 1 (greedy target): rejects at slot 4 (third slot chunk)
+    drafts[1, 4] = (greedy[1, 4] + 1) % v
+    drafts[3, :2] = greedy[3, :2]
+    if q is not None:
+        q[0] = torch.nn.functional.one_hot(drafts[0], v).float()
+    tokens, n = rejection.rejection_sample(target, drafts, q, temperature, seeds, positions, block=block)
+    ref_tokens, ref_n = rejection_sample_ref(target, drafts, q, temperature, seeds, positions)
+    assert torch.equal(tokens, ref_tokens) and torch.equal(n, ref_n)
+    _check_layout(tokens, n, drafts, v)
+    assert int(n[1]) == 4 and len(set(n.tolist())) > 2, n

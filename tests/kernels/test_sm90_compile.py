@@ -86,7 +86,7 @@ from triton.compiler import ASTSource
 from fspec.kernels.gumbel import _gumbel_finish_kernel, _gumbel_reduce_kernel
 from fspec.kernels.rejection import _rejection_decide_kernel, _rejection_finalize_kernel
 from fspec.kernels.rope_cos_sin import _rope_cos_sin_kernel
-from fspec.kernels.step_metadata import _step_metadata_kernel
+from fspec.kernels.step_metadata import _step_metadata_kernel, launch_config
 
 def compile_sm90(kernel, types, constexprs):
     names = list(inspect.signature(kernel.fn).parameters)
@@ -112,8 +112,9 @@ for mapped in (True, False):
         compile_sm90(_gumbel_finish_kernel, reduce_types, consts)
 meta = {"start_ptr": "*i64", "count_ptr": "*i64", "block_table_ptr": "*i32", "positions_ptr": "*i64",
         "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "slot_mapping_ptr": "*i64"}
-for mode, q in ((0, 1), (1, 1), (2, 6), (3, 1)):
-    consts = {"Q": q, "Q_POW2": 8 if q > 1 else 1, "MODE": mode, "BLOCK": 128}
+for mode, q in ((0, 1), (1, 1), (2, 6), (3, 1), (2, 129), (2, 8191)):
+    cfg = launch_config(256, q)
+    consts = {"Q": q, "Q_TILES": cfg.q_tiles, "MODE": mode, "BLOCK": cfg.block_b, "BLOCK_Q": cfg.block_q}
     compile_sm90(_step_metadata_kernel, meta, consts)
 for dtype in ("bf16", "fp32"):
     rope = {"positions_ptr": "*i64", "inv_freq_ptr": "*fp32", "cos_ptr": f"*{dtype}", "sin_ptr": f"*{dtype}"}

@@ -196,3 +196,19 @@ def _gpu_body():
     pos = torch.zeros(2, dtype=torch.long, device="cuda")
     with pytest.raises(ValueError, match="temperature: expected finite values >= 0"):
         fspec.gumbel_sample(logits, t, seed, pos)
+
+
+def test_drafts_in_chunks_and_vocabulary_blocks_within_grid_axis_1(monkeypatch):
+    """Caps lowered: 5 drafts per request checked 2 at a time (MAX_DRAFTS_PER_LOAD, the bad one planted in
+    the last, partial chunk) and the vocabulary blocks of grid axis 1 kept within gumbel.MAX_GRID_Y = 3 (the
+    block grows from 64 to 512 for V = 1031): bit for bit the reference's flags, each planted alone."""
+    from fspec.kernels import gumbel
+
+    monkeypatch.setattr(vf, "MAX_DRAFTS_PER_LOAD", 2)
+    monkeypatch.setattr(gumbel, "MAX_GRID_Y", 3)
+    assert vf.draft_block(5) == 2 and gumbel.vocab_blocks(1031, 64)[:2] == (512, 3)
+    args = _clean(3, 1, 1031, 5, seed=4)
+    assert _both(args) == (0, 0)
+    for bit in (vf.FLAG_DRAFTS, vf.FLAG_LOGITS, vf.FLAG_PROBS, vf.FLAG_D2T):
+        for where in (0, 2):
+            assert _both(_plant(args, bit, where)) == (bit, bit), (bit, where)
