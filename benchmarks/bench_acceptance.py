@@ -10,7 +10,7 @@ held-out list (`fspec.data.spread_starts`), so no single file dominates.
     python benchmarks/bench_acceptance.py [--prompts 0] [--new-tokens 128] [--device cpu] [--out PATH]
         [--model DIR] [--ks 1,3,5,7] [--trained-only]
 
---model scores another build of `python -m fspec.default_model` (default: the shipped one); --ks and
+--model scores another build of `python -m fspec.toy_model` (default: the shipped one); --ks and
 --trained-only cut the grid for quick comparisons of builds (the theory columns need K = 1 and K = 7).
 
 --prompts 0 (the default) takes one prompt from every held-out file of at least --prompt-len tokens; N > 0
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 import fspec
-from fspec import data, default_model
+from fspec import data, toy_model
 
 
 def prompts_from_held_out(tokenizer, n: int, length: int) -> tuple[list[list[int]], list[str]]:
@@ -50,7 +50,7 @@ def prompts_from_held_out(tokenizer, n: int, length: int) -> tuple[list[list[int
 
 
 def _shown(model: str) -> str:
-    return "fspec/assets/default" if Path(model).resolve() == default_model.ASSETS.resolve() else model
+    return "fspec/assets/toy" if Path(model).resolve() == toy_model.ASSETS.resolve() else model
 
 
 def main(argv=None) -> int:
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--out", default="benchmarks/results/acceptance.json")
-    p.add_argument("--model", default=str(default_model.ASSETS), help="a built default-model directory")
+    p.add_argument("--model", default=str(toy_model.ASSETS), help="a built default-model directory")
     p.add_argument("--ks", default="1,3,5,7", help="comma-separated K values")
     p.add_argument("--trained-only", action="store_true", help="skip the untrained head")
     args = p.parse_args(argv)

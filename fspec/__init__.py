@@ -27,6 +27,7 @@ from fspec.metadata import (
 from fspec.attention import attention, dense_attention
 from fspec.cache import BlockAllocator, KVCache, block_table_row, blocks_needed, mark_static, write_kv
 from fspec.checkpoint import Draft, Target, init_draft, load_draft, load_target, save_draft, save_target
+from fspec.checkpoint import render_chat
 from fspec.models import (
     TargetHidden,
     draft_to_target,
@@ -51,8 +52,10 @@ from fspec.draft import draft_step, propose
 from fspec.engine import GenerateResult, generate
 from fspec.prefill import Prefill, prefill
 
-# Training-time-test distillation and the embedded default model.
+# Training-time-test distillation, the embedded default model (SmolLM2-135M-Instruct and its EAGLE-3 head)
+# and the 4-layer toy model (a fast test fixture).
 from fspec.default_model import load_default
+from fspec.toy_model import load_toy
 from fspec.distill import DistillConfig, distill_head
 
 __version__ = "0.1.0"
@@ -90,6 +93,7 @@ __all__ = [
     "init_draft_state",
     "KVCache",
     "load_default",
+    "load_toy",
     "load_draft",
     "load_target",
     "mark_static",
@@ -100,6 +104,7 @@ __all__ = [
     "prefill",
     "pytree_dataclass",
     "rejection_sample",
+    "render_chat",
     "replace",
     "save_draft",
     "save_target",

@@ -1,9 +1,10 @@
-"""The embedded default model: a small Llama target and an EAGLE-3 head that fspec trains itself, from
-scratch, on the Python standard library's source (present on every machine), shipped in fspec/assets/default.
+"""The 4-layer toy model, a fast test fixture (the embedded default is SmolLM2: `fspec.default_model`): a
+small Llama target and an EAGLE-3 head that fspec trains itself, from scratch, on the Python standard
+library's source (present on every machine), shipped in fspec/assets/toy.
 
-    python -m fspec.default_model --out fspec/assets/default --device cuda   # the shipped model (~9 min)
-    python -m fspec.default_model --out /tmp/tiny --tiny                                 # toy, CPU, ~9 s
-    python -m fspec.default_model --out DIR --device cuda --target-from fspec/assets/default
+    python -m fspec.toy_model --out fspec/assets/toy --device cuda   # the shipped model (~9 min)
+    python -m fspec.toy_model --out /tmp/tiny --tiny                                 # toy, CPU, ~9 s
+    python -m fspec.toy_model --out DIR --device cuda --target-from fspec/assets/toy
                                          # retrain only the head, on the shipped target (how it was built)
 
 Pipeline:
@@ -57,7 +58,7 @@ from fspec.ttt import (
     ttt_loss,
 )
 
-ASSETS = Path(__file__).parent / "assets" / "default"
+ASSETS = Path(__file__).parent / "assets" / "toy"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -504,21 +505,21 @@ def build(out, *, recipe: Recipe = FULL, device: str | None = None, seed: int = 
     return log
 
 
-def load_default(path=None) -> tuple[Target, Draft]:
-    """(target, EAGLE-3 head) of the embedded default model (fspec/assets/default, or `path`)."""
+def load_toy(path=None) -> tuple[Target, Draft]:
+    """(target, EAGLE-3 head) of the 4-layer toy model (fspec/assets/toy, or `path`)."""
     path = ASSETS if path is None else Path(path)
     if not (path / "target" / "config.json").is_file() or not (path / "eagle3" / "config.json").is_file():
         raise FileNotFoundError(
-            f"path: no default model under {str(path)!r} (expected target/ and eagle3/ checkpoints); "
+            f"path: no toy model under {str(path)!r} (expected target/ and eagle3/ checkpoints); "
             "build it "
-            f"with `python -m fspec.default_model --out {path} --device cuda`"
+            f"with `python -m fspec.toy_model --out {path} --device cuda`"
         )
     target = load_target(path / "target")
     return target, load_draft(path / "eagle3", target=target)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fspec.default_model", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="fspec.toy_model", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(ASSETS), help="output directory (default: the package's assets)")
     parser.add_argument("--device", default=None, help="default: cuda when available")
     parser.add_argument("--minutes", type=float, default=None, help="total training minutes, split 4:3")

@@ -463,7 +463,7 @@ NB02: list[tuple[str, str]] = [
 
     The acceptance length τ is the mean number of tokens one target forward emits: the accepted drafts plus
     the target's own replacement (or bonus) token, so 1 ≤ τ ≤ K + 1 with K drafts per round. This notebook
-    measures τ of the embedded default model (`fspec.load_default()`: a 4-layer Llama target and the EAGLE-3
+    measures τ of the embedded default model (`fspec.load_toy()`: a 4-layer Llama target and the EAGLE-3
     head fspec distilled for it, both trained on the Python standard library's source) on held-out files
     of the standard library, for K = 1 .. 7 and temperatures 0, 0.7 and 1.0, and sets it against
 
@@ -518,7 +518,7 @@ NB02: list[tuple[str, str]] = [
     the target nor the head saw them in training.
     """),
     code("""
-    target, trained = fspec.load_default()
+    target, trained = fspec.load_toy()
     dc = trained.cfg
     untrained = fspec.init_draft(
         target, kind="eagle3", seed=1, num_speculative_steps=max(KS), draft_vocab_size=dc.draft_vocab_size,
@@ -789,7 +789,7 @@ NB03: list[tuple[str, str]] = [
     (`fspec.ttt.ttt_loss`; K = `ttt_steps`, w = `step_weight` = 0.8).
 
     This notebook trains two EAGLE-3 heads from scratch against the embedded default target
-    (`fspec.load_default()`), on a slice of the standard library's source, with the same initialisation,
+    (`fspec.load_toy()`), on a slice of the standard library's source, with the same initialisation,
     the same batches and the same number of optimizer steps:
 
     - **unrolled**: `ttt_steps = 5`, the K it is evaluated at;
@@ -803,7 +803,7 @@ NB03: list[tuple[str, str]] = [
     ran the committed outputs the unrolled head trained at ~0.8 s a step, the K = 1 head at ~0.2 s, and the
     whole notebook took 8 minutes (no timings are printed, so that re-running gives byte-identical
     outputs). The shipped head had 4.4 minutes on an H200 at ~140k tokens/s, about 105x the tokens (printed
-    below), with a wider MLP and the whole vocabulary (`fspec/default_model.py`). CI runs a tiny size (24
+    below), with a wider MLP and the whole vocabulary (`fspec/toy_model.py`). CI runs a tiny size (24
     steps of 2 × 32 tokens, a few seconds) and checks only the mechanics there.
     """),
     code("""
@@ -851,7 +851,7 @@ NB03: list[tuple[str, str]] = [
     `fspec.generate`, and consecutive windows for the per-depth agreement.
     """),
     code("""
-    target, shipped = fspec.load_default()
+    target, shipped = fspec.load_toy()
     train_files, held_files = data.split_files(data.stdlib_files())
     train_tokens = data.encode_files(target.tokenizer, train_files[:FILES]).long()
     held_tokens = data.encode_files(target.tokenizer, held_files).long()
@@ -871,7 +871,7 @@ NB03: list[tuple[str, str]] = [
           f"{PROMPT_LEN} tokens, {HELD_WINDOWS} windows of {SEQ_LEN} for the agreement")
 
     # The shipped head's training run, for scale (its log ships next to the weights).
-    shipped_log = json.loads(Path(fspec.__file__).with_name("assets").joinpath("default", "train_log.json")
+    shipped_log = json.loads(Path(fspec.__file__).with_name("assets").joinpath("toy", "train_log.json")
                              .read_text())
     r, shipped_steps = shipped_log["recipe"], shipped_log["draft"]["records"][-1]["step"]
     shipped_tokens = shipped_steps * r["draft_batch"] * r["draft_seq_len"]

@@ -67,10 +67,10 @@ def test_call_overhead_smoke_times_every_case_and_gc_setting(tmp_path):
 def test_acceptance_scores_a_built_model_on_a_cut_grid(tmp_path):
     """--model / --ks / --trained-only (how gpu_run.sh's heads stage scores builds): only those rows, and
     no theory columns without the K = 1 and K = 7 runs they need."""
-    from fspec import default_model
+    from fspec import toy_model
 
     d = _run(
-        "bench_acceptance.py", "--model", str(default_model.ASSETS), "--prompts", "2", "--ks", "5",
+        "bench_acceptance.py", "--model", str(toy_model.ASSETS), "--prompts", "2", "--ks", "5",
         "--trained-only", "--new-tokens", "8", out=tmp_path / "acc.json",
     )  # fmt: skip
     assert [(r["case"]["head"], r["case"]["temperature"], r["case"]["K"]) for r in d["rows"]] == [
@@ -79,7 +79,7 @@ def test_acceptance_scores_a_built_model_on_a_cut_grid(tmp_path):
     ]
     assert d["prompts"] == 2 and all(1.0 <= r["acceptance_length"] <= 6.0 for r in d["rows"])
     assert not any("theory_iid" in r or "theory_per_position" in r for r in d["rows"])
-    assert "fspec/assets/default" in d["model"]
+    assert "fspec/assets/toy" in d["model"]
 
 
 def test_skinny_linear_smoke_agrees_with_cublas_path_on_every_row(tmp_path):

@@ -9,16 +9,16 @@ import pytest
 import torch
 
 import fspec
-from fspec import default_model
+from fspec import toy_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def test_tiny_pipeline_writes_a_target_and_head_that_load_and_generate(tmp_path: Path):
     """`--tiny` trains tokenizer, target and EAGLE-3 head; the bf16 files load back, generate losslessly."""
-    assert default_model.main(["--out", str(tmp_path), "--tiny", "--device", "cpu"]) == 0
+    assert toy_model.main(["--out", str(tmp_path), "--tiny", "--device", "cpu"]) == 0
     log = json.loads((tmp_path / "train_log.json").read_text())
-    r = default_model.TINY
+    r = toy_model.TINY
     # The target learned something: below the uniform loss ln(V) on held-out files.
     records = log["target"]["records"]
     assert log["target"]["steps"] == r.target_steps and records[-1]["step"] == r.target_steps
@@ -33,7 +33,7 @@ def test_tiny_pipeline_writes_a_target_and_head_that_load_and_generate(tmp_path:
     assert len(draft_log[-1]["agreement"]) == r.ttt_steps and draft_log[-1]["step"] == r.draft_steps
     assert draft_log[-1]["loss"] < draft_log[0]["loss"]
     # What ships: bf16 weights in HF / EAGLE-3 layouts, with the tokenizer.
-    target, draft = default_model.load_default(tmp_path)
+    target, draft = toy_model.load_toy(tmp_path)
     assert target.params["embed"].dtype == torch.bfloat16 and target.tokenizer is not None
     assert target.cfg.hidden_size == r.hidden_size and target.cfg.tie_word_embeddings
     assert draft.cfg.kind == "eagle3" and draft.cfg.draft_vocab_size == r.draft_vocab_size
@@ -51,17 +51,17 @@ def test_tiny_pipeline_writes_a_target_and_head_that_load_and_generate(tmp_path:
     assert out.tokens == plain.tokens and out.stats["acceptance_length"] >= 1.0
 
 
-def test_load_default_names_the_missing_directory(tmp_path: Path):
-    """Without built assets, load_default raises FileNotFoundError saying how to build them."""
-    with pytest.raises(FileNotFoundError, match="python -m fspec.default_model"):
-        default_model.load_default(tmp_path / "absent")
+def test_load_toy_names_the_missing_directory(tmp_path: Path):
+    """Without built assets, load_toy raises FileNotFoundError saying how to build them."""
+    with pytest.raises(FileNotFoundError, match="python -m fspec.toy_model"):
+        toy_model.load_toy(tmp_path / "absent")
 
 
 def test_command_line_recipe_is_the_shipped_one_and_time_budgets_replace_step_counts():
     """No options: FULL (2000 target steps: the early stop the shipped target was built with). A time budget
     asked for replaces that part's fixed step count; an explicit step count still wins; bad ids name the
     option."""
-    from fspec.default_model import FULL, _parser, recipe_from_args
+    from fspec.toy_model import FULL, _parser, recipe_from_args
 
     def recipe(*argv):
         p = _parser()
@@ -93,9 +93,9 @@ def test_generated_rows_are_training_windows_continued_by_the_target_itself():
     target = dataclasses.replace(base, cfg=dataclasses.replace(base.cfg, eos_token_ids=(5,)))
     tokens = torch.randint(0, 97, (400,), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
     r = dataclasses.replace(
-        default_model.TINY, generated_sequences=5, generated_prompt_len=6, generated_new_tokens=9
+        toy_model.TINY, generated_sequences=5, generated_prompt_len=6, generated_new_tokens=9
     )
-    prompts, conts, _ = default_model.generated_rows(r, target, tokens, seed=2)
+    prompts, conts, _ = toy_model.generated_rows(r, target, tokens, seed=2)
     windows = tokens.unfold(0, 6, 1).tolist()
     assert len(prompts) == len(conts) == 5 and all(p in windows for p in prompts)
     for i, (p, c) in enumerate(zip(prompts, conts)):
@@ -104,16 +104,16 @@ def test_generated_rows_are_training_windows_continued_by_the_target_itself():
     assert any(
         c != fspec.generate(target, None, [p], max_new_tokens=9).tokens[0] for p, c in zip(prompts, conts)
     )
-    stream, log = default_model.generated_stream(r, target, tokens, seed=2)
+    stream, log = toy_model.generated_stream(r, target, tokens, seed=2)
     rows = [p + c + [5] for p, c in zip(prompts, conts)]
     assert stream.tolist() == [t for row in rows for t in row] and stream.dtype == torch.int32
     assert log["sequences"] == 5 and log["new_tokens"] == sum(map(len, conts))
     with pytest.raises(ValueError, match="target: expected a config with an EOS id"):
-        default_model.generated_stream(r, base, tokens, seed=2)
+        toy_model.generated_stream(r, base, tokens, seed=2)
     for field, bad in (
         ("generated_sequences", 0),
         ("generated_prompt_len", -1),
         ("generated_new_tokens", 1.5),
     ):
         with pytest.raises(ValueError, match=f"{field}: expected a positive int, got {bad!r}"):
-            default_model.generated_rows(dataclasses.replace(r, **{field: bad}), target, tokens, seed=2)
+            toy_model.generated_rows(dataclasses.replace(r, **{field: bad}), target, tokens, seed=2)

@@ -1,0 +1,200 @@
+"""The real model end to end: SmolLM2-135M-Instruct with its shipped EAGLE-3 head, against the target alone
+and Hugging Face transformers, in one run on one GPU.
+
+    python benchmarks/bench_real_model.py [--out benchmarks/results/real_model.json] [--batch 1 8 32]
+        [--temperature 0 0.7] [--new-tokens 256] [--k 5] [--reps 3] [--dtype bfloat16] [--head DIR]
+
+Prompts: the held-out sets of `fspec.prompts` (never trained on), rendered with the model's chat template;
+a batch of B takes the first B prompts of the sets interleaved (code, chat, code, ...). Each call stops a
+request at EOS or after --new-tokens. tokens/s = new tokens of the batch (EOS included) / wall time of one
+call, warm: every call is made twice first (compiles, records CUDA graphs), then --reps times on the same
+prompts; the median is reported. HF rows: transformers `generate` on the same weights (written by
+`fspec.save_target`, loaded with AutoModelForCausalLM) greedy or sampled at the same temperature, dynamic
+cache (`hf_tok_s`) and static cache (`hf_static_tok_s`, `cache_implementation="static"`, compiled by
+transformers), at batch B with left padding. tau = acceptance length (tokens per target forward) of the
+speculative call. Rows: {"case": {"B", "temperature"}, "spec_tok_s", "target_only_tok_s", "tau",
+"hf_tok_s", "hf_static_tok_s", "speedup", "same_greedy_tokens", ...}; written after every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import results_io  # noqa: E402
+
+import fspec  # noqa: E402
+from fspec import default_model  # noqa: E402
+from fspec import prompts as P  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="benchmarks/results/real_model.json")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--temperature", type=float, nargs="+", default=[0.0, 0.7])
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--k", type=int, default=5)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--head", default=None, help="head directory (default: the shipped one)")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--budget-s", type=float, default=1e9, help="stop adding rows after this many seconds")
+    p.add_argument("--device", default="cuda")
+    return p.parse_args(argv)
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def batch_prompts(target, b: int) -> list[list[int]]:
+    sets = [default_model.chat_ids(target, P.heldout(n), max_tokens=384) for n in P.HELDOUT]
+    mixed = [row for group in zip(*sets) for row in group]
+    return mixed[:b]
+
+
+def timed(fn, reps: int, device) -> tuple[float, object]:
+    """(median seconds, last result) of `reps` calls after two warm-up calls."""
+    fn()
+    fn()
+    times, out = [], None
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def hf_model(target, dtype, device, tmp: str):
+    import transformers
+
+    fspec.save_target(target, tmp)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device).eval()
+    return model
+
+
+def hf_tokens(new: torch.Tensor, eos: set[int]) -> int:
+    """New tokens per row up to and including the first EOS (what fspec counts)."""
+    total = 0
+    for row in new.tolist():
+        n = len(row)
+        for i, t in enumerate(row):
+            if t in eos:
+                n = i + 1
+                break
+        total += n
+    return total
+
+
+def hf_call(model, prompts: list[list[int]], new_tokens: int, temperature: float, eos: set[int], **extra):
+    width = max(map(len, prompts))
+    pad = 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    sample = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
+
+    def call():
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                pad_token_id=pad,
+                eos_token_id=sorted(eos),
+                do_sample=bool(temperature),
+                **sample,
+                **extra,
+            )
+        return hf_tokens(out[:, width:], eos)
+
+    return call
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = args.device
+    dtype = getattr(torch, args.dtype)
+    target, head = default_model.load_default(args.head, dtype=dtype, device=device)
+    eos = set(target.cfg.eos_token_ids)
+    doc = results_io.header(
+        "bench_real_model.py", argv, torch.cuda.get_device_name() if device == "cuda" else device
+    )
+    doc.update(
+        model="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
+        dtype=args.dtype,
+        k=args.k,
+        new_tokens=args.new_tokens,
+        prompts="fspec.prompts held-out sets " + ", ".join(P.HELDOUT),
+        rows=[],
+    )
+    out = Path(args.out)
+    tmp = tempfile.mkdtemp()
+    hf = None if args.skip_hf else hf_model(target, dtype, device, tmp)
+    began = time.perf_counter()
+    for b in args.batch:
+        prompts = batch_prompts(target, b)
+        for t in args.temperature:
+            if time.perf_counter() - began > args.budget_s:
+                print(f"budget spent: skipping B={b} T={t}", flush=True)
+                continue
+            kw = dict(max_new_tokens=args.new_tokens, temperature=t, seed=list(range(b)), compile=True)
+            row: dict = {"case": {"B": b, "temperature": t}, "prompt_tokens": [len(p) for p in prompts]}
+            s_spec, spec = timed(
+                lambda prompts=prompts, kw=kw: fspec.generate(
+                    target, head, prompts, num_speculative_steps=args.k, **kw
+                ),
+                args.reps,
+                device,
+            )
+            s_plain, plain = timed(
+                lambda prompts=prompts, kw=kw: fspec.generate(target, None, prompts, **kw), args.reps, device
+            )
+            n_spec, n_plain = sum(map(len, spec.tokens)), sum(map(len, plain.tokens))
+            row.update(
+                spec_tok_s=n_spec / s_spec,
+                target_only_tok_s=n_plain / s_plain,
+                tau=spec.stats["acceptance_length"],
+                acceptance_rate_per_position=spec.stats["acceptance_rate_per_position"],
+                new_tokens_spec=n_spec,
+                new_tokens_target_only=n_plain,
+            )
+            row["speedup"] = row["spec_tok_s"] / row["target_only_tok_s"]
+            if t == 0:
+                row["same_greedy_tokens"] = spec.tokens == plain.tokens
+            for name, extra in (("hf_tok_s", {}), ("hf_static_tok_s", {"cache_implementation": "static"})):
+                if hf is None:
+                    continue
+                try:
+                    sec, n = timed(
+                        hf_call(hf, prompts, args.new_tokens, t, eos, **extra), max(args.reps - 1, 1), device
+                    )
+                    row[name] = n / sec
+                except Exception as e:  # recorded, not hidden: the row says which peer failed and why
+                    row[name] = None
+                    row[name.replace("tok_s", "error")] = f"{type(e).__name__}: {e}"[:300]
+            doc["rows"].append(row)
+            results_io.write(out, doc)
+            print(
+                f"B={b:3d} T={t}: spec {row['spec_tok_s']:8.1f} tok/s"
+                f"  target-only {row['target_only_tok_s']:8.1f}"
+                f"  x{row['speedup']:.2f}  tau {row['tau']:.2f}  hf {row.get('hf_tok_s') or 0:7.1f}"
+                f"  hf-static {row.get('hf_static_tok_s') or 0:7.1f}",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
