@@ -6,7 +6,10 @@
 * ``"reference"`` (paged): writes this call's K/V into `cache` at `meta.slot_mapping` (slot -1 = padding, not
   written; see `fspec.cache.write_kv`), gathers each request's blocks from `meta.block_table` up to a static
   context length, and runs masked SDPA where the query at position p of request b sees cache positions <= p
-  of b. The cache is donated: written in place and returned (the same object).
+  of b. The cache is donated: written in place and returned (the same object). Run eagerly on the CPU it
+  reads only what the longest request reaches (`context_blocks`), and a lone request's blocks where they lie
+  (`_first_block_in_place`); a model's forward derives the gather indices and masks once for all its layers
+  (`reference_plan`).
 * ``"paged"``: the same contract through the Triton kernels of kernels/paged_attention.py (registered ops;
   on a CPU tensor they run their own PyTorch reference). ``"auto"`` (the default everywhere) picks "paged"
   for a CUDA cache and "reference" otherwise.
@@ -21,7 +24,8 @@ launch per layer instead of the write plus the pointwise kernels Inductor emitte
 
 GQA everywhere: query head n reads KV head n // (N / Nkv), as HF's `repeat_kv`. Padding queries (position -1)
 return zeros. Compile-friendly: fixed shapes, integer gathers, no `.item()`, no boolean-mask indexing, no
-Python branch on tensor values.
+Python branch on tensor values (the eager CPU reference reads lengths on the host, where that is free; traced,
+it keeps the table's static width).
 
 Why queries are padded to [B, max_query_len]: gathering the context once per *request* costs B·C·Nkv·D
 elements, once per *token* T·C·Nkv·D (a 2k-token prefill at C = 2k, 8 KV heads of 128 in bf16 would gather
@@ -33,12 +37,13 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from fspec.cache import KVCache, _write_kv
+from fspec.cache import CONTEXT_QUANTUM, DECODE_CONTEXT_QUANTUM, KVCache
 from fspec.config import env_choice
 from fspec.kernels.ops import call
 from fspec.kernels.paged_attention import MAX_ROPE_WRITE_QUERY
@@ -326,6 +331,164 @@ def _dense_over_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
     return dense_attention(q[None], k[None], v[None], mask=mask[None])[0]
 
 
+class ReferencePlan(NamedTuple):
+    """What the "reference" backend derives from the metadata, once per forward: the same for every layer.
+
+    Attributes:
+        write_slots: [T] int64, the cache slot of each token's K/V (padding: the scratch block's first slot).
+        blocks: [B·M] int64, the cache blocks of each request's first M table entries (unallocated entries:
+            the scratch block); M·block_size = C is the context the layers gather (`context_blocks`).
+        dest: [T] int64, the row of each query token in the padded [B·Q] layout.
+        visible: [B, 1, Q, C] bool, the query at position p of request b sees context positions <= p; key 0
+            is opened for rows that see nothing (softmax over no key is NaN), which row_live zeroes after.
+        row_live: [B, 1, Q, 1] bool, whether the row holds a query (position >= 0).
+        padded: static, T == B·Q: the tokens already lie in the padded layout (every request's metadata the
+            engine builds, `query_start_loc = arange(B + 1)·Q`), so dest is the identity and no scatter runs.
+        all_live: static, known on the host (eager CPU) that every row holds a query: nothing to zero.
+        first_block: static, the first of one request's M consecutive blocks, read in place
+            (`_first_block_in_place`), or None: gather `blocks`.
+    """
+
+    write_slots: torch.Tensor
+    blocks: torch.Tensor
+    dest: torch.Tensor
+    visible: torch.Tensor
+    row_live: torch.Tensor
+    padded: bool
+    all_live: bool
+    first_block: int | None
+
+
+def context_blocks(
+    meta: AttnMetadata, block_size: int, *, max_query_len: int, max_context: int | None = None
+) -> int:
+    """Blocks of each request the reference backend gathers: the block table's width, or fewer with
+    `max_context` (a static bound); and, running eagerly on the CPU, only what the longest request reaches
+    (its last query position + 1, read on the host, where that is free), rounded up to whole quanta
+    (`fspec.cache.CONTEXT_QUANTUM`, 512 keys, or `DECODE_CONTEXT_QUANTUM`, 16, for one query row per request)
+    that keep PyTorch's CPU attention bit-identical to reading the full table: keys past every query's
+    position are invisible to all of them. The cost follows the real length (SmolLM2-135M, one thread, a
+    125-token prompt: reading all 8192 positions of max_position_embeddings in every layer ran target-only
+    decoding at 4.15 tok/s, 10.9 with 512). Compiled code and CUDA tensors keep the table's static width (no
+    host sync, no data-dependent shape): the engine sizes the table by what a call can need
+    (`fspec.cache.table_width`)."""
+    width = meta.block_table.shape[1]
+    ctx = width * block_size if max_context is None else min(max_context, width * block_size)
+    pos = meta.positions
+    if _host_readable(pos) and pos.numel():
+        reach = int(pos.max()) + 1
+        quantum = DECODE_CONTEXT_QUANTUM if max_query_len == 1 else CONTEXT_QUANTUM
+        ctx = min(ctx, quantum * max(-(-reach // quantum), 1))
+    return max(-(-ctx // block_size), 1)
+
+
+def _first_block_in_place(meta: AttnMetadata, num_blocks: int, cache: KVCache) -> int | None:
+    """For one request whose first `num_blocks` table entries are consecutive cache blocks (then -1, and no
+    query past them), eager on the CPU: its first block, so that the layers read K/V where they lie instead
+    of gathering them; else None. A lone request of the engine has its blocks in order (the allocator hands
+    them out ascending): the gather copied 2 x 512 x 3 x 64 floats per layer of a SmolLM2-135M decode step
+    (~2.4 ms of a 48 ms step on two threads). The slice may run past the request's allocated blocks, into
+    keys masked for every query (finite values: the cache is zeroed at creation and written only with K/V),
+    so the result equals the gather's."""
+    table, pos = meta.block_table, meta.positions
+    if table.shape[0] != 1 or not (_host_readable(table) and _host_readable(pos)) or not pos.numel():
+        return None
+    row = table[0, :num_blocks].tolist()
+    owned = next((i for i, x in enumerate(row) if x < 0), len(row))
+    first = row[0]
+    if owned == 0 or any(x >= 0 for x in row[owned:]) or row[:owned] != list(range(first, first + owned)):
+        return None
+    if first + num_blocks > cache.k.shape[1] or int(pos.max()) >= owned * cache.block_size:
+        return None
+    return first
+
+
+def _host_readable(t: torch.Tensor) -> bool:
+    """Whether t's values may be read on the host here: eager (not traced, no torch.func transform) and on
+    the CPU, where reading them costs no device sync."""
+    return (
+        t.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and not torch._C._are_functorch_transforms_active()
+    )
+
+
+def reference_plan(
+    meta: AttnMetadata, cache: KVCache, *, max_query_len: int | None = None, max_context: int | None = None
+) -> ReferencePlan:
+    """The `ReferencePlan` of `meta` over `cache` (T = meta.positions' length; max_query_len default T)."""
+    t = meta.positions.shape[0]
+    b = meta.block_table.shape[0]
+    bs = cache.block_size
+    qmax = t if max_query_len is None else max_query_len
+    device = meta.positions.device
+    scratch = cache.num_blocks  # also the scratch block's index
+    write_slots = meta.slot_mapping
+    write_slots = torch.where(write_slots < 0, torch.full_like(write_slots, scratch * bs), write_slots)
+    # 1. Each request's context: its first M blocks; unallocated (-1) entries read the scratch block.
+    m = context_blocks(meta, bs, max_query_len=qmax, max_context=max_context)
+    table = meta.block_table[:, :m].long()  # [B, M]
+    blocks = torch.where(table < 0, torch.full_like(table, scratch), table).flatten()
+    first_block = _first_block_in_place(meta, m, cache)
+    # 2. Token t goes to row (request, t - query_start_loc[request]) of the padded [B, Q] queries.
+    padded = t == b * qmax
+    if padded:  # valid metadata (at most Q tokens a request) then has query_start_loc = arange(B + 1) * Q
+        dest, pos = torch.arange(t, device=device), meta.positions
+    else:
+        req = token_requests(meta.query_start_loc, t).clamp(max=b - 1)  # [T]
+        local = (torch.arange(t, device=device) - meta.query_start_loc.long()[req]).clamp(0, qmax - 1)
+        dest = req * qmax + local  # [T]
+        pos = torch.full((b * qmax,), -1, dtype=torch.int64, device=device).index_copy(
+            0, dest, meta.positions
+        )
+    # 3. The query at position p sees context positions j <= p (its own K/V is written before the gather).
+    j = torch.arange(m * bs, device=device)
+    pos = pos.view(b, qmax)  # [B, Q], -1 = no query in that row
+    visible = (j[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, Q, C]
+    row_live = visible[..., :1]  # key 0 is visible exactly when the row holds a query (pos >= 0)
+    all_live = _host_readable(row_live) and bool(row_live.all())
+    return ReferencePlan(
+        write_slots, blocks, dest, visible | (j == 0), row_live, padded, all_live, first_block
+    )
+
+
+def reference_layer(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ReferencePlan, cache: KVCache, *, layer: int
+) -> torch.Tensor:
+    """One layer of the "reference" backend over a `ReferencePlan`: write k/v [T, Nkv, D] (donating the
+    cache), gather each request's M blocks, masked SDPA over the padded queries. Returns [T, N, D].
+
+    Plain reshapes and transposes instead of einops here: this runs once per layer of every eager CPU step,
+    where each einops call cost ~3 us of Python (about 1 ms of a 30-layer decode step)."""
+    kbuf, vbuf = cache.k[layer], cache.v[layer]  # [num_blocks + 1, bs, Nkv, D]
+    kbuf.flatten(0, 1).index_copy_(0, plan.write_slots, _as(k, kbuf.dtype))
+    vbuf.flatten(0, 1).index_copy_(0, plan.write_slots, _as(v, vbuf.dtype))
+    b, _, qmax, ctx = plan.visible.shape
+    t, n, d = q.shape
+    # [B·M, bs, Nkv, D] -> [B, Nkv, C, D]: whole blocks gathered (index_select), not one slot at a time, or
+    # read where they lie
+    if plan.first_block is None:
+        kc, vc = kbuf.index_select(0, plan.blocks), vbuf.index_select(0, plan.blocks)
+    else:
+        m = plan.blocks.shape[0]
+        kc, vc = kbuf[plan.first_block : plan.first_block + m], vbuf[plan.first_block : plan.first_block + m]
+    kc, vc = kc.view(b, ctx, -1, d).transpose(1, 2), vc.view(b, ctx, -1, d).transpose(1, 2)
+    qp = q if plan.padded else q.new_zeros(b * qmax, n, d).index_copy(0, plan.dest, q)
+    qp = qp.view(b, qmax, n, d).transpose(1, 2)  # [B, N, Q, D]
+    out = F.scaled_dot_product_attention(
+        qp, _as(kc, q.dtype), _as(vc, q.dtype), attn_mask=plan.visible, enable_gqa=True
+    )
+    if not plan.all_live:
+        out = torch.where(plan.row_live, out, torch.zeros_like(out))  # padding rows (position -1) give 0
+    out = out.transpose(1, 2).reshape(b * qmax, n, d)  # [B·Q, N, D]
+    return out if plan.padded else out[plan.dest]  # [T, N, D]
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype (x itself when it has it: no dispatch, per layer)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -337,35 +500,10 @@ def paged_attention(
     max_query_len: int | None = None,
     max_context: int | None = None,
 ) -> tuple[torch.Tensor, KVCache]:
-    """The "reference" backend: write K/V at meta.slot_mapping, then attend over each request's blocks."""
-    cache = _write_kv(cache, layer, k, v, meta.slot_mapping)
-    t, n, d = q.shape
-    b, max_blocks = meta.block_table.shape
-    bs = cache.block_size
-    qmax = t if max_query_len is None else max_query_len
-    ctx = max_blocks * bs if max_context is None else min(max_context, max_blocks * bs)
-    nblk = -(-ctx // bs)  # blocks that hold positions < ctx
-    # 1. Each request's context: [B, nblk * bs] slots; unallocated (-1) entries read the scratch block.
-    table = meta.block_table[:, :nblk].long()  # [B, nblk]
-    table = torch.where(table < 0, torch.full_like(table, cache.num_blocks), table)
-    offs = torch.arange(bs, device=q.device)
-    slots = rearrange(table[:, :, None] * bs + offs, "b m s -> b (m s)")  # [B, C]
-    kc = rearrange(cache.k[layer].flatten(0, 1)[slots], "b c h d -> b h c d")  # [B, Nkv, C, D]
-    vc = rearrange(cache.v[layer].flatten(0, 1)[slots], "b c h d -> b h c d")
-    # 2. Scatter the ragged queries into [B, Q]: token t goes to row (request, t - query_start_loc[request]).
-    req = token_requests(meta.query_start_loc, t).clamp(max=b - 1)  # [T]
-    local = (torch.arange(t, device=q.device) - meta.query_start_loc.long()[req]).clamp(0, qmax - 1)
-    dest = req * qmax + local  # [T]
-    qp = q.new_zeros(b * qmax, n, d).index_copy(0, dest, q)
-    qp = rearrange(qp, "(b s) n d -> b n s d", b=b)  # [B, N, Q, D]
-    pos = torch.full((b * qmax,), -1, dtype=torch.int64, device=q.device).index_copy(0, dest, meta.positions)
-    # 3. Query at position p sees context positions j <= p (its own K/V was written above).
-    j = torch.arange(slots.shape[1], device=q.device)
-    pos = rearrange(pos, "(b s) -> b s", b=b)  # [B, Q], -1 = no query in that row
-    visible = (j[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, Q, C]
-    out = _sdpa(qp, kc.to(q.dtype), vc.to(q.dtype), visible)  # [B, N, Q, D]
-    # Padding tokens (position -1) sit in rows that see nothing, which `_sdpa` already zeroed.
-    return rearrange(out, "b n s d -> (b s) n d")[dest], cache  # [T, N, D]
+    """The "reference" backend: write K/V at meta.slot_mapping, then attend over each request's blocks
+    (`reference_plan` then `reference_layer`; a model's forward builds the plan once for all its layers)."""
+    plan = reference_plan(meta, cache, max_query_len=max_query_len, max_context=max_context)
+    return reference_layer(q, k, v, plan, cache, layer=layer), cache
 
 
 def bind(
@@ -392,6 +530,11 @@ def bind(
     if backend in ("auto", "paged", "reference") and not isinstance(cache, KVCache):
         raise ValueError(f"cache: expected a KVCache for the {backend!r} backend, got {type(cache).__name__}")
     fused = resolve_backend(backend, cache) == "paged"
+    # The reference backend's gather indices and masks depend on the metadata only: built once here, not in
+    # each layer (per layer they were ~20 small ops, a few ms of a 30-layer CPU decode step).
+    plan = None
+    if resolve_backend(backend, cache) == "reference":
+        plan = reference_plan(meta, cache, max_query_len=max_query_len, max_context=max_context)
 
     def attend(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cos: torch.Tensor, sin: torch.Tensor
@@ -402,6 +545,8 @@ def bind(
                 rope_params=None if rope is None else tuple(rope[1:]),
             )  # fmt: skip
         q, k = rope_qk(q, k, cos, sin)
+        if plan is not None:
+            return reference_layer(q, k, v, plan, cache, layer=layer)
         return _attention(
             q,
             k,

@@ -226,6 +226,35 @@ class BlockAllocator:
         self._free.extend(reversed(ids))
 
 
+# Contexts the attention reads are cut in quanta that keep PyTorch's CPU attention (torch 2.13,
+# `scaled_dot_product_attention` with a mask) bit-identical to reading the whole table, whose extra keys are
+# masked: 512 keys for requests of several query rows (a prefill, a verification, a round's first draft step),
+# 16 for one query row (decode and later draft steps). Measured on this CPU: of 176 (rows, length) cases,
+# cuts at multiples of 16, 32, 64 and 128 keys changed 30, 20, 20 and 10 of the multi-row outputs by an ulp
+# (256 and 512: none); one-row outputs were equal at multiples of 16 in all 348 cases (cut at the exact
+# length, in only 36: the vectorised reductions take 16 floats at a time). tests/test_real_length.py checks.
+CONTEXT_QUANTUM = 512
+DECODE_CONTEXT_QUANTUM = 16
+
+
+def table_width(num_tokens: int, *, block_size: int, max_blocks: int) -> int:
+    """Blocks of a block table for requests of at most `num_tokens` tokens: a power-of-two number of
+    CONTEXT_QUANTUM-token quanta (whole quanta: compiled attention over the table gives the full table's
+    results; a power of two: compiled graphs, one per width, stay few, at most 5 up to 8192 positions), at
+    least one, capped at `max_blocks` (what max_model_len allows).
+
+    Attention reads the whole table where it cannot read lengths on the host (compiled code, the GPU
+    kernels' launch grid): a table sized for max_model_len made every step of a 125-token request on an
+    8192-position model attend over 8192 positions."""
+    for name, value, low in (("num_tokens", num_tokens, 0), ("block_size", block_size, 1),
+                             ("max_blocks", max_blocks, 1)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+    quanta = max(-(-num_tokens // CONTEXT_QUANTUM), 1)
+    quanta = 1 << (quanta - 1).bit_length()  # the power of two >= quanta
+    return min(-(-quanta * CONTEXT_QUANTUM // block_size), max_blocks)
+
+
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     """Blocks that hold `num_tokens` tokens (num_tokens >= 0, block_size > 0)."""
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fspec.cache import KVCache
+from fspec.cache import KVCache, table_width
 from fspec.checkpoint import Draft, Target
 from fspec.config import DraftConfig
 from fspec.rounds import prefill_forward
@@ -36,8 +36,9 @@ class Prefill:
             None without a head.
         target_cache, draft_cache: the KV caches holding the prompts (the draft cache is written by propose;
             None without a head). Both use `block_table`.
-        block_table: [B, max_blocks] int32: request b owns the blocks of its row (-1 past them), enough for
-            its prompt plus `room` tokens.
+        block_table: [B, M] int32: request b owns the blocks of its row (-1 past them), enough for its
+            prompt plus `room` tokens; M = `fspec.cache.table_width` of the longest (a power of two of 512
+            tokens' worth, at most what max_model_len allows).
         draft_cfg: the head's config with K = num_speculative_steps: pass it to `propose` (None without a
             head).
     """
@@ -63,10 +64,12 @@ def prefill_batch(
     tcache: KVCache,
     *,
     block_size: int,
+    greedy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, DraftState | None]:
     """Unvalidated core of `prefill` (the engine calls it): ids [B, Q] (request b's prompt in its first
     lens[b] columns; rows with live[b] False are padding). Returns (first tokens [B], last-position logits
-    [B, V] float32, the head's first state or None)."""
+    [B, V] float32, the head's first state or None). greedy: every temperature is 0 (the first tokens by
+    argmax, `fspec.rounds.sample_tokens`)."""
     device = ids.device
     dcfg = draft.cfg if draft is not None else None
     return prefill_forward(
@@ -82,6 +85,7 @@ def prefill_batch(
         tcfg=target.cfg,
         dcfg=dcfg,
         block_size=block_size,
+        greedy=greedy,
     )
 
 
@@ -114,7 +118,10 @@ def prefill(
     bs = draft.cfg.block_size if draft is not None else 16
     limit = max_model_len(target, draft)
     blocks = [-(-min(len(p) + room, limit) // bs) for p in ids]
-    table = torch.full((len(ids), max(-(-limit // bs), 1)), -1, dtype=torch.int32)
+    # As wide as the requests' blocks need (`table_width`), not max_model_len: attention reads the whole
+    # table where it cannot read lengths (compiled code, the kernels' launch grid).
+    width = table_width(max(blocks) * bs, block_size=bs, max_blocks=max(-(-limit // bs), 1))
+    table = torch.full((len(ids), width), -1, dtype=torch.int32)
     offset = 0
     for b, n in enumerate(blocks):
         table[b, :n] = torch.arange(offset, offset + n, dtype=torch.int32)
@@ -143,6 +150,7 @@ def prefill(
         seed_t,
         tcache,
         block_size=bs,
+        greedy=device.type != "cuda" and all(t == 0 for t in temps),
     )
     if state is not None:
         validate_draft_state(state, cfg=draft.cfg)

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from fspec.cache import BlockAllocator, KVCache, mark_static
+from fspec.cache import BlockAllocator, KVCache, mark_static, table_width
 from fspec.config import bucket_for, size_bucket
 from fspec.draft import _step
 from fspec.prefill import prefill_batch
@@ -99,8 +99,20 @@ class Run:
         self.k = draft.cfg.num_speculative_steps if draft is not None else 0
         self.bs = draft.cfg.block_size if draft is not None else 16
         self.max_len = max_model_len(target, draft)
-        self.max_blocks = -(-self.max_len // self.bs)
         self.prompts = [list(p) for p in prompts]
+        # Every request's worst case fits; blocks are still allocated as requests grow and freed as they end.
+        # The worst case is what `_ensure` can hand out: `_launch` asks for n + 3K + 2 tokens while the
+        # request is live (n <= prompt + max_new_tokens - 2), plus _LOOKAHEAD blocks, capped at the table.
+        # (Capping the tokens at max_len before adding the look-ahead under-counted: one prompt of 1 token,
+        # max_new_tokens=15, K=3 ran out of blocks; tests/test_fuzz.py found it.)
+        full = -(-self.max_len // self.bs)  # what max_model_len allows
+        worst = [
+            min(-(-(len(p) + max_new_tokens + 3 * self.k + 2) // self.bs) + _LOOKAHEAD, full)
+            for p in self.prompts
+        ]
+        # The block table is as wide as this call can need (`table_width`), not max_model_len: attention
+        # reads the whole table where it cannot read lengths (compiled code, the kernels' launch grid).
+        self.max_blocks = table_width(max(worst) * self.bs, block_size=self.bs, max_blocks=full)
         self.n_real = len(prompts)
         self.b = bucket_for(self.n_real)
         self.device = target.params["embed"].device
@@ -112,21 +124,16 @@ class Run:
             self.temp, self.seed = self.bufs["temp"].copy_(temp), self.bufs["seed"].copy_(seed)
         else:
             self.temp, self.seed = temp.to(self.device), seed.to(self.device)
+        # A greedy batch run eagerly off CUDA takes its tokens by argmax (`fspec.rounds.sample_tokens`: the
+        # same tokens, without the CPU reference sampler's noise); compiled rounds keep one graph for all.
+        self.greedy = not compile and self.device.type != "cuda" and all(t == 0 for t in temps)
         self.eos = set(target.cfg.eos_token_ids)
         self.out: list[list[int]] = [[] for _ in range(self.n_real)]
         self.done = [False] * self.n_real + [True] * pad
         self.n = [len(p) for p in self.prompts] + [0] * pad  # position of each request's current token
         self.cur = [0] * self.b  # the current token (emitted, not yet in the target cache)
         self.blocks: list[list[int]] = [[] for _ in range(self.b)]
-        # Every request's worst case fits; blocks are still allocated as requests grow and freed as they end.
-        # The worst case is what `_ensure` can hand out: `_launch` asks for n + 3K + 2 tokens while the
-        # request is live (n <= prompt + max_new_tokens - 2), plus _LOOKAHEAD blocks, capped at max_blocks.
-        # (Capping the tokens at max_len before adding the look-ahead under-counted: one prompt of 1 token,
-        # max_new_tokens=15, K=3 ran out of blocks; tests/test_fuzz.py found it.)
-        need = sum(
-            min(-(-(len(p) + max_new_tokens + 3 * self.k + 2) // self.bs) + _LOOKAHEAD, self.max_blocks)
-            for p in self.prompts
-        )
+        need = sum(worst)
         self.table_dirty = True
         self.free_at: dict[int, list[int]] = {}  # round index -> blocks to free once that round is processed
         self.processing = -1
@@ -247,6 +254,7 @@ class Run:
                 self.seed,
                 self.tcache,
                 block_size=self.bs,
+                greedy=self.greedy,
             )
             if state is not None and self.compile and self.k > 1:
                 # The first step is shaped by the prompts (eager); steps 2..K are not: one graph per bucket.
@@ -334,7 +342,9 @@ class Run:
             if self.compile:  # the graph advances cur_d and n_d in place and returns (token, 0)
                 both = compiled_decode_round(self.target.cfg, self.bs, self.max_len)(*args)
                 return self._read_back(both), drafts
-            new = decode_step(*args, tcfg=self.target.cfg, block_size=self.bs, max_len=self.max_len)
+            new = decode_step(
+                *args, tcfg=self.target.cfg, block_size=self.bs, max_len=self.max_len, greedy=self.greedy
+            )
             tokens, accepted = new[:, None], torch.zeros_like(new)
         if self.bufs is not None:  # static buffers: advanced in place
             self.n_d.add_(accepted + 1)
