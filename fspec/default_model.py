@@ -85,10 +85,13 @@ class Recipe:
     """Settings of the head's build (FULL: the shipped head; TINY: the pipeline at toy sizes).
 
     Attributes:
-        train_prompts: how many training prompts to answer (0 = all of `fspec.prompts.train_prompts()`).
+        train_prompts: how many training prompts to answer (0 = all that `fspec.prompts.train_prompts`
+            gives for n_code, n_chat, code_phrasings).
         max_prompt_tokens: longer templated prompts are dropped.
         new_tokens: the target's answer length cap; greedy_share, temperature: how the answers are sampled.
-        gen_batch: prompts per `generate` call.
+        gen_batch: prompts per `generate` call; gen_minutes: no batch starts after this long (the prompts
+            left unanswered are logged); gen_compile: the calls compiled (CUDA only; the log records the
+            tokens/s, compiles included).
         draft_vocab_size, ttt_steps, step_weight, batch_size, seq_len, lr, warmup_steps, steps,
             minutes: the head and its distillation (a step count > 0 wins over the minutes).
         eval_prompts: held-out prompts per set; eval_new_tokens, eval_k: the acceptance measurement.
@@ -96,11 +99,16 @@ class Recipe:
     """
 
     train_prompts: int = 0
+    n_code: int = 12000
+    n_chat: int = 12000
+    code_phrasings: int = 2
     max_prompt_tokens: int = 384
     new_tokens: int = 384
     greedy_share: float = 0.75
     temperature: float = 0.7
     gen_batch: int = 256
+    gen_minutes: float = 3.5
+    gen_compile: bool = True
     draft_vocab_size: int = 8192
     ttt_steps: int = 7
     step_weight: float = 0.8
@@ -109,7 +117,7 @@ class Recipe:
     lr: float = 2e-3
     warmup_steps: int = 100
     steps: int = 0
-    minutes: float = 5.0
+    minutes: float = 2.5
     eval_prompts: int = 64
     eval_new_tokens: int = 256
     eval_k: int = 5
@@ -119,6 +127,9 @@ class Recipe:
 FULL = Recipe()
 TINY = Recipe(
     train_prompts=6,
+    n_code=40,
+    n_chat=40,
+    code_phrasings=1,
     max_prompt_tokens=96,
     new_tokens=12,
     gen_batch=4,
@@ -155,7 +166,11 @@ def answers(target: Target, ids: list[list[int]], r: Recipe, *, seed: int) -> tu
 
     out: list[list[int]] = []
     began = time.perf_counter()
+    compiled = r.gen_compile and target.params["embed"].is_cuda
     for lo in range(0, len(ids), r.gen_batch):
+        if time.perf_counter() - began > 60 * r.gen_minutes:
+            print(f"answers: gen_minutes spent, {len(ids) - lo} prompts left unanswered", flush=True)
+            break
         chunk = ids[lo : lo + r.gen_batch]
         temps = [0.0 if (i % 4) < 4 * r.greedy_share else r.temperature for i in range(lo, lo + len(chunk))]
         res = generate(
@@ -165,12 +180,20 @@ def answers(target: Target, ids: list[list[int]], r: Recipe, *, seed: int) -> tu
             max_new_tokens=r.new_tokens,
             temperature=temps,
             seed=[seed * 1_000_003 + i for i in range(lo, lo + len(chunk))],
+            compile=compiled,
         )
         out.extend(res.tokens)
         print(f"answers: {len(out)}/{len(ids)} ({time.perf_counter() - began:.0f} s)", flush=True)
     seconds = time.perf_counter() - began
     new = sum(map(len, out))
-    return out, {"answers": len(out), "new_tokens": new, "seconds": seconds, "tokens_per_s": new / seconds}
+    return out, {
+        "answers": len(out),
+        "unanswered": len(ids) - len(out),
+        "compiled": compiled,
+        "new_tokens": new,
+        "seconds": seconds,
+        "tokens_per_s": new / seconds,
+    }
 
 
 def stream_of(target: Target, prompts: list[list[int]], replies: list[list[int]]) -> torch.Tensor:
@@ -215,8 +238,13 @@ def _bf16(draft: Draft) -> Draft:
     return dataclasses.replace(draft, params=params)
 
 
-def build(out=None, *, recipe: Recipe = FULL, device: str | None = None, seed: int = 0) -> dict:
-    """Run the recipe (module docstring) into `out` (default: the package's assets); returns the log."""
+def build(
+    out=None, *, recipe: Recipe = FULL, device: str | None = None, seed: int = 0, stream_file=None
+) -> dict:
+    """Run the recipe (module docstring) into `out` (default: the package's assets); returns the log.
+
+    stream_file: where to keep the training stream of (a)-(c): read from there when the file exists (the
+    answers are not generated again), written there otherwise."""
     out = ASSETS if out is None else Path(out)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, recipe.target_dtype)
@@ -225,17 +253,30 @@ def build(out=None, *, recipe: Recipe = FULL, device: str | None = None, seed: i
     if dev.type == "cuda":
         log["gpu"] = torch.cuda.get_device_name(dev)
     target = load_target(gguf_path(), dtype=dtype, device=dev)
-    # (a) prompts
-    texts = P.train_prompts()
-    if recipe.train_prompts:
-        texts = texts[: recipe.train_prompts]
-    ids = chat_ids(target, texts, max_tokens=recipe.max_prompt_tokens)
-    log["prompts"] = {"sources": P.train_sources(), "given": len(texts), "kept": len(ids)}
-    # (b) the target's answers
-    replies, log["answers"] = answers(target, ids, recipe, seed=seed)
-    # (c) the stream and the head
-    stream = stream_of(target, ids, replies)
+    if stream_file is not None and Path(stream_file).is_file():
+        saved = torch.load(stream_file)
+        stream = saved["stream"]
+        log["prompts"], log["answers"] = saved["prompts"], saved["answers"]
+        log["answers"]["read_from"] = str(stream_file)
+    else:
+        # (a) prompts, in the shuffled order of train_prompts: every batch of (b) then has about the same
+        # total and longest length, so the compiled rounds' shapes (KV-cache size, table width, prompt
+        # bucket) stay one or two
+        texts = P.train_prompts(
+            n_code=recipe.n_code, n_chat=recipe.n_chat, code_phrasings=recipe.code_phrasings
+        )
+        if recipe.train_prompts:
+            texts = texts[: recipe.train_prompts]
+        ids = chat_ids(target, texts, max_tokens=recipe.max_prompt_tokens)
+        log["prompts"] = {"sources": P.train_sources(), "given": len(texts), "kept": len(ids)}
+        # (b) the target's answers
+        replies, log["answers"] = answers(target, ids, recipe, seed=seed)
+        # (c) the stream
+        stream = stream_of(target, ids[: len(replies)], replies)
+        if stream_file is not None:
+            torch.save({"stream": stream, "prompts": log["prompts"], "answers": log["answers"]}, stream_file)
     log["stream_tokens"] = stream.numel()
+    print(f"stream: {stream.numel()} tokens; answers {log['answers']}", flush=True)
     draft = D.new_draft(
         target,
         kind="eagle3",
@@ -264,6 +305,7 @@ def build(out=None, *, recipe: Recipe = FULL, device: str | None = None, seed: i
     log["distill"] = {"steps": steps, "seconds": time.perf_counter() - began, "records": history}
     # (e) save in bf16, load back, evaluate
     save_draft(_bf16(draft), out)
+    (out / "train_log.json").write_text(json.dumps(log, indent=1))  # again below, with the evaluation
     target32 = target if dtype == torch.float32 else load_target(gguf_path(), dtype=dtype, device=dev)
     shipped = load_draft(out, target=target32, dtype=dtype)
     log["held_out"] = evaluate(target32, shipped, recipe)
@@ -296,13 +338,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=None, help="distillation time budget")
     parser.add_argument("--steps", type=int, default=None, help="fixed distillation step count")
     parser.add_argument("--train-prompts", type=int, default=None, help="use the first N prompts (0 = all)")
+    parser.add_argument("--gen-minutes", type=float, default=None, help="time budget of the answers")
+    parser.add_argument("--gen-eager", action="store_true", help="answer with eager (uncompiled) calls")
+    parser.add_argument("--stream", default=None, help="training stream file: read if present, else written")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     r = TINY if args.tiny else FULL
-    changes = {k: v for k in ("minutes", "steps", "train_prompts") if (v := getattr(args, k)) is not None}
+    names = ("minutes", "steps", "train_prompts", "gen_minutes")
+    changes = {k: v for k in names if (v := getattr(args, k)) is not None}
     if args.tiny:
         torch.set_num_threads(1)
-    build(args.out, recipe=dataclasses.replace(r, **changes), device=args.device, seed=args.seed)
+    if args.gen_eager:
+        changes["gen_compile"] = False
+    recipe = dataclasses.replace(r, **changes)
+    build(args.out, recipe=recipe, device=args.device, seed=args.seed, stream_file=args.stream)
     return 0
 
 

@@ -102,8 +102,15 @@ def _banned() -> set[str]:
     return banned | {normalise(stub) for stub, _ in _humaneval()}
 
 
-def stdlib_code_prompts(rng: random.Random) -> list[str]:
-    """A request per documented public function or method of the standard library (sorted walk)."""
+def _check_phrasings(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= len(CODE_TEMPLATES):
+        raise ValueError(f"{name}: expected an int in [1, {len(CODE_TEMPLATES)}], got {v!r}")
+
+
+def stdlib_code_prompts(rng: random.Random, *, phrasings: int = 1) -> list[str]:
+    """`phrasings` requests (distinct templates of CODE_TEMPLATES) per documented public function or method
+    of the standard library (sorted walk)."""
+    _check_phrasings("phrasings", phrasings)
     root = Path(sysconfig.get_paths()["stdlib"])
     out = []
     for path in sorted(root.rglob("*.py")):
@@ -133,7 +140,8 @@ def stdlib_code_prompts(rng: random.Random) -> list[str]:
             args += [f"*{a.vararg.arg}"] if a.vararg else []
             args += [x.arg for x in a.kwonlyargs] + ([f"**{a.kwarg.arg}"] if a.kwarg else [])
             sig = f"{n.name}({', '.join(args)})"
-            out.append(rng.choice(CODE_TEMPLATES).format(sig=sig, name=n.name, doc=doc))
+            for template in rng.sample(CODE_TEMPLATES, phrasings):
+                out.append(template.format(sig=sig, name=n.name, doc=doc))
     return out
 
 
@@ -163,10 +171,10 @@ def _chat_pools(rng: random.Random) -> dict[str, list[str]]:
 CHAT_SHARES = {"healthsearchqa": 0.35, "nq_open": 0.30, "xsum": 0.20, "translation": 0.15}
 
 
-def _train(n_code: int, n_chat: int, seed: int) -> tuple[str, ...]:
+def _train(n_code: int, n_chat: int, seed: int, phrasings: int) -> tuple[str, ...]:
     rng = random.Random(seed)
     banned = _banned()
-    code = stdlib_code_prompts(rng)
+    code = stdlib_code_prompts(rng, phrasings=phrasings)
     rng.shuffle(code)
     rows = _unique(code, banned)[:n_code]
     for name, pool in _chat_pools(rng).items():
@@ -176,13 +184,17 @@ def _train(n_code: int, n_chat: int, seed: int) -> tuple[str, ...]:
     return tuple(rows)
 
 
-def train_prompts(*, n_code: int = 3000, n_chat: int = 3000, seed: int = 0) -> list[str]:
-    """Training prompts: up to n_code standard-library code requests and n_chat chat prompts (shares
-    CHAT_SHARES), shuffled with `seed`; none overlaps a held-out set (module docstring)."""
+def train_prompts(
+    *, n_code: int = 3000, n_chat: int = 3000, seed: int = 0, code_phrasings: int = 1
+) -> list[str]:
+    """Training prompts: up to n_code standard-library code requests (`code_phrasings` phrasings of each
+    function) and n_chat chat prompts (shares CHAT_SHARES; a pool smaller than its share gives all it has),
+    shuffled with `seed`; none overlaps a held-out set (module docstring)."""
     for name, v in (("n_code", n_code), ("n_chat", n_chat), ("seed", seed)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
-    return list(_train(n_code, n_chat, seed))
+    _check_phrasings("code_phrasings", code_phrasings)
+    return list(_train(n_code, n_chat, seed, code_phrasings))
 
 
 def train_sources() -> dict[str, str]:

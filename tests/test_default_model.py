@@ -70,6 +70,25 @@ def test_tiny_recipe_builds_a_head_that_loads_and_generates(tmp_path: Path):
     assert int(head.params["t2d"].sum()) == r.draft_vocab_size
 
 
+def test_a_kept_stream_is_read_back_instead_of_answering_again(tmp_path: Path, monkeypatch):
+    """`--stream FILE`: the first build writes the training stream there; a second build reads it and never
+    calls `answers` (it would raise), and trains on the same number of tokens."""
+    stream = tmp_path / "stream.pt"
+    args = ["--tiny", "--device", "cpu", "--stream", str(stream)]
+    assert default_model.main([*args, "--out", str(tmp_path / "a")]) == 0
+    first = json.loads((tmp_path / "a" / "train_log.json").read_text())
+    assert stream.is_file()
+
+    def no_answers(*a, **k):
+        raise AssertionError("answers() called although the stream file exists")
+
+    monkeypatch.setattr(default_model, "answers", no_answers)
+    assert default_model.main([*args, "--out", str(tmp_path / "b")]) == 0
+    second = json.loads((tmp_path / "b" / "train_log.json").read_text())
+    assert second["stream_tokens"] == first["stream_tokens"] > 0
+    assert second["answers"]["read_from"] == str(stream)
+
+
 def test_load_default_names_a_missing_head_directory(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match="python -m fspec.default_model"):
         default_model.load_default(tmp_path / "absent")

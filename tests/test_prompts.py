@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from fspec import prompts as P
@@ -35,7 +37,26 @@ def test_training_prompts_are_a_pure_function_of_their_arguments():
     assert P.train_prompts(n_code=50, n_chat=40, seed=1) != a
 
 
-@pytest.mark.parametrize("kwargs", [{"n_code": -1}, {"n_chat": 1.5}, {"seed": True}])
+def test_code_phrasings_ask_for_each_function_in_distinct_templates():
+    """Two phrasings give two different requests per documented function: twice the code prompts, and every
+    function named in two distinct sentences."""
+    import random
+
+    one = P.stdlib_code_prompts(random.Random(0))
+    two = P.stdlib_code_prompts(random.Random(0), phrasings=2)
+    # (the same docstring and signature recur across modules: distinct texts are counted, not rows)
+    assert len(two) == 2 * len(one) and len(set(two)) > 1.9 * len(set(one))
+    pairs = list(zip(two[::2], two[1::2]))
+    assert all(a != b for a, b in pairs)
+    sig = re.compile(r"`([A-Za-z_][A-Za-z0-9_]*)")
+    assert all(sig.search(a).group(1) == sig.search(b).group(1) for a, b in pairs)
+    more = P.train_prompts(n_code=10**5, n_chat=0, code_phrasings=2)
+    assert len(more) > len(P.train_prompts(n_code=10**5, n_chat=0)) * 1.9
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"n_code": -1}, {"n_chat": 1.5}, {"seed": True}, {"code_phrasings": 0}, {"code_phrasings": 5}]
+)
 def test_bad_arguments_raise_value_errors_naming_them(kwargs):
     name = next(iter(kwargs))
     with pytest.raises(ValueError, match=name):
