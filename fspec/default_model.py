@@ -16,10 +16,13 @@ Recipe (`build`):
 (b) the target's own answers (`fspec.generate`, target-only): `greedy_share` of the prompts greedy, the rest
     at `temperature`; self-distillation trains the head on exactly the distribution it drafts at serving
     time (Medusa, Cai et al. 2024, §2.3.2; EAGLE-3 recipes regenerate their data with the target);
-(c) prompt + answer + EOS rows concatenated into one stream; the draft vocabulary is its `draft_vocab_size`
+(c) prompt + answer + EOS rows concatenated into one stream, less the last `val_share` of the answers, kept
+    out as a validation stream; the draft vocabulary is its `draft_vocab_size`
     most frequent ids (keeps the head under 25 MB in bf16); the head reads the published EAGLE-3 layers
     (2, L // 2, L - 3);
 (d) training-time-test distillation (`fspec.distill`) on random windows of the stream, K = `ttt_steps`;
+    every log record scores the head on fixed windows of the validation stream and of the training stream
+    (per-depth agreement: how far it generalises, as it trains);
 (e) evaluation on the held-out sets (`fspec.prompts.HELDOUT`): acceptance length at K = 5, greedy and at
     temperature 0.7, with the saved bf16 head; everything goes to train_log.json beside the head.
 """
@@ -94,6 +97,8 @@ class Recipe:
             tokens/s, compiles included).
         draft_vocab_size, ttt_steps, step_weight, batch_size, seq_len, lr, warmup_steps, steps,
             minutes: the head and its distillation (a step count > 0 wins over the minutes).
+        val_share: the share of answers kept out of training (the last ones, in the shuffled prompt
+            order); val_batches: batches of them (and of training windows) scored at every log record.
         eval_prompts: held-out prompts per set; eval_new_tokens, eval_k: the acceptance measurement.
         target_dtype: the target's dtype while generating and training ("bfloat16" or "float32").
     """
@@ -118,6 +123,8 @@ class Recipe:
     warmup_steps: int = 100
     steps: int = 0
     minutes: float = 2.5
+    val_share: float = 0.03
+    val_batches: int = 8
     eval_prompts: int = 64
     eval_new_tokens: int = 256
     eval_k: int = 5
@@ -139,6 +146,8 @@ TINY = Recipe(
     seq_len=32,
     warmup_steps=1,
     steps=3,
+    val_share=0.25,
+    val_batches=1,
     eval_prompts=2,
     eval_new_tokens=6,
     eval_k=2,
@@ -255,7 +264,7 @@ def build(
     target = load_target(gguf_path(), dtype=dtype, device=dev)
     if stream_file is not None and Path(stream_file).is_file():
         saved = torch.load(stream_file)
-        stream = saved["stream"]
+        stream, val_stream = saved["stream"], saved["val_stream"]
         log["prompts"], log["answers"] = saved["prompts"], saved["answers"]
         log["answers"]["read_from"] = str(stream_file)
     else:
@@ -271,11 +280,17 @@ def build(
         log["prompts"] = {"sources": P.train_sources(), "given": len(texts), "kept": len(ids)}
         # (b) the target's answers
         replies, log["answers"] = answers(target, ids, recipe, seed=seed)
-        # (c) the stream
-        stream = stream_of(target, ids[: len(replies)], replies)
+        # (c) the stream, and the answers kept out of it for validation
+        n = len(replies)
+        n_val = min(max(round(recipe.val_share * n), 1), n - 1) if recipe.val_share > 0 and n > 1 else 0
+        stream = stream_of(target, ids[: n - n_val], replies[: n - n_val])
+        val_stream = stream_of(target, ids[n - n_val : n], replies[n - n_val :]) if n_val else None
+        log["answers"]["validation_answers"] = n_val
         if stream_file is not None:
-            torch.save({"stream": stream, "prompts": log["prompts"], "answers": log["answers"]}, stream_file)
+            saved = {"stream": stream, "val_stream": val_stream}
+            torch.save({**saved, "prompts": log["prompts"], "answers": log["answers"]}, stream_file)
     log["stream_tokens"] = stream.numel()
+    log["validation_tokens"] = 0 if val_stream is None else val_stream.numel()
     print(f"stream: {stream.numel()} tokens; answers {log['answers']}", flush=True)
     draft = D.new_draft(
         target,
@@ -301,7 +316,24 @@ def build(
     batches = D.online_batches(target, draft, stream.to(dev), cfg=cfg)
     began = time.perf_counter()
     limit = None if recipe.steps else 1.1 * recipe.minutes * 60
-    draft, history = D.distill_head(draft, batches, cfg=cfg, time_limit_s=limit, progress=False)
+    validate = None
+    if val_stream is not None and val_stream.numel() > recipe.seq_len and recipe.val_batches:
+        # fixed windows (their own seed), the same at every record: answers never trained on, and training
+        # windows beside them, so the records show the gap between the two as training goes on
+        vcfg = dataclasses.replace(cfg, seed=seed + 7919)
+        held = D.online_batches(target, draft, val_stream.to(dev), cfg=vcfg)
+        seen = D.online_batches(target, draft, stream.to(dev), cfg=vcfg)
+        score = range(recipe.val_batches)
+
+        def validate(head):
+            return {
+                "held_out_answers": D.agreement(head, held, cfg=vcfg, steps=score),
+                "training_answers": D.agreement(head, seen, cfg=vcfg, steps=score),
+            }
+
+    draft, history = D.distill_head(
+        draft, batches, cfg=cfg, time_limit_s=limit, progress=False, validate=validate
+    )
     log["distill"] = {"steps": steps, "seconds": time.perf_counter() - began, "records": history}
     # (e) save in bf16, load back, evaluate
     save_draft(_bf16(draft), out)

@@ -55,7 +55,15 @@ from fspec.data import sample_windows
 from fspec.models import eagle3_layer_ids, llama
 from fspec.models import layers as L
 from fspec.pytree import tree
-from fspec.ttt import DistillConfig, adamw_init, split_params, target_batch, train_step, vocab_ids
+from fspec.ttt import (
+    DistillConfig,
+    adamw_init,
+    split_params,
+    target_batch,
+    train_step,
+    ttt_loss,
+    vocab_ids,
+)
 
 STATE_FILE = "train_state.pt"
 Batches = Callable[[int], dict]
@@ -288,6 +296,27 @@ def load_train_state(path, *, device) -> dict:
     return state
 
 
+def agreement(draft: Draft, batches: Batches, *, cfg: DistillConfig, steps: range) -> dict:
+    """The TTT loss and per-depth agreement of `draft` averaged over `batches(i)` for i in `steps`, without
+    gradients (a validation measure: pass batches of data the head does not train on)."""
+    if len(steps) == 0:
+        raise ValueError(f"steps: expected a non-empty range, got {steps!r}")
+    trainable, frozen = split_params(draft.params, draft.shared)
+    kw = {"cfg": draft.cfg, "ttt_steps": cfg.ttt_steps, "step_weight": cfg.step_weight, "feed": cfg.feed}
+    loss, agree = [], []
+    for i in steps:
+        batch = batches(i)
+        autocast = cfg.autocast and batch["input_ids"].is_cuda
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            _, aux = ttt_loss(trainable, frozen, batch, **kw)
+        loss.append(aux["loss"].float())
+        agree.append(aux["agreement"].float())
+    return {
+        "loss_per_step": [round(float(x), 5) for x in torch.stack(loss).mean(0)],
+        "agreement": [round(float(x), 5) for x in torch.stack(agree).mean(0)],
+    }
+
+
 def distill_head(
     draft: Draft,
     batches: Batches,
@@ -299,6 +328,7 @@ def distill_head(
     time_limit_s: float | None = None,
     log_path=None,
     progress: bool = True,
+    validate=None,
 ) -> tuple[Draft, list[dict]]:
     """Train `draft` on `batches` (see the module docstring) from step 0, or from the checkpoint `resume`.
 
@@ -306,7 +336,12 @@ def distill_head(
     time_limit_s seconds (one process only). Under torchrun, gradients are averaged over processes and only
     rank 0 writes. Returns (the trained head, metric records: step, lr, loss, loss_per_step, agreement,
     grad_norm, tokens_per_s, elapsed_s); writes the checkpoint to `out` and the records to `log_path` (JSONL).
+    validate: called with the head as it stands at every record (rank 0); what it returns is the record's
+    "validation" (for example `agreement(...)` on answers the head never trains on).
     """
+    if validate is not None and not callable(validate):
+        got = type(validate).__name__
+        raise ValueError(f"validate: expected a callable (Draft -> dict) or None, got {got}")
     rank, world = _world()
     if world > 1 and time_limit_s is not None:  # ranks would stop at different steps and hang in all_reduce
         raise ValueError("time_limit_s: expected None under torchrun (pass `until` instead)")
@@ -343,6 +378,9 @@ def distill_head(
                 step, m, tokens=(step + 1 - last_step) * cfg.batch_size * cfg.seq_len, dt=now - last_t
             )
             rec["elapsed_s"] = now - began
+            if validate is not None and rank == 0:
+                rec["validation"] = validate(to_draft(draft, trainable))
+                now = time.perf_counter()  # the next record's tokens/s leaves the validation out
             last_t, last_step = now, step + 1
             history.append(rec)
             bar.set_postfix(loss=f"{rec['loss']:.3f}", agree0=f"{rec['agreement'][0]:.2f}")

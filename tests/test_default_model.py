@@ -62,6 +62,10 @@ def test_tiny_recipe_builds_a_head_that_loads_and_generates(tmp_path: Path):
     assert log["prompts"]["given"] == r.train_prompts and 0 < log["prompts"]["kept"] <= r.train_prompts
     assert 0 < log["answers"]["new_tokens"] <= r.new_tokens * log["prompts"]["kept"]
     assert log["distill"]["steps"] == r.steps and log["distill"]["records"][-1]["step"] == r.steps
+    assert log["answers"]["validation_answers"] >= 1 and log["validation_tokens"] > r.seq_len
+    for rec in log["distill"]["records"]:  # answers kept out of training, scored beside training windows
+        assert set(rec["validation"]) == {"held_out_answers", "training_answers"}
+        assert all(0 <= a <= 1 for v in rec["validation"].values() for a in v["agreement"])
     assert set(log["held_out"]) == set(prompts.HELDOUT)
     for row in log["held_out"].values():
         assert 1.0 <= row["tau_T0.0"] <= r.eval_k + 1 and 1.0 <= row["tau_T0.7"] <= r.eval_k + 1

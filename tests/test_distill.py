@@ -426,6 +426,37 @@ def _row_of(seq: torch.Tensor, tokens: torch.Tensor) -> int:
 # --- errors -------------------------------------------------------------------------------------------------
 
 
+def test_validation_records_the_loss_of_the_head_as_it_stands_and_leaves_training_untouched():
+    """`validate` sees the head at each record: `agreement` of that head on held-out windows equals the
+    TTT metrics recomputed by hand; training with it gives bit-identical weights and losses."""
+    target = tiny_target()
+    cfg = small_cfg(steps=4, log_every=2)
+    draft = tiny_draft(target)
+    batches = D.online_batches(target, draft, token_stream(), cfg=cfg)
+    held = D.online_batches(target, draft, token_stream(seed=5), cfg=cfg)
+    seen = []
+
+    def validate(head):
+        seen.append(head)
+        return D.agreement(head, held, cfg=cfg, steps=range(2))
+
+    plain, hist = D.distill_head(draft, batches, cfg=cfg, progress=False)
+    checked, hist_v = D.distill_head(draft, batches, cfg=cfg, progress=False, validate=validate)
+    assert len(seen) == len(hist_v) == 2 and [h["loss"] for h in hist] == [h["loss"] for h in hist_v]
+    for x, y in zip(fspec.tree.tree_leaves(plain.params), fspec.tree.tree_leaves(checked.params)):
+        assert torch.equal(x, y)
+    trainable, frozen = ttt.split_params(seen[0].params, seen[0].shared)
+    kw = dict(cfg=draft.cfg, ttt_steps=cfg.ttt_steps, step_weight=cfg.step_weight)
+    by_hand = [ttt.ttt_loss(trainable, frozen, held(i), **kw)[1]["agreement"] for i in range(2)]
+    expect = torch.stack(by_hand).mean(0)
+    assert hist_v[0]["validation"]["agreement"] == pytest.approx(expect.tolist(), abs=1e-5)
+    assert hist_v[0]["validation"] != hist_v[1]["validation"]  # the head moved between the records
+    with pytest.raises(ValueError, match="validate"):
+        D.distill_head(draft, batches, cfg=cfg, progress=False, validate=3)
+    with pytest.raises(ValueError, match="steps"):
+        D.agreement(draft, held, cfg=cfg, steps=range(0))
+
+
 def test_bad_inputs_name_the_argument(tmp_path: Path):
     """K < 1, w <= 0, a short sequence, a missing checkpoint or store: errors that name the argument."""
     with pytest.raises(ValueError, match="ttt_steps"):

@@ -48,14 +48,24 @@ def test_code_phrasings_ask_for_each_function_in_distinct_templates():
     assert len(two) == 2 * len(one) and len(set(two)) > 1.9 * len(set(one))
     pairs = list(zip(two[::2], two[1::2]))
     assert all(a != b for a, b in pairs)
-    sig = re.compile(r"`([A-Za-z_][A-Za-z0-9_]*)")
-    assert all(sig.search(a).group(1) == sig.search(b).group(1) for a, b in pairs)
+    calls = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\([^`()]*\)")  # every template names the signature
+    assert all(set(calls.findall(a)) & set(calls.findall(b)) for a, b in pairs)
+    stubs = [p for p in two if p.startswith("Complete the following Python function.")]
+    assert stubs and all("```python\ndef " in p for p in stubs)
     more = P.train_prompts(n_code=10**5, n_chat=0, code_phrasings=2)
     assert len(more) > len(P.train_prompts(n_code=10**5, n_chat=0)) * 1.9
 
 
+def test_the_chat_prompts_drawn_do_not_depend_on_the_code_requests():
+    """The chat draw has its own generator: the standard library's size (the interpreter's version) or the
+    number of code phrasings cannot change which chat prompts are trained on."""
+    chat = set(P.train_prompts(n_code=0, n_chat=200))
+    with_code = set(P.train_prompts(n_code=300, n_chat=200, code_phrasings=3))
+    assert chat and chat <= with_code and len(with_code - chat) == 300
+
+
 @pytest.mark.parametrize(
-    "kwargs", [{"n_code": -1}, {"n_chat": 1.5}, {"seed": True}, {"code_phrasings": 0}, {"code_phrasings": 5}]
+    "kwargs", [{"n_code": -1}, {"n_chat": 1.5}, {"seed": True}, {"code_phrasings": 0}, {"code_phrasings": 6}]
 )
 def test_bad_arguments_raise_value_errors_naming_them(kwargs):
     name = next(iter(kwargs))
