@@ -8,8 +8,8 @@ For each Python garbage-collector setting — `default` (as the process comes), 
 gc.freeze() once after warm-up: the compiled graphs' objects move out of the collected generations) and
 `disabled` (gc.disable() for the timed calls) — it times --calls warm calls and records, per call, the wall
 time and the time spent inside collections (gc.callbacks), with the collections' generations. Beside them:
-one call split into setup / prefill / rounds (bench_generate.phase_seconds). FSPEC_* switches in the
-environment (FSPEC_COORDINATE_DESCENT, FSPEC_MAX_AUTOTUNE, ...) apply and are recorded under "env".
+one call split into setup / prefill / rounds (bench_generate.phase_seconds). Environment variables
+of Inductor (TORCHINDUCTOR_*) apply and are recorded under "env".
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ views (one dtype, so one multi-tensor kernel); the graph then reads them in plac
 
 from __future__ import annotations
 
-import os
+import functools
 from collections.abc import Callable
 
 import torch
@@ -59,44 +59,41 @@ def jit(fn: Callable, mode: str | None = "reduce-overhead") -> Callable:
     """`torch.compile(fn, fullgraph=True, dynamic=False)` in `mode`: every fspec graph goes through here.
     `mode="cuda-graph"` compiles in Inductor's default mode (the caller captures the graphs: `GraphCapture`).
 
-    `FSPEC_COORDINATE_DESCENT=1` adds Inductor's coordinate-descent tuning on CUDA (gpt-fast's setting): each
-    Triton kernel's launch parameters are tuned, and a one-row matmul (batch 1 decode) is lowered to a Triton
-    reduction that can fuse with its neighbours instead of a cuBLAS GEMV. Off by default: on the H200 it
-    took the 8B-head draft loop's compile from 20 s to over 100 s (BENCHMARKS.md). `FSPEC_MAX_AUTOTUNE=1`
-    (`inductor_options`) lets Inductor pick each matmul by benchmarking.
-    """
+    On CUDA, in reduce-overhead and cuda-graph mode, the compile carries `inductor_options` and every call of
+    the compiled function runs inside `fspec.inductor_pdl.always_wait()` (where Inductor lowers: compiles are
+    lazy), so Inductor's PDL kernels wait as fspec's do, and nothing of it outlives the call."""
     _check_mode(mode)
     _configure_dynamo()
     options = inductor_options(mode)
-    if options:
-        return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
-    return torch.compile(fn, mode=None if mode == "cuda-graph" else mode, fullgraph=True, dynamic=False)
+    if not options:
+        return torch.compile(fn, mode=None if mode == "cuda-graph" else mode, fullgraph=True, dynamic=False)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with inductor_pdl.always_wait():
+            return compiled(*args, **kwargs)
+
+    call.compiled = compiled  # the torch.compile object itself
+    return call
 
 
 def inductor_options(mode: str | None, *, cuda: bool | None = None) -> dict | None:
-    """Inductor options that replace `mode` in `jit`, or None for the plain mode. Only for reduce-overhead and
-    cuda-graph (fspec's own capture: Inductor's CUDA graphs stay off) on CUDA:
-
-    * FSPEC_COORDINATE_DESCENT=1: coordinate-descent tuning of every Triton kernel's launch parameters.
-    * FSPEC_MAX_AUTOTUNE=1: Inductor benchmarks its Triton matmul templates against cuBLAS for every matmul
-      shape and keeps the fastest (one-row decode matmuls are where cuBLAS's choice reads the weights at
-      ~1.8 TB/s of the H200's ~4.2); compiles take minutes.
-    * FSPEC_INDUCTOR_PDL=1: Inductor's programmatic dependent launch, with a wait in every kernel
-      (fspec/inductor_pdl.py says why the wait), so its kernels chain with fspec's.
-    """
+    """Inductor options that replace `mode` in `jit`, or None for the plain mode: only for reduce-overhead
+    and cuda-graph (fspec's own capture: Inductor's CUDA graphs stay off) on CUDA, and where this torch has
+    the hook fspec/inductor_pdl.py patches. Inductor's programmatic dependent launch (its kernels chain with
+    fspec's; `jit` makes each of them wait: fspec/inductor_pdl.py says why), with the FX graph caches off for
+    these compiles: the wait is not part of Inductor's cache keys, so a graph cached without it must not come
+    back. (Coordinate-descent tuning and max-autotune were measured and left out: docs/experiments.md.)"""
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    if mode not in ("reduce-overhead", "cuda-graph") or not cuda:
+    if mode not in ("reduce-overhead", "cuda-graph") or not cuda or not inductor_pdl.available():
         return None
-    options = {}
-    if inductor_pdl.requested() and inductor_pdl.install():
-        # the patched codegen is not part of Inductor's cache keys: a cached graph compiled under Inductor's
-        # own PDL (no wait in some kernels) would be reused, so these compiles bypass the caches
-        options.update({"triton.enable_pdl": True, "fx_graph_cache": False, "fx_graph_remote_cache": False})
-    if os.environ.get("FSPEC_COORDINATE_DESCENT") == "1":
-        options["coordinate_descent_tuning"] = True
-    if os.environ.get("FSPEC_MAX_AUTOTUNE") == "1":
-        options.update(max_autotune=True, max_autotune_gemm_backends="ATEN,TRITON")
-    return {"triton.cudagraphs": mode == "reduce-overhead", **options} if options else None
+    return {
+        "triton.cudagraphs": mode == "reduce-overhead",
+        "triton.enable_pdl": True,
+        "fx_graph_cache": False,
+        "fx_graph_remote_cache": False,
+    }
 
 
 def _configure_dynamo() -> None:

@@ -10,7 +10,6 @@ The block table goes to the device only when a request crosses into a new block 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
@@ -78,9 +77,8 @@ def compile_prefill(device: torch.device) -> bool:
 
     On CUDA by default: the eager prefill and first proposal cost ~39 ms per call at 1B shapes on the H200,
     launch overhead that one graph replay removes. Not on CPU, where there is no launch overhead to save and
-    each prompt-length bucket would cost a compile. FSPEC_COMPILE_PREFILL=1 / 0 forces it on / off."""
-    flag = os.environ.get("FSPEC_COMPILE_PREFILL")
-    return flag == "1" if flag in ("0", "1") else device.type == "cuda"
+    each prompt-length bucket would cost a compile."""
+    return device.type == "cuda"
 
 
 class Run:
@@ -92,9 +90,9 @@ class Run:
         self.target, self.draft, self.stats = target, draft, stats
         self.compile, self.progress = compile, progress
         # Pipelined rounds (launch r + 1 before reading r) hide the host's per-round work: on the H200 they
-        # took a K = 5 round from 1.39x to 1.14x its cost model. On by default; FSPEC_PIPELINE=0 reads each
-        # round before launching the next (the synchronous loop, for debugging).
-        self.pipeline = os.environ.get("FSPEC_PIPELINE", "1") != "0"
+        # took a K = 5 round from 1.39x to 1.14x its cost model. `pipeline = False` on a Run before `go()`
+        # reads each round before launching the next (the synchronous loop: tests compare the two).
+        self.pipeline = True
         self.max_new = max_new_tokens
         self.k = draft.cfg.num_speculative_steps if draft is not None else 0
         self.bs = draft.cfg.block_size if draft is not None else 16

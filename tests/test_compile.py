@@ -62,30 +62,6 @@ def test_compiled_step_replay_equals_eager_with_two_graphs():
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
-def test_inductor_options_are_opt_in_and_only_for_cuda_graphs(monkeypatch):
-    """Tuning options replace the plain mode only for reduce-overhead on CUDA and only when asked for (with
-    fspec's Inductor PDL, the default, turned off: tests/test_inductor_pdl.py); both keep CUDA graphs on."""
-    from fspec.compile import inductor_options
-
-    monkeypatch.delenv("FSPEC_COORDINATE_DESCENT", raising=False)
-    monkeypatch.delenv("FSPEC_MAX_AUTOTUNE", raising=False)
-    monkeypatch.setenv("FSPEC_INDUCTOR_PDL", "0")
-    assert inductor_options("reduce-overhead", cuda=True) is None
-    monkeypatch.setenv("FSPEC_MAX_AUTOTUNE", "1")
-    opts = inductor_options("reduce-overhead", cuda=True)
-    assert opts["triton.cudagraphs"] and opts["max_autotune"] and "coordinate_descent_tuning" not in opts
-    assert (
-        inductor_options("reduce-overhead", cuda=False) is None and inductor_options(None, cuda=True) is None
-    )
-    monkeypatch.setenv("FSPEC_COORDINATE_DESCENT", "1")
-    opts = inductor_options("reduce-overhead", cuda=True)
-    assert opts["coordinate_descent_tuning"] and opts["max_autotune"] and opts["triton.cudagraphs"]
-    # fspec's own capture: the same tuning, Inductor's CUDA graphs off
-    opts = inductor_options("cuda-graph", cuda=True)
-    assert opts["coordinate_descent_tuning"] and opts["max_autotune"] and opts["triton.cudagraphs"] is False
-    assert inductor_options("cuda-graph", cuda=False) is None
-
-
 def test_staged_inputs_copy_every_call_into_the_same_static_tensors_and_hand_back_the_callers():
     """compile_propose's inputs go through `StagedInputs`: one set of static-address copies per shape set,
     refreshed with the caller's values on every call (a stale copy would give the second batch the first

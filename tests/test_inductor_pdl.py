@@ -1,4 +1,4 @@
-"""FSPEC_INDUCTOR_PDL (fspec/inductor_pdl.py): Inductor's PDL with a wait in every kernel."""
+"""fspec/inductor_pdl.py: Inductor's PDL with a wait in every kernel, inside fspec's compiled calls only."""
 
 from __future__ import annotations
 
@@ -17,32 +17,45 @@ GPU = pytest.mark.skipif(
 )
 
 
-def test_the_switch_is_parsed_and_checked(monkeypatch):
-    monkeypatch.delenv(inductor_pdl.ENV, raising=False)
-    assert inductor_pdl.requested()  # the default
-    monkeypatch.setenv(inductor_pdl.ENV, "0")
-    assert not inductor_pdl.requested()
-    monkeypatch.setenv(inductor_pdl.ENV, "1")
-    assert inductor_pdl.requested()
-    monkeypatch.setenv(inductor_pdl.ENV, "yes")
-    with pytest.raises(ValueError, match=r"FSPEC_INDUCTOR_PDL: expected '0' or '1', got 'yes'"):
-        inductor_pdl.requested()
-
-
-def test_inductor_options_turn_on_inductor_pdl_unless_turned_off(monkeypatch):
+def test_inductor_options_turn_on_inductor_pdl_with_the_caches_off_on_cuda_only():
     from fspec.compile import inductor_options
 
-    for name in ("FSPEC_COORDINATE_DESCENT", "FSPEC_MAX_AUTOTUNE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv(inductor_pdl.ENV, "0")
-    assert inductor_options("reduce-overhead", cuda=True) is None
-    monkeypatch.delenv(inductor_pdl.ENV)  # the default: on
     opts = inductor_options("reduce-overhead", cuda=True)
     assert opts["triton.cudagraphs"] and opts["triton.enable_pdl"]
     # the patch is invisible to Inductor's cache keys: no graph compiled without it may be reused
     assert opts["fx_graph_cache"] is False and opts["fx_graph_remote_cache"] is False
+    assert inductor_options("cuda-graph", cuda=True)["triton.cudagraphs"] is False
     assert inductor_options("reduce-overhead", cuda=False) is None
-    assert getattr(triton_codegen.TritonKernel._handle_pdl_before_access, "fspec_always_wait", False)
+    assert inductor_options("default", cuda=True) is None
+
+
+def test_the_patch_is_in_place_only_inside_a_compiled_call(monkeypatch):
+    """Outside fspec's calls Inductor's own method runs (a user's torch.compile is untouched); inside the
+    wrapper `jit` returns (where Inductor lowers) the patched one, once even when nested."""
+    import fspec.compile as C
+
+    original = triton_codegen.TritonKernel._handle_pdl_before_access
+    assert not getattr(original, "fspec_always_wait", False)
+    seen = []
+
+    def fake_compile(fn, **kwargs):
+        assert kwargs["options"]["triton.enable_pdl"]
+
+        def run(*args):
+            seen.append(triton_codegen.TritonKernel._handle_pdl_before_access)
+            with inductor_pdl.always_wait():  # nested: leaves the outer patch in place
+                seen.append(triton_codegen.TritonKernel._handle_pdl_before_access)
+            return fn(*args)
+
+        return run
+
+    monkeypatch.setattr(C.torch, "compile", fake_compile)
+    monkeypatch.setattr(C, "inductor_options", lambda mode: {"triton.enable_pdl": True})
+    f = C.jit(lambda x: x + 1)
+    assert f(1) == 2
+    assert all(getattr(m, "fspec_always_wait", False) for m in seen) and len(seen) == 2
+    assert seen[0].__wrapped__ is original
+    assert triton_codegen.TritonKernel._handle_pdl_before_access is original  # restored after the call
 
 
 class _Lines:
@@ -83,15 +96,22 @@ def test_installed_every_access_decision_writes_the_wait(monkeypatch):
     wait = triton_codegen.TritonKernel.GDC_WAIT
     assert _decide(["buf0"]) == []  # Inductor's own rule: buf1 was not written by the previous kernel
     assert _decide(["buf1"]) == [wait]
-    assert inductor_pdl.install() and inductor_pdl.install()
-    patched = triton_codegen.TritonKernel._handle_pdl_before_access
-    assert patched.__wrapped__ is original
-    assert _decide(["buf0"]) == [wait] and _decide(["buf1"]) == [wait]
+    with inductor_pdl.always_wait() as on:
+        assert on
+        patched = triton_codegen.TritonKernel._handle_pdl_before_access
+        assert patched.__wrapped__ is original
+        assert _decide(["buf0"]) == [wait] and _decide(["buf1"]) == [wait]
+    assert _decide(["buf0"]) == []  # Inductor's rule again after the call
 
 
-def test_install_reports_a_torch_without_the_hook(monkeypatch):
+def test_a_torch_without_the_hook_gets_no_inductor_pdl(monkeypatch):
+    from fspec.compile import inductor_options
+
     monkeypatch.delattr(triton_codegen.TritonKernel, "_handle_pdl_before_access")
-    assert inductor_pdl.install() is False
+    assert not inductor_pdl.available()
+    with inductor_pdl.always_wait() as on:
+        assert on is False
+    assert inductor_options("reduce-overhead", cuda=True) is None  # no PDL without the waits
 
 
 def _kernels(code: str) -> dict[str, str]:
@@ -102,15 +122,13 @@ def _kernels(code: str) -> dict[str, str]:
 
 @GPU
 @pytest.mark.gpu
-def test_every_generated_kernel_waits_before_its_first_access_and_results_equal_eager(monkeypatch):
-    """A compiled function with a fill, pointwise and reduction kernels under FSPEC_INDUCTOR_PDL=1: each
+def test_every_generated_kernel_waits_before_its_first_access_and_results_equal_eager():
+    """A compiled function with a fill, pointwise and reduction kernels, compiled by `jit`: each
     Triton kernel Inductor writes has gdc_wait before its first tl.load / tl.store, and the output equals
     the uncompiled function's."""
     from torch._inductor.utils import run_and_get_code
 
     from fspec.compile import jit
-
-    monkeypatch.setenv(inductor_pdl.ENV, "1")
 
     def f(x, w):
         y = torch.zeros(x.shape[0], 64, device=x.device)  # a fill: no loads
