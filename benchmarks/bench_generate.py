@@ -539,7 +539,7 @@ def engine_round_us(target, draft, b: int, s: Setup) -> float:
     if draft is None:
         args = (target.params, cur, n, live, table, run.temp, run.seed, run.tcache)
         if s.compile:
-            fn = rounds.compiled_decode_step(target.cfg, run.bs, run.max_len)
+            fn = run.res.graph(rounds.compiled_decode_step, target.cfg, run.bs, run.max_len)
         else:
             fn = functools.partial(
                 rounds.decode_step, tcfg=target.cfg, block_size=run.bs, max_len=run.max_len
@@ -552,7 +552,7 @@ def engine_round_us(target, draft, b: int, s: Setup) -> float:
         args = (target.params, draft.params, cur, n, live, table, d_tok, d_prob, run.temp, run.seed)
         args += (run.tcache, run.dcache)
         if s.compile:
-            fn = rounds.compiled_spec_round(target.cfg, dcfg, run.max_len)
+            fn = run.res.graph(rounds.compiled_spec_round, target.cfg, dcfg, run.max_len)
         else:
             fn = functools.partial(rounds.spec_round, tcfg=target.cfg, dcfg=dcfg, max_len=run.max_len)
 

@@ -49,7 +49,7 @@ from fspec.verify import rejection_sample
 from fspec.draft import draft_step, propose
 
 # End-to-end generation, and its first step as a function.
-from fspec.engine import GenerateResult, generate
+from fspec.engine import GenerateResult, Generator, default_generator, generate
 from fspec.prefill import Prefill, prefill
 
 # Training-time-test distillation, the embedded default model (SmolLM2-135M-Instruct and its EAGLE-3 head)
@@ -72,6 +72,7 @@ __all__ = [
     "decode_after",
     "decode_rollout",
     "decode_metadata",
+    "default_generator",
     "dense_attention",
     "distill_head",
     "DistillConfig",
@@ -85,6 +86,7 @@ __all__ = [
     "fuse_projections",
     "generate",
     "GenerateResult",
+    "Generator",
     "gumbel_sample",
     "head_forward",
     "head_forward_dense",

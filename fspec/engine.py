@@ -35,7 +35,7 @@ import torch
 
 from fspec.checkpoint import Draft, Target
 from fspec.pytree import tree
-from fspec.runner import Run
+from fspec.runner import Resources, Run
 
 
 @dataclasses.dataclass
@@ -54,6 +54,77 @@ class GenerateResult:
     tokens: list[list[int]]
     text: list[str] | None
     stats: dict[str, Any]
+
+
+class Generator:
+    """What `generate` keeps between calls, in one object the caller holds: KV caches and the rounds' static
+    input buffers (compiled CUDA graphs record their addresses) and the compiled round functions, so that
+    warm compiled calls replay their graphs instead of recording them anew.
+
+    `fspec.generate(...)` is `fspec.default_generator().generate(...)`. A `Generator()` of one's own keeps its
+    graphs and buffers apart from the default's (for example one per model in a notebook) and frees them with
+    `clear()` or when dropped. Nothing else in fspec keeps state between calls.
+
+    max_shapes: how many KV-cache shapes and buffer shapes it keeps (the most recent ones)."""
+
+    def __init__(self, *, max_shapes: int = 4) -> None:
+        if isinstance(max_shapes, bool) or not isinstance(max_shapes, int) or max_shapes < 1:
+            raise ValueError(f"max_shapes: expected an int >= 1, got {max_shapes!r}")
+        self.resources = Resources(max_shapes=max_shapes)
+
+    def clear(self) -> None:
+        """Drop every kept cache, buffer and compiled function (their memory goes back on the next
+        collection; torch's own compile caches are torch's)."""
+        self.resources = Resources(max_shapes=self.resources.max_shapes)
+
+    def generate(
+        self,
+        target: Target,
+        draft: Draft | None,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float | Sequence[float] = 0.0,
+        seed: int | Sequence[int] = 0,
+        num_speculative_steps: int = 3,
+        compile: bool = False,
+        progress: bool = False,
+    ) -> GenerateResult:
+        """`fspec.generate` with this generator's caches, buffers and compiled rounds."""
+        k = num_speculative_steps
+        ids, temps, seeds, k, draft = _validate(
+            target, draft, prompts, max_new_tokens, temperature, seed, k, compile, progress
+        )
+        start = time.perf_counter()
+        tokens: list[list[int]] = []
+        stats = Stats(k if draft is not None else 0)
+        for lo in range(0, len(ids), 256):  # the largest batch bucket
+            run = Run(
+                target,
+                draft,
+                ids[lo : lo + 256],
+                temps[lo : lo + 256],
+                seeds[lo : lo + 256],
+                max_new_tokens=max_new_tokens,
+                compile=compile,
+                stats=stats,
+                progress=progress,
+                resources=self.resources,
+            )
+            tokens.extend(run.go())
+        seconds = time.perf_counter() - start
+        text = None
+        if target.tokenizer is not None:
+            text = [target.tokenizer.decode(t) for t in tokens]
+        return GenerateResult(tokens=tokens, text=text, stats=stats.summary(sum(map(len, tokens)), seconds))
+
+
+_DEFAULT = Generator()  # the one instance `generate` uses; `default_generator()` hands it out
+
+
+def default_generator() -> Generator:
+    """The `Generator` behind `fspec.generate`: hold it to reach (or `clear()`) what the calls kept."""
+    return _DEFAULT
 
 
 def generate(
@@ -76,32 +147,19 @@ def generate(
     token of the target's config, at max_new_tokens, or when its sequence (prompt + new tokens) reaches
     max_model_len.
     compile=True runs the draft loop and the target's decode/verification forward as CUDA graphs
-    (`torch.compile`, reduce-overhead).
+    (`torch.compile`, reduce-overhead), kept between calls by `default_generator()` (a `fspec.Generator`).
     """
-    ids, temps, seeds, k, draft = _validate(
-        target, draft, prompts, max_new_tokens, temperature, seed, num_speculative_steps, compile, progress
+    return _DEFAULT.generate(
+        target,
+        draft,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        num_speculative_steps=num_speculative_steps,
+        compile=compile,
+        progress=progress,
     )
-    start = time.perf_counter()
-    tokens: list[list[int]] = []
-    stats = Stats(k if draft is not None else 0)
-    for lo in range(0, len(ids), 256):  # the largest batch bucket
-        run = Run(
-            target,
-            draft,
-            ids[lo : lo + 256],
-            temps[lo : lo + 256],
-            seeds[lo : lo + 256],
-            max_new_tokens=max_new_tokens,
-            compile=compile,
-            stats=stats,
-            progress=progress,
-        )
-        tokens.extend(run.go())
-    seconds = time.perf_counter() - start
-    text = None
-    if target.tokenizer is not None:
-        text = [target.tokenizer.decode(t) for t in tokens]
-    return GenerateResult(tokens=tokens, text=text, stats=stats.summary(sum(map(len, tokens)), seconds))
 
 
 MIN_TEMPERATURE = 1e-6  # smallest positive temperature `generate` accepts (see `_validate`)

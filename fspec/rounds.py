@@ -83,9 +83,9 @@ def later_drafts(
     return state.draft_tokens, state.draft_probs
 
 
-@functools.cache
 def compiled_later_drafts(dcfg: DraftConfig):
-    """`later_drafts` as one CUDA graph per batch bucket."""
+    """`later_drafts` as one CUDA graph per batch bucket (a new compiled function per call: `fspec.Generator`
+    keeps one per config)."""
     return jit(functools.partial(later_drafts, cfg=dcfg))
 
 
@@ -158,7 +158,6 @@ def prefill_round(
     return (first, *run_drafts(dparams, state, dcache, cfg=dcfg, backend=backend))
 
 
-@functools.cache
 def compiled_prefill_round(tcfg: ModelConfig, dcfg: DraftConfig | None, block_size: int):
     """`prefill_round` as one CUDA graph per batch bucket and prompt-length bucket
     (`fspec.config.size_bucket`)."""
@@ -275,19 +274,16 @@ def decode_round(tparams: dict, cur: torch.Tensor, n: torch.Tensor, *inputs, **o
     return torch.stack([new, torch.zeros_like(new)], 1)
 
 
-@functools.cache
 def compiled_spec_round(tcfg: ModelConfig, dcfg: DraftConfig, max_len: int):
     """`spec_round` as one CUDA graph per batch bucket (torch.compile, reduce-overhead, fullgraph)."""
     return jit(functools.partial(spec_round, tcfg=tcfg, dcfg=dcfg, max_len=max_len))
 
 
-@functools.cache
 def compiled_decode_step(tcfg: ModelConfig, block_size: int, max_len: int):
     """`decode_step` as one CUDA graph per batch bucket."""
     return jit(functools.partial(decode_step, tcfg=tcfg, block_size=block_size, max_len=max_len))
 
 
-@functools.cache
 def compiled_decode_round(tcfg: ModelConfig, block_size: int, max_len: int):
     """`decode_round` as one CUDA graph per batch bucket; `cur` and `n` must have static addresses (the graph
     writes them in place)."""

@@ -4,7 +4,9 @@ The host side (this class) holds what legitimately changes between rounds and is
 request's emitted tokens, its position, its blocks. A round's device work is one pure function
 (`fspec.rounds.spec_round` / `decode_step`), one CUDA graph when compiled; the host reads the round's tokens
 once (one sync per round) and updates the device copies of (current token, position, live) with device ops.
-The block table goes to the device only when a request crosses into a new block or finishes.
+The block table goes to the device only when a request crosses into a new block or finishes. What compiled
+runs keep between calls (caches, static buffers, compiled rounds) is a `Resources` of the `fspec.Generator`
+that runs them; this module keeps nothing.
 """
 
 from __future__ import annotations
@@ -30,46 +32,63 @@ from fspec.rounds import (
 # Blocks allocated ahead of need, so the block table (a host-to-device copy) changes every few rounds, not
 # every round a request crosses a block boundary.
 _LOOKAHEAD = 4
-_CACHES: dict[tuple, KVCache] = {}
-_DEVICE_STATE: dict[tuple, dict[str, torch.Tensor]] = {}
 
 
-def _cache(cfg, num_blocks: int, block_size: int, dtype, device, compiled: bool) -> KVCache:
-    """A KV cache of this shape, reused across calls when compiled: CUDA graphs record the addresses of their
-    static inputs, and fresh buffers on every `generate` call would make every call record its graphs anew.
-    Stale contents are harmless: nothing past a request's seq_lens is ever read."""
-    if not compiled:
-        return KVCache.create(cfg, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device)
-    key = (cfg, num_blocks, block_size, dtype, str(device))
-    if key not in _CACHES:
-        if len(_CACHES) >= 4:  # bounded: keep the most recent shapes only
-            _CACHES.pop(next(iter(_CACHES)))
-        cache = KVCache.create(cfg, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device)
-        _CACHES[key] = mark_static(cache)
-    return _CACHES[key]
+class Resources:
+    """What compiled generation keeps between calls, owned by a `fspec.Generator`: KV caches, the rounds'
+    static input buffers and the compiled round functions.
 
+    CUDA graphs record the addresses of their static inputs, so fresh caches and buffers on every call would
+    make every call record its graphs anew; a compiled function per config keeps its graphs. Caches and
+    buffers are bounded to the `max_shapes` most recent shapes each. Stale cache contents are harmless:
+    nothing past a request's seq_lens is ever read."""
 
-def _device_buffers(b: int, max_blocks: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """The compiled rounds' per-request inputs (current token, position, live flag, block table, temperature,
-    seed) in buffers with static addresses, reused across calls like the caches: a CUDA graph reads them
-    where they lie instead of copying each one in before every replay (six launches per target-only token on
-    the H200), and the target-only round writes the current token and position back in place."""
-    key = (b, max_blocks, str(device))
-    if key not in _DEVICE_STATE:
-        if len(_DEVICE_STATE) >= 4:  # bounded, as the caches are
-            _DEVICE_STATE.pop(next(iter(_DEVICE_STATE)))
-        bufs = {
-            "cur": torch.zeros(b, dtype=torch.int64, device=device),
-            "n": torch.zeros(b, dtype=torch.int64, device=device),
-            "live": torch.zeros(b, dtype=torch.bool, device=device),
-            "table": torch.full((b, max_blocks), -1, dtype=torch.int32, device=device),
-            "temp": torch.zeros(b, dtype=torch.float32, device=device),
-            "seed": torch.zeros(b, dtype=torch.int64, device=device),
-        }
-        for t in bufs.values():
-            torch._dynamo.mark_static_address(t)
-        _DEVICE_STATE[key] = bufs
-    return _DEVICE_STATE[key]
+    def __init__(self, *, max_shapes: int = 4) -> None:
+        self.max_shapes = max_shapes
+        self.caches: dict[tuple, KVCache] = {}
+        self.buffers: dict[tuple, dict[str, torch.Tensor]] = {}
+        self.graphs: dict[tuple, object] = {}
+
+    def cache(self, cfg, num_blocks: int, block_size: int, dtype, device, compiled: bool) -> KVCache:
+        """A KV cache of this shape: a fresh one eagerly, the kept one (static addresses) when compiled."""
+        shape = dict(num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device)
+        if not compiled:
+            return KVCache.create(cfg, **shape)
+        key = (cfg, num_blocks, block_size, dtype, str(device))
+        if key not in self.caches:
+            if len(self.caches) >= self.max_shapes:  # keep the most recent shapes only
+                self.caches.pop(next(iter(self.caches)))
+            self.caches[key] = mark_static(KVCache.create(cfg, **shape))
+        return self.caches[key]
+
+    def device_buffers(self, b: int, max_blocks: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """The compiled rounds' per-request inputs (current token, position, live flag, block table,
+        temperature, seed) in buffers with static addresses: a CUDA graph reads them where they lie instead
+        of copying each one in before every replay (six launches per target-only token on the H200), and the
+        target-only round writes the current token and position back in place."""
+        key = (b, max_blocks, str(device))
+        if key not in self.buffers:
+            if len(self.buffers) >= self.max_shapes:
+                self.buffers.pop(next(iter(self.buffers)))
+            bufs = {
+                "cur": torch.zeros(b, dtype=torch.int64, device=device),
+                "n": torch.zeros(b, dtype=torch.int64, device=device),
+                "live": torch.zeros(b, dtype=torch.bool, device=device),
+                "table": torch.full((b, max_blocks), -1, dtype=torch.int32, device=device),
+                "temp": torch.zeros(b, dtype=torch.float32, device=device),
+                "seed": torch.zeros(b, dtype=torch.int64, device=device),
+            }
+            for t in bufs.values():
+                torch._dynamo.mark_static_address(t)
+            self.buffers[key] = bufs
+        return self.buffers[key]
+
+    def graph(self, factory, *key):
+        """`factory(*key)` (a compiled round function), made once per key and kept."""
+        k = (factory, *key)
+        if k not in self.graphs:
+            self.graphs[k] = factory(*key)
+        return self.graphs[k]
 
 
 def compile_prefill(device: torch.device) -> bool:
@@ -84,9 +103,24 @@ def compile_prefill(device: torch.device) -> bool:
 class Run:
     """Generation for up to 256 requests, padded to their batch bucket."""
 
-    def __init__(self, target, draft, prompts, temps, seeds, *, max_new_tokens, compile, stats, progress):
-        from fspec.engine import max_model_len
+    def __init__(
+        self,
+        target,
+        draft,
+        prompts,
+        temps,
+        seeds,
+        *,
+        max_new_tokens,
+        compile,
+        stats,
+        progress,
+        resources=None,
+    ):
+        from fspec.engine import default_generator, max_model_len
 
+        # what compiled calls keep between calls: a `fspec.Generator`'s (the default one's unless given)
+        self.res = default_generator().resources if resources is None else resources
         self.target, self.draft, self.stats = target, draft, stats
         self.compile, self.progress = compile, progress
         # Pipelined rounds (launch r + 1 before reading r) hide the host's per-round work: on the H200 they
@@ -117,7 +151,7 @@ class Run:
         pad = self.b - self.n_real
         temp = torch.tensor(list(temps) + [0.0] * pad, dtype=torch.float32)
         seed = torch.tensor(list(seeds) + [0] * pad, dtype=torch.int64)
-        self.bufs = _device_buffers(self.b, self.max_blocks, self.device) if compile else None
+        self.bufs = self.res.device_buffers(self.b, self.max_blocks, self.device) if compile else None
         if self.bufs is not None:  # static buffers: written in place, read by the graphs where they lie
             self.temp, self.seed = self.bufs["temp"].copy_(temp), self.bufs["seed"].copy_(seed)
         else:
@@ -137,11 +171,12 @@ class Run:
         self.processing = -1
         self.alloc = BlockAllocator(need)  # hands out what the requests can use; the cache may hold more
         blocks = size_bucket(need) if compile else need  # nearby sizes share graphs
-        self.tcache = _cache(target.cfg, blocks, self.bs, target.params["embed"].dtype, self.device, compile)
+        tdtype = target.params["embed"].dtype
+        self.tcache = self.res.cache(target.cfg, blocks, self.bs, tdtype, self.device, compile)
         self.dcache = None
         if draft is not None:
             dtype = draft.params["embed"].dtype
-            self.dcache = _cache(draft.cfg.model, blocks, self.bs, dtype, self.device, compile)
+            self.dcache = self.res.cache(draft.cfg.model, blocks, self.bs, dtype, self.device, compile)
             if all(t == 0 for t in temps) and not draft.cfg.greedy_drafts:
                 # A greedy batch verifies by argmax: q is one-hot, so skip building [B, K, V] probabilities.
                 cfg = dataclasses.replace(draft.cfg, greedy_drafts=True)
@@ -225,7 +260,7 @@ class Run:
         if whole:  # one graph per batch and prompt-length bucket: prefill, first token, K drafts
             torch.compiler.cudagraph_mark_step_begin()
             dcfg = self.draft.cfg if self.draft is not None else None
-            out = compiled_prefill_round(self.target.cfg, dcfg, self.bs)(
+            out = self.res.graph(compiled_prefill_round, self.target.cfg, dcfg, self.bs)(
                 self.target.params,
                 self.draft.params if self.draft is not None else None,
                 ids.to(self.device),
@@ -258,7 +293,7 @@ class Run:
                 # The first step is shaped by the prompts (eager); steps 2..K are not: one graph per bucket.
                 dp, dcfg = self.draft.params, self.draft.cfg
                 state, _ = _step(dp, state, self.dcache, cfg=dcfg, backend="auto", max_context=None)
-                d_tok, d_prob = compiled_later_drafts(dcfg)(dp, state, self.dcache)
+                d_tok, d_prob = self.res.graph(compiled_later_drafts, dcfg)(dp, state, self.dcache)
                 drafts = (d_tok.clone(), d_prob.clone())  # graph outputs: the next replay overwrites them
             elif state is not None:
                 drafts = run_drafts(self.draft.params, state, self.dcache, cfg=self.draft.cfg)
@@ -317,7 +352,7 @@ class Run:
                 self.dcache,
             )
             if self.compile:
-                fn = compiled_spec_round(self.target.cfg, self.draft.cfg, self.max_len)
+                fn = self.res.graph(compiled_spec_round, self.target.cfg, self.draft.cfg, self.max_len)
                 tokens, accepted, d_tok, d_prob = fn(*args)
                 # The next replay overwrites this one's outputs, and the drafts are its inputs: copy them.
                 drafts = (d_tok.clone(), d_prob.clone())
@@ -338,7 +373,8 @@ class Run:
                 self.tcache,
             )
             if self.compile:  # the graph advances cur_d and n_d in place and returns (token, 0)
-                both = compiled_decode_round(self.target.cfg, self.bs, self.max_len)(*args)
+                graph = self.res.graph(compiled_decode_round, self.target.cfg, self.bs, self.max_len)
+                both = graph(*args)
                 return self._read_back(both), drafts
             new = decode_step(
                 *args, tcfg=self.target.cfg, block_size=self.bs, max_len=self.max_len, greedy=self.greedy

@@ -326,6 +326,33 @@ def test_compiled_generate_reuses_its_graphs_across_calls_of_one_bucket():
     assert second.tokens == fspec.generate(target, None, other, max_new_tokens=6).tokens
 
 
+def test_a_generator_owns_what_compiled_calls_keep_and_the_default_one_serves_generate():
+    """`fspec.Generator` holds the KV caches, static buffers and compiled rounds of its compiled calls: a
+    second call of one bucket reuses the very cache and round function; a user's generator keeps its own,
+    apart from the default one behind `fspec.generate`; `clear()` drops them; the tokens are the same."""
+    target, draft = aligned_pair(k=3)
+    kw = dict(max_new_tokens=4, num_speculative_steps=3, compile=True)
+    default = fspec.default_generator()
+    mine = fspec.Generator()
+    assert mine is not default and not mine.resources.caches and not mine.resources.graphs
+    before = (set(default.resources.caches), set(default.resources.graphs))
+    first = mine.generate(target, draft, PROMPTS, **kw)
+    caches, graphs = dict(mine.resources.caches), dict(mine.resources.graphs)
+    assert len(caches) == 2 and graphs  # the target's and the head's cache; the round, the later drafts
+    assert (set(default.resources.caches), set(default.resources.graphs)) == before  # untouched
+    second = mine.generate(target, draft, [p[::-1] for p in PROMPTS], **kw)
+    assert all(mine.resources.caches[k] is v for k, v in caches.items())  # the same buffers: graphs replay
+    assert all(mine.resources.graphs[k] is v for k, v in graphs.items())
+    assert first.tokens == fspec.generate(target, draft, PROMPTS, **kw).tokens  # through the default
+    assert set(default.resources.graphs) >= set(graphs)
+    assert second.tokens == fspec.generate(target, None, [p[::-1] for p in PROMPTS], max_new_tokens=4).tokens
+    mine.clear()
+    assert not mine.resources.caches and not mine.resources.buffers and not mine.resources.graphs
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="max_shapes"):
+            fspec.Generator(max_shapes=bad)
+
+
 def test_the_round_loop_queues_no_round_past_a_predictable_end():
     """The pipelined loop launches round r + 1 before reading round r, unless round r ends every request at
     full acceptance: target-only decoding runs one forward per new token (the prefill's included), and a
