@@ -59,34 +59,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         nargs="*",
         default=[],
-        help="also time fspec's ops (graph replay) at these tokens per program (FSPEC_SAMPLING_BLOCK)",
+        help="also time fspec's kernels (graph replay) at these tokens per program (the launchers' block)",
     )
     return parser.parse_args(argv)
 
 
 def block_sweep(blocks: list[int], vocab: list[int], batch: list[int], rep: int, bandwidth: float) -> list:
-    """Graph-replay time of each fspec op per tokens-per-program value (`launch_block` reads
-    FSPEC_SAMPLING_BLOCK at capture time); floor as in the main table."""
+    """Graph-replay time of each fspec kernel launch per tokens-per-program value (the launchers' `block`;
+    the ops launch at `gumbel.DEFAULT_BLOCK`); floor as in the main table."""
     out = []
-    saved = os.environ.get("FSPEC_SAMPLING_BLOCK")
-    try:
-        for block in blocks:
-            os.environ["FSPEC_SAMPLING_BLOCK"] = str(block)
-            for v in vocab:
-                for b in batch:
-                    for row in [*bench_gumbel(b, v, rep, bandwidth, baselines=False),
-                                bench_rejection(b, v, rep, bandwidth, baselines=False)]:  # fmt: skip
-                        us, floor = row["fspec_graph_us"], row["floor_us"]
-                        entry = {"op": row["case"]["op"], "B": b, "V": v, "block": block}
-                        out.append(
-                            {**entry, "fspec_graph_us": us, "floor_us": floor, "fspec_over_floor": us / floor}
-                        )
-                    torch.cuda.empty_cache()
-    finally:
-        if saved is None:
-            os.environ.pop("FSPEC_SAMPLING_BLOCK", None)
-        else:
-            os.environ["FSPEC_SAMPLING_BLOCK"] = saved
+    for block in blocks:
+        for v in vocab:
+            for b in batch:
+                for row in [*bench_gumbel(b, v, rep, bandwidth, baselines=False, block=block),
+                            bench_rejection(b, v, rep, bandwidth, baselines=False, block=block)]:  # fmt: skip
+                    us, floor = row["fspec_graph_us"], row["floor_us"]
+                    entry = {"op": row["case"]["op"], "B": b, "V": v, "block": block}
+                    out.append(
+                        {**entry, "fspec_graph_us": us, "floor_us": floor, "fspec_over_floor": us / floor}
+                    )
+                torch.cuda.empty_cache()
     return out
 
 
@@ -102,7 +94,10 @@ def _agree(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert bad <= max(1, n // 100), f"{what}: {bad} of {n} rows differ from the reference"
 
 
-def bench_gumbel(b: int, v: int, rep: int, bandwidth: float, baselines: bool = True) -> list[dict]:
+def bench_gumbel(
+    b: int, v: int, rep: int, bandwidth: float, baselines: bool = True, block: int | None = None
+) -> list[dict]:
+    """The gumbel rows; with `block`, the launcher at that many tokens per program instead of the op."""
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     logits = torch.randn(b, v, device=DEVICE, generator=gen) * 3
     temperature = torch.full((b,), TEMPERATURE, device=DEVICE)
@@ -114,6 +109,13 @@ def bench_gumbel(b: int, v: int, rep: int, bandwidth: float, baselines: bool = T
     logit_bytes = b * v * 4
     sample = lambda: op(logits, temperature, seed, positions, 0)
     sample_into = lambda: op_into(logits, temperature, seed, positions, 0, out_tokens, out_probs, col)
+    if block is not None:
+        next_col = torch.empty_like(col)
+        sample = lambda: gumbel.gumbel_sample(logits, temperature, seed, positions, salt=0, block=block)
+        sample_into = lambda: gumbel.gumbel_sample(
+            logits, temperature, seed, positions, salt=0, out_tokens=out_tokens, out_probs=out_probs, col=col,
+            block=block, next_col=next_col,
+        )  # fmt: skip
     eager = {  # (public function with its validation, the launch alone as fspec's code calls it)
         "gumbel_sample": (
             lambda: fspec.gumbel_sample(logits, temperature, seed, positions, salt=0),
@@ -171,7 +173,10 @@ def bench_gumbel(b: int, v: int, rep: int, bandwidth: float, baselines: bool = T
     return rows
 
 
-def bench_rejection(b: int, v: int, rep: int, bandwidth: float, baselines: bool = True) -> dict:
+def bench_rejection(
+    b: int, v: int, rep: int, bandwidth: float, baselines: bool = True, block: int | None = None
+) -> dict:
+    """The rejection row; with `block`, the launcher at that many tokens per program instead of the op."""
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     target = torch.randn(b, K + 1, v, device=DEVICE, generator=gen) * 3
     temperature = torch.full((b,), TEMPERATURE, device=DEVICE)
@@ -185,6 +190,8 @@ def bench_rejection(b: int, v: int, rep: int, bandwidth: float, baselines: bool 
             draft_logits[:, i], temperature, seed, positions + i, out_tokens=drafts, out_probs=q, col=col
         )
     op = lambda: torch.ops.fspec.rejection_sample(target, drafts, q, temperature, seed, positions)
+    if block is not None:
+        op = lambda: rejection.rejection_sample(target, drafts, q, temperature, seed, positions, block=block)
     ref = lambda: rejection.rejection_sample_ref(target, drafts, q, temperature, seed, positions)
     got, want = op(), ref()
     _agree(got[0].flatten(), want[0].flatten(), "rejection_sample tokens")

@@ -18,12 +18,11 @@
 #                excluded: capture cannot allocate with the allocator off)
 #   racecheck    compute-sanitizer racecheck over the same tests
 #   memcheck-graphs  compute-sanitizer memcheck, caching allocator on, over the kernel GPU tests that capture
-#                a CUDA graph (the q/k/v epilogue, the L2 prefetch, the attention's early K/V and release)
+#                a CUDA graph (the q/k/v epilogue, the attention's early K/V and release)
 #   ncu-sampling Nsight Compute speed-of-light of the Gumbel block kernel at B = 256, V = 128256
 #   timelines    kernel_timeline.py (1B draft loop, K = 3, and decode step) once per "TAG:VAR=VALUE,..."
-#                argument (environment switches; default: the paged-attention switches FSPEC_ATTN_MIN_PARTITION
-#                and FSPEC_ATTN_FUSED_REDUCE); the timelines stay in $WORK/timelines, the summary lines go to
-#                tails.log
+#                argument (environment variables; default: one run, "default:_"); the timelines stay in
+#                $WORK/timelines, the summary lines go to tails.log
 #   variants     bench_draft_loop.py (8B / 1B heads, B = 1, K = 5) and bench_call_overhead.py once per
 #                "TAG:VAR=VALUE,..." argument, spread over the GPUs; $OUT/switches.json (switches.py) and
 #                $OUT/variants.tgz
@@ -57,8 +56,7 @@ case "$stage" in
   memcheck) PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 300 compute-sanitizer --tool memcheck \
       --target-processes all python3 -m pytest -q -m gpu -p no:cacheprovider "${kernel_tests[@]}" > "$log" 2>&1 ;;
   memcheck-graphs) timeout 400 compute-sanitizer --tool memcheck --target-processes all python3 -m pytest -q \
-      -m gpu -p no:cacheprovider tests/kernels/test_qkv_rope_write.py tests/kernels/test_l2_prefetch.py \
-      tests/kernels/test_attention_early_kv.py > "$log" 2>&1 ;;
+      -m gpu -p no:cacheprovider tests/kernels/test_qkv_rope_write.py tests/kernels/test_attention_early_kv.py > "$log" 2>&1 ;;
   racecheck) timeout 400 compute-sanitizer --tool racecheck --target-processes all \
       python3 -m pytest -q -m gpu -p no:cacheprovider "${kernel_tests[@]}" > "$log" 2>&1 ;;
   ncu-sampling) timeout 300 ncu --kernel-name regex:_gumbel_block_kernel --launch-skip 3 --launch-count 1 \
@@ -66,10 +64,8 @@ case "$stage" in
       python3 benchmarks/bench_sampling.py --batch 256 --vocab 128256 --rep 20 --out "$WORK/ncu.json" \
       > "$log" 2>&1 ;;
   timelines)
-    # each argument "TAG:VAR=VALUE,VAR=VALUE" ("TAG:_" for none); the default compares the attention switches
-    [ $# -gt 0 ] || set -- default:_ p64:FSPEC_ATTN_MIN_PARTITION=64 \
-        p64f:FSPEC_ATTN_MIN_PARTITION=64,FSPEC_ATTN_FUSED_REDUCE=1 \
-        p32f:FSPEC_ATTN_MIN_PARTITION=32,FSPEC_ATTN_FUSED_REDUCE=1
+    # each argument "TAG:VAR=VALUE,VAR=VALUE" ("TAG:_" for none)
+    [ $# -gt 0 ] || set -- default:_
     for v in "$@"; do
       tag=${v%%:*}; vars=${v#*:}; [ "$vars" = _ ] && vars=""
       env ${vars//,/ } timeout 150 python3 benchmarks/kernel_timeline.py "$WORK/timelines" --k 3 --tag "$tag"

@@ -44,9 +44,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from fspec.cache import CONTEXT_QUANTUM, DECODE_CONTEXT_QUANTUM, KVCache
-from fspec.config import env_choice
 from fspec.kernels.ops import call
-from fspec.kernels.paged_attention import MAX_ROPE_WRITE_QUERY
 from fspec.metadata import token_requests
 from fspec.state import AttnMetadata, _expect, check_positive_int, validate_attn_metadata
 
@@ -189,46 +187,6 @@ def resolve_backend(backend: str, cache: KVCache | None) -> str:
     return backend
 
 
-def rope_attention(num_query: int) -> bool:
-    """FSPEC_ROPE_ATTENTION: whether a layer with `num_query` query rows per request runs RoPE, the new
-    tokens' cache write and the paged attention as one launch (`fspec::rope_paged_attention`) instead of
-    `fspec::rope_pos_kv_write` then `fspec::paged_attention`: "decode" for one row per request (decode and
-    draft steps), "1" for up to MAX_ROPE_WRITE_QUERY rows (also a round's first draft step and the
-    verification), "0" (the default) never."""
-    mode = env_choice("FSPEC_ROPE_ATTENTION", ("0", "decode", "1"), "0")
-    return num_query == 1 if mode == "decode" else mode == "1" and num_query <= MAX_ROPE_WRITE_QUERY
-
-
-QKV_ROPE_DEFAULT = "1"  # target-only decoding +2% on the H200 (runs t, u of table `switches`)
-EARLY_KV_DEFAULT = "1"  # target-only decoding +1.7% on the H200 (run v of table `switches`)
-EARLY_RELEASE_DEFAULT = "1"
-
-
-def early_kv_enabled() -> bool:
-    """FSPEC_ATTN_EARLY_KV: whether the paged attention after a layer's cache write loads the old K/V rows of
-    its first key tile before its PDL wait (`fspec::paged_attention`'s `early_kv`): "1", or "0"; unset:
-    EARLY_KV_DEFAULT. Anything else is a ValueError naming the variable. The layers call the attention right
-    after the launch that writes q and the new rows, which is the order `early_kv` asks its caller to keep."""
-    return env_choice("FSPEC_ATTN_EARLY_KV", ("0", "1"), EARLY_KV_DEFAULT) == "1"
-
-
-def early_release_enabled() -> bool:
-    """FSPEC_ATTN_EARLY_RELEASE: whether the paged attention's reduce lets the launch after it start before
-    its own PDL wait (`fspec::paged_attention`'s `early_release`): "1", or "0"; unset: EARLY_RELEASE_DEFAULT.
-    Anything else is a ValueError naming the variable. What follows a layer's attention is its o projection
-    (`skinny_linear`, which reads only its weight before its wait; cuBLAS, which waits in stream order; or an
-    Inductor kernel, which waits before its first access), the order `early_release` asks for."""
-    return env_choice("FSPEC_ATTN_EARLY_RELEASE", ("0", "1"), EARLY_RELEASE_DEFAULT) == "1"
-
-
-def qkv_rope_enabled() -> bool:
-    """FSPEC_QKV_ROPE: whether a one-row layer's fused q/k/v product carries RoPE and the cache write as its
-    epilogue (`fspec::qkv_rope_write`, then `fspec::paged_attention`) where the paged backend runs it: "1",
-    or "0" (two launches: the product, then `fspec::rope_pos_kv_write`); unset: QKV_ROPE_DEFAULT. Anything
-    else is a ValueError naming the variable."""
-    return env_choice("FSPEC_QKV_ROPE", ("0", "1"), QKV_ROPE_DEFAULT) == "1"
-
-
 def _paged_qkv_rope(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -242,10 +200,13 @@ def _paged_qkv_rope(
     rope_params: tuple,
 ) -> torch.Tensor | None:
     """The paged attention of one row whose q/k/v come from `fspec::qkv_rope_write` (x [1, K] through the
-    fused projection w, RMSNorm first with norm_weight): out [1, N, D] in x's dtype; None where that path
-    does not apply (FSPEC_QKV_ROPE off, FSPEC_ROPE_ATTENTION on, more than one row, the cache's dtype not
-    x's): the caller then projects and attends as usual."""
-    if not qkv_rope_enabled() or rope_attention(1) or x.shape[0] != 1 or cache.k.dtype != x.dtype:
+    fused projection w, RMSNorm first with norm_weight; one launch fewer per layer than the product then
+    `fspec::rope_pos_kv_write`: target-only decoding +2% on the H200, runs t, u of table `switches`): out
+    [1, N, D] in x's dtype; None where that path does not apply (more than one row, the cache's dtype not
+    x's): the caller then projects and attends as usual. The attention loads its old K/V rows before its
+    PDL wait (`early_kv`: the launch right before wrote only q and the new rows) and lets the o projection
+    after it start before its own wait (`early_release`), as `_paged_kernels` does."""
+    if x.shape[0] != 1 or cache.k.dtype != x.dtype:
         return None
     d, nkv = cache.k.shape[-1], cache.k.shape[-2]
     qkv = call(
@@ -255,8 +216,7 @@ def _paged_qkv_rope(
     q = qkv[:, : qkv.shape[1] - 2 * nkv * d].view(1, -1, d)
     return call(
         "paged_attention", q, cache.k, cache.v, meta.block_table, meta.seq_lens, meta.positions,
-        meta.query_start_loc, scale=d**-0.5, num_query=1, layer=layer, early_kv=early_kv_enabled(),
-        early_release=early_release_enabled(),
+        meta.query_start_loc, scale=d**-0.5, num_query=1, layer=layer, early_kv=True, early_release=True,
     )  # fmt: skip
 
 
@@ -279,12 +239,6 @@ def _paged_kernels(
     (kernels/; Triton on CUDA, their PyTorch references elsewhere). The kernels read block_table, seq_lens
     and positions on the device; keys past seq_lens are never read."""
     num_query = q.shape[0] if max_query_len is None else max_query_len
-    if rope is not None and rope_params is not None and rope_attention(num_query):
-        return call(
-            "rope_paged_attention", q, k, v, meta.positions, cache.k, cache.v, meta.slot_mapping,
-            meta.block_table, meta.seq_lens, meta.query_start_loc, rope[0].dtype, rope_params[0],
-            list(rope_params[1]), scale=q.shape[-1] ** -0.5, num_query=num_query, layer=layer,
-        ).to(q.dtype)  # fmt: skip
     if rope is not None and rope_params is not None:
         q_cache = call(
             "rope_pos_kv_write", q, k, v, meta.positions, cache.k, cache.v, meta.slot_mapping, rope[0].dtype,
@@ -317,8 +271,13 @@ def _paged_kernels(
         scale=q.shape[-1] ** -0.5,
         num_query=num_query,
         layer=layer,
-        early_kv=early_kv_enabled(),  # the cache write above is the launch right before
-        early_release=early_release_enabled(),  # the layer's o projection is the launch right after
+        # the old K/V rows load before the PDL wait: the cache write above is the launch right before
+        # (target-only decoding +1.7% on the H200, run v of table `switches`)
+        early_kv=True,
+        # the layer's o projection, the launch right after, may start before the reduce's wait: it reads
+        # only its weight before its own (`skinny_linear`; cuBLAS waits in stream order, an Inductor kernel
+        # before its first access)
+        early_release=True,
     ).to(q.dtype)
 
 

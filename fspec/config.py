@@ -360,19 +360,9 @@ class DraftConfig:
         return -(-self.max_model_len // self.block_size)
 
 
-def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
-    """The environment variable `name` (`default` when unset), one of `choices`; anything else is a
-    ValueError naming the variable, the choices and the value."""
-    value = os.environ.get(name, default)
-    if value not in choices:
-        raise ValueError(f"{name}: expected one of {', '.join(choices)}, got {value!r}")
-    return value
-
-
 def env_switches() -> dict[str, str]:
-    """The environment switches of this process that change what runs: fspec's (FSPEC_PIPELINE, FSPEC_PDL,
-    FSPEC_SKINNY_LINEAR, FSPEC_SAMPLING_BLOCK, ...) and Inductor's (TORCHINDUCTOR_ENABLE_PDL, ...), sorted:
-    benchmarks record them beside their results."""
+    """The environment variables of this process that change what runs: fspec's (FSPEC_*) and Inductor's
+    (TORCHINDUCTOR_ENABLE_PDL, ...), sorted: benchmarks record them beside their results."""
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith(("FSPEC_", "TORCHINDUCTOR_"))}
 
 

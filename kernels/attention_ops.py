@@ -11,9 +11,6 @@
     fspec::paged_attention (q, k_cache, v_cache, block_table, seq_lens, positions, query_start_loc,
                             *, scale, num_query, layer=0, early_kv=False,
                             early_release=False) -> out [T, N, D]
-    fspec::rope_paged_attention (q, k, v, positions, k_cache!, v_cache!, slot_mapping, block_table, seq_lens,
-                           query_start_loc, table_dtype, rope_type, rope, *, scale, num_query, layer=0)
-                           -> out [T, N, D] in the cache's dtype: rope_pos_kv_write + paged_attention
 
 Each op runs the Triton kernel when its tensors are on CUDA, or when the kernels were built by the Triton
 interpreter (TRITON_INTERPRET=1 before import, as in tests/kernels) and nothing is being traced; otherwise
@@ -23,8 +20,8 @@ implementations let `torch.compile(fullgraph=True)` trace through the ops.
 Callers pass the whole cache buffers ([num_blocks, block_size, Nkv, D], or the stacked [L, ...] with
 `layer`), never views: a view of a buffer that a compiled graph cloned can be rewritten to the original
 (pytorch#198031).
-`kv_write`, `rope_kv_write`, `rope_pos_kv_write`, `qkv_rope_write` and `rope_paged_attention` mutate exactly
-k_cache and v_cache (the cache is donated; the RoPE ops return a fresh q_out or out, never an alias);
+`kv_write`, `rope_kv_write`, `rope_pos_kv_write` and `qkv_rope_write` mutate exactly k_cache and v_cache
+(the cache is donated; the RoPE ops return a fresh q_out or [q_rot, k_rot, v], never an alias);
 `paged_attention` mutates nothing and returns a fresh tensor.
 """
 
@@ -220,38 +217,3 @@ def _(
     early_release: bool = False,
 ) -> Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
-
-
-@register("fspec::rope_paged_attention", mutates_args=("k_cache", "v_cache"))
-def rope_paged_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    positions: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    slot_mapping: Tensor,
-    block_table: Tensor,
-    seq_lens: Tensor,
-    query_start_loc: Tensor,
-    table_dtype: torch.dtype,
-    rope_type: str,
-    rope: list[float],
-    *,
-    scale: float,
-    num_query: int,
-    layer: int = 0,
-) -> Tensor:
-    """`rope_pos_kv_write` then `paged_attention` in one launch (kernels/paged_attention.py,
-    `rope_paged_attention`); the output in the cache's dtype."""
-    inv_freq = _rcs.cached_inv_freq((q.shape[-1], rope_type, tuple(rope)), q.device)
-    impl = _pa.rope_paged_attention if _use_triton(k_cache) else _pa.rope_paged_attention_ref
-    return impl(
-        q, k, v, positions, inv_freq, table_dtype, k_cache, v_cache, slot_mapping, block_table, seq_lens,
-        query_start_loc, scale=scale, num_query=num_query, layer=layer,
-    )  # fmt: skip
-
-
-@rope_paged_attention.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, k_cache: Tensor, *rest, **kwargs) -> Tensor:
-    return q.new_empty(q.shape, dtype=k_cache.dtype)  # contiguous, the cache's dtype

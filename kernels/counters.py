@@ -1,5 +1,5 @@
 """Zeroed int32 counters per device, for kernels whose last program to finish combines the others' partial
-results in the same launch (paged attention's fused reduction, skinny_linear's split reduction).
+results in the same launch (skinny_linear's split reduction, `SkinnyConfig.split_k`).
 
     zeroed_counters(device) -> Tensor [COUNTER_SLOTS] int32, or None while capturing before they exist
 

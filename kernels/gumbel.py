@@ -20,7 +20,6 @@ values from L2) and writes its block of probabilities, so a sample into a column
 """
 
 import math
-import os
 
 import torch
 import triton
@@ -36,24 +35,19 @@ DEFAULT_BLOCK = 2048  # tokens per program: 63 blocks at V = 128256, 16 tokens p
 # Vocabulary blocks a per-row reduction loads at once (NB_POW2, at most this; more blocks loop). Every
 # vocabulary of fspec's targets fits one load at DEFAULT_BLOCK (24 blocks at SmolLM2's 49152, 63 at 128256),
 # but NB grows with V / block: 2^24 tokens (philox.MAX_VOCAB) at 2048 per block are 8192 blocks, a [8192]
-# tile of each of five partials in every program; at a 4-token block (FSPEC_SAMPLING_BLOCK=4) 32768.
+# tile of each of five partials in every program; at a 4-token block 32768.
 MAX_REDUCE_BLOCKS = 256
 MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1 (the vocabulary blocks): the block grows to keep under it
 
 
 def launch_block(block: int | None) -> int:
-    """Tokens per program of the sampling kernels: `block`, else FSPEC_SAMPLING_BLOCK (a power of two >= 4;
-    for benchmarking other sizes), else DEFAULT_BLOCK."""
-    if block is not None:
-        if isinstance(block, bool) or not isinstance(block, int) or block < 4 or block & (block - 1):
-            raise ValueError(f"block: expected a power of two >= 4, got {block!r}")
-        return block
-    env = os.environ.get("FSPEC_SAMPLING_BLOCK")
-    if env is None:
+    """Tokens per program of the sampling kernels: `block` (a power of two >= 4; benchmarks sweep it through
+    the launchers' `block`), else DEFAULT_BLOCK."""
+    if block is None:
         return DEFAULT_BLOCK
-    if not env.isdigit() or int(env) < 4 or int(env) & (int(env) - 1):
-        raise ValueError(f"FSPEC_SAMPLING_BLOCK: expected a power of two >= 4, got {env!r}")
-    return int(env)
+    if isinstance(block, bool) or not isinstance(block, int) or block < 4 or block & (block - 1):
+        raise ValueError(f"block: expected a power of two >= 4, got {block!r}")
+    return block
 
 
 def vocab_blocks(v: int, block: int) -> tuple[int, int, int]:
@@ -393,7 +387,7 @@ def gumbel_sample(
     else:  # the statistics' pointers are never followed
         block_key, block_hot = scratch(torch.float32, logits.device, (n, nb), (n, nb))
         block_max = block_sum = block_key
-    launch = pdl.options(logits)  # one environment read for the call's launches
+    launch = pdl.options(logits)  # one device check for the call's launches
     _gumbel_block_kernel[(n, nb)](
         logits, logits.stride(0), temperature, seed, positions, block_key, block_token, block_max,
         block_sum, block_hot, v, nb, SALT=salt, WITH_STATS=into, BLOCK=block, FAST_LOG=logits.is_cuda,

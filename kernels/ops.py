@@ -16,8 +16,6 @@ kernel writes; callers pass whole buffers plus the column tensor, never views (p
                                 -> (tokens [B, K+1], num_accepted [B])
     fspec::skinny_linear        (x [M, K], w [N, K], norm_weight?, eps, silu_mul, residual?) -> [M, N]:
                                 x @ w.T for M <= 16, RMSNorm / SiLU * up first, + residual (skinny_linear.py)
-    fspec::skinny_linear_prefetch  (... the same, prefetch [tensors]) -> [M, N], then the L2 asked for the
-                                prefetch tensors (l2_prefetch.py)
     fspec::step_metadata        (start, count?, block_table, num_query, block_size, max_model_len, mode,
                                 steps) -> (positions, query_start_loc, seq_lens, slot_mapping)
                                 (kernels/step_metadata.py)
@@ -30,13 +28,10 @@ kernel writes; callers pass whole buffers plus the column tensor, never views (p
                                 each (kernels/value_flags.py)
 """
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 
 from . import attention_ops, gumbel, rejection  # noqa: F401  (attention_ops registers its ops)
-from . import l2_prefetch as _l2
 from . import rope_cos_sin as _rcs
 from . import skinny_linear as _sl
 from . import step_metadata as _sm
@@ -167,39 +162,6 @@ def _(
     residual: Tensor | None = None,
 ) -> Tensor:
     _sl.check_args(x, w, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=residual)
-    return x.new_empty((x.shape[0], w.shape[0] // 2 if silu_mul else w.shape[0]))
-
-
-@register("fspec::skinny_linear_prefetch", mutates_args=())
-def skinny_linear_prefetch(
-    x: Tensor,
-    w: Tensor,
-    norm_weight: Tensor | None,
-    eps: float,
-    silu_mul: bool,
-    residual: Tensor | None,
-    prefetch: Sequence[Tensor],
-) -> Tensor:
-    """`fspec::skinny_linear`, and then the L2 is asked for the `prefetch` tensors (weights a later kernel
-    reads: kernels/l2_prefetch.py; a hint, no effect on the result). A list argument cannot have a default
-    in an op schema, hence an op of its own."""
-    impl = _sl.skinny_linear if _use_triton(x) else _sl.skinny_linear_ref
-    kw = {"norm_weight": norm_weight, "eps": eps, "silu_mul": silu_mul, "residual": residual}
-    return impl(x, w, **kw, prefetch=prefetch)
-
-
-@skinny_linear_prefetch.register_fake
-def _(
-    x: Tensor,
-    w: Tensor,
-    norm_weight: Tensor | None,
-    eps: float,
-    silu_mul: bool,
-    residual: Tensor | None,
-    prefetch: Sequence[Tensor],
-) -> Tensor:
-    _sl.check_args(x, w, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=residual)
-    _l2.check_regions(prefetch, x.device)
     return x.new_empty((x.shape[0], w.shape[0] // 2 if silu_mul else w.shape[0]))
 
 

@@ -19,9 +19,7 @@ Design (flash-decoding with GQA packing):
   [split * partition, (split + 1) * partition). The number of splits is static (cache capacity / partition),
   so the grid never depends on seq_lens; programs whose partition starts at or past seq_len run no loop
   iteration and write max = -inf, which the reduce kernel weighs by exp2(-inf) = 0. With one split the main
-  kernel normalises and writes `out` itself (no reduce launch). With `fused_reduce` (opt-in until measured)
-  the last split of each tile to finish combines the partials in the same launch (an atomic counter per
-  tile, left at zero for the next launch; one stream at a time per device).
+  kernel normalises and writes `out` itself (no reduce launch).
 * Everything the launch depends on (B, num_query, max_blocks, block_size, config) is static; block_table,
   seq_lens, positions and query_start_loc are loaded inside the kernels, so the launch is CUDA-graph safe.
 * Under PDL (kernels/pdl.py), `early_kv` loads each program's first key tile of rows before the request's
@@ -36,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 import triton
@@ -46,10 +43,8 @@ from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
 from . import pdl
-from .counters import COUNTER_SLOTS, zeroed_counters
 from .kv_write import contiguous_layers, layer_view
 from .pdl import pdl_enter, pdl_release_then_wait
-from .rope_kv_write import _TL_DTYPES, _unit_stride, check_rope_positions, rope_pos_kv_write_ref
 
 LOG2E = 1.4426950408889634
 
@@ -68,13 +63,6 @@ class AttentionConfig:
         num_warps: warps per program of the main kernel.
         num_stages: software-pipelining stages of the key loop (GPU only).
         block_m: (query, head) rows per program, a power of two >= 16; None = num_query * group padded.
-        fused_reduce: with several splits, the last split of each (request, KV head) tile to finish combines
-            the partials itself (an atomic counter per tile) instead of a second launch; None = the
-            FSPEC_ATTN_FUSED_REDUCE switch (off unless "1": on the H200 it was slower, 20.5 µs against
-            8.1 + 1.5 for the two launches in a 1B draft step, its combine then a serial loop of dependent
-            loads over the splits; with the chunked combine of the live splits still ~20 µs there and 8.1
-            against 5.5 µs in a ~150-token decode: the counter's acquire-release and the combine's L2 loads
-            are a longer dependent chain than a launch; DESIGN-NOTES.md).
     """
 
     block_n: int = 64
@@ -82,7 +70,6 @@ class AttentionConfig:
     num_warps: int = 4
     num_stages: int = 2
     block_m: int | None = None
-    fused_reduce: bool | None = None
 
 
 # (max head_dim, max num_query, block_n, num_warps, num_stages); the first row that fits wins. Starting
@@ -103,9 +90,6 @@ _TILE_TABLE = (
 MIN_PARTITION, MAX_PARTITION = 64, 2048
 MAX_BLOCK_M = 64  # (query, head) rows per program; more rows go to further programs (prefill-sized num_query)
 PROGRAMS_PER_SM = 4  # split until the grid has about this many programs per SM (memory-level parallelism)
-COMBINE_VALUES_PER_THREAD = (
-    32  # the fused reduction's partial outputs in registers per load (`combine_chunk`)
-)
 MAX_GRID_YZ = 65535  # CUDA's limit on grid axes 1 and 2 (axis 0: 2^31 - 1); splits sit on axis 2
 # Query rows of a request whose positions an EARLY_KV program scans in one [NQ_POW2] load for its first new
 # position: every decode, draft and verification step (K + 1 <= 17). Beyond it (a prefill) the launch drops
@@ -148,43 +132,18 @@ def default_config(
     if partition is None:
         programs = batch * triton.cdiv(num_query * group, block_m) * kv_heads
         want = max(1, triton.cdiv(PROGRAMS_PER_SM * num_sms, programs))
-        splits = max(1, min(want, capacity // min_partition()), triton.cdiv(capacity, MAX_PARTITION))
+        splits = max(1, min(want, capacity // MIN_PARTITION), triton.cdiv(capacity, MAX_PARTITION))
         partition = triton.cdiv(capacity, splits)
     # splits are grid axis 2: at most MAX_GRID_YZ of them, whatever the capacity or the override
     partition = max(partition, triton.cdiv(capacity, MAX_GRID_YZ))
     partition = max(cfg.block_n, triton.cdiv(partition, cfg.block_n) * cfg.block_n)
-    fused = cfg.fused_reduce
-    if fused is None:
-        fused = os.environ.get("FSPEC_ATTN_FUSED_REDUCE") == "1"
-    return dataclasses.replace(cfg, block_m=block_m, partition=partition, fused_reduce=fused)
-
-
-def combine_chunk(splits: int, block_m: int, block_d: int, num_warps: int) -> int:
-    """Splits the fused reduction combines per load: all of them where their [chunk, BLOCK_M, BLOCK_D]
-    partial outputs fit in COMBINE_VALUES_PER_THREAD float32 values per thread, else the largest power of
-    two that does (at least 1)."""
-    fit = COMBINE_VALUES_PER_THREAD * 32 * num_warps // (block_m * block_d)
-    chunk = 1
-    while chunk * 2 <= min(triton.next_power_of_2(splits), fit):
-        chunk *= 2
-    return chunk
+    return dataclasses.replace(cfg, block_m=block_m, partition=partition)
 
 
 def reduce_chunk(splits: int, block_d: int) -> int:
     """Splits the reduce kernel combines per load (SPLITS_POW2): next_pow2(splits), at most
     REDUCE_TILE // block_d (256 at D = 64, 128 at D = 128: every context up to 8192 tokens is one load)."""
     return min(triton.next_power_of_2(splits), max(1, REDUCE_TILE // block_d))
-
-
-def min_partition() -> int:
-    """Smallest split of the heuristic: FSPEC_ATTN_MIN_PARTITION (a positive multiple of 16, for
-    benchmarking other splits), else MIN_PARTITION."""
-    env = os.environ.get("FSPEC_ATTN_MIN_PARTITION")
-    if env is None:
-        return MIN_PARTITION
-    if not env.isdigit() or int(env) < 16 or int(env) % 16:
-        raise ValueError(f"FSPEC_ATTN_MIN_PARTITION: expected a positive multiple of 16, got {env!r}")
-    return int(env)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,12 +156,11 @@ class LaunchPlan:
         m_tiles: programs per (request, KV head) along the (query, head) rows, cdiv(Q * group, block_m).
         block_d: next power of two >= max(D, 16).
         grid: (B * m_tiles, Nkv, S) of the main kernel.
-        reduce_grid: (T, N) of the reduce kernel, or None (one split, or the fused reduce).
+        reduce_grid: (T, N) of the reduce kernel, or None (one split).
         reduce_chunk: splits the reduce kernel combines per load (SPLITS_POW2; it loops over more).
-        combine_chunk: (fused reduce) splits combined per load (COMBINE_CHUNK).
         early_kv: whether the launch takes the early loads (asked for and Q <= MAX_EARLY_KV_QUERY).
-        nq_pow2: NQ_POW2, next power of two >= Q, where the rope write or the early loads read all Q rows
-            of a request at once (Q <= MAX_ROPE_WRITE_QUERY or MAX_EARLY_KV_QUERY), else 1.
+        nq_pow2: NQ_POW2, next power of two >= Q, where the early loads read all Q rows of a request at once
+            (Q <= MAX_EARLY_KV_QUERY), else 1.
     """
 
     config: AttentionConfig
@@ -212,7 +170,6 @@ class LaunchPlan:
     grid: tuple[int, int, int]
     reduce_grid: tuple[int, int] | None
     reduce_chunk: int
-    combine_chunk: int
     early_kv: bool
     nq_pow2: int
 
@@ -230,12 +187,9 @@ def launch_plan(
     num_sms: int = 132,
     config: AttentionConfig | None = None,
     early_kv: bool = False,
-    rope_write: bool = False,
-    fused_counters: bool = True,
 ) -> LaunchPlan:
     """Everything `paged_attention` launches from static sizes only: T query tokens of B requests, N / Nkv
-    heads of D, num_query rows per request, a block table of max_blocks blocks of block_size tokens.
-    `fused_counters`: the fused reduce's counters exist (False while capturing before they do)."""
+    heads of D, num_query rows per request, a block table of max_blocks blocks of block_size tokens."""
     group = heads // kv_heads
     capacity = max_blocks * block_size
     cfg = default_config(
@@ -245,23 +199,17 @@ def launch_plan(
     splits = triton.cdiv(capacity, cfg.partition)
     m_tiles = triton.cdiv(num_query * group, cfg.block_m)
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16: small heads pad to 16
-    fused = splits > 1 and cfg.fused_reduce and fused_counters and batch * m_tiles * kv_heads <= COUNTER_SLOTS
     early = early_kv and num_query <= MAX_EARLY_KV_QUERY
-    if rope_write and num_query > MAX_ROPE_WRITE_QUERY:
-        raise ValueError(
-            f"num_query: expected 1..{MAX_ROPE_WRITE_QUERY} with the rope write, got {num_query}"
-        )
     return LaunchPlan(
         config=cfg,
         splits=splits,
         m_tiles=m_tiles,
         block_d=block_d,
         grid=(batch * m_tiles, kv_heads, splits),
-        reduce_grid=(tokens, heads) if splits > 1 and not fused else None,
+        reduce_grid=(tokens, heads) if splits > 1 else None,
         reduce_chunk=reduce_chunk(splits, block_d),
-        combine_chunk=combine_chunk(splits, cfg.block_m, block_d, cfg.num_warps),
         early_kv=early,
-        nq_pow2=triton.next_power_of_2(num_query) if rope_write or early else 1,
+        nq_pow2=triton.next_power_of_2(num_query) if early else 1,
     )
 
 
@@ -271,110 +219,15 @@ def launch_plan(
 
 
 @triton.jit
-def _rope_cos_sin(pos, d, inv_freq_ptr, HEAD_DIM: tl.constexpr, TABLE_DTYPE: tl.constexpr):
-    """float32 (cos, sin) of pos * inv_freq[d mod D/2], rounded to the tables' dtype, as
-    kernels/rope_kv_write.py computes them (a negative position counts as 0): [BLOCK_D] for a scalar `pos`,
-    [R, BLOCK_D] for [R] positions."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    inv_freq = tl.load(inv_freq_ptr + tl.where(d < HALF, d, d - HALF), mask=d < HEAD_DIM, other=0.0)
-    p = tl.maximum(pos, 0).to(tl.float32)
-    if len(p.shape) == 0:
-        freqs = p * inv_freq
-    else:
-        freqs = p[:, None] * inv_freq[None, :]
-    return tl.cos(freqs).to(TABLE_DTYPE).to(tl.float32), tl.sin(freqs).to(TABLE_DTYPE).to(tl.float32)
-
-
-@triton.jit
-def _rope_apply(base, mask, d, cos, sin, HEAD_DIM: tl.constexpr):
-    """float32 [R, BLOCK_D] rows at base [R, 1] (element d at base + d) rotated by cos / sin ([BLOCK_D] or
-    [R, BLOCK_D]) as kernels/rope_kv_write.py rotates them: x * cos - partner * sin in the first half,
-    x * cos + partner * sin in the second, partner = the element D/2 away."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    first = d < HALF
-    partner = tl.where(first, d + HALF, d - HALF)
-    x = tl.load(base + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(base + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    if len(cos.shape) == 1:
-        cos = cos[None, :]
-        sin = sin[None, :]
-    return tl.where(first[None, :], x * cos - xp * sin, x * cos + xp * sin)
-
-
-@triton.jit
-def _rope_q_and_write_new_kv(
-    q_base,  # [BLOCK_M, 1] pointers to each row's un-rotated query head
-    pos,  # [BLOCK_M] int32 position of each row (-1: none)
-    row_ok,  # [BLOCK_M] live rows
-    k_new_ptr, v_new_ptr, slot_mapping_ptr, positions_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr,
-    q_start, q_count, kvh, split, partition, num_splits, stride_kt, stride_kh, stride_vt, stride_vh, d,
-    NUM_QUERY: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TABLE_DTYPE: tl.constexpr,
-    NQ_POW2: tl.constexpr,
-):  # fmt: skip
-    """The RoPE'd q rows (float32), after writing KV head `kvh` of request b's new tokens (rows q_start ..
-    q_start + q_count) whose position lies in this program's split (the last split for positions past the
-    splits; position < 0: the first) to the cache, RoPE'd k and v as the cache-write kernel would. Every key
-    a program reads is in its own split, so the new keys it reads are ones it wrote itself: a barrier orders
-    them (programs of other row tiles write the same bytes). Slot -1 writes nothing. With one query row per
-    request (decode), cos / sin are computed once per program and the write is a branch of its owner."""
-    d_ok = d < HEAD_DIM
-    if NUM_QUERY == 1:
-        tok = q_start.to(tl.int64)
-        p0 = tl.load(positions_ptr + tok, mask=q_count > 0, other=-1)
-        cos, sin = _rope_cos_sin(p0, d, inv_freq_ptr, HEAD_DIM, TABLE_DTYPE)  # [BLOCK_D]
-        slot = tl.load(slot_mapping_ptr + tok, mask=q_count > 0, other=-1)
-        owner = tl.minimum(tl.maximum(p0, 0) // partition, num_splits - 1)
-        if (slot >= 0) & (owner == split):
-            k = _rope_apply(k_new_ptr + tok * stride_kt + kvh * stride_kh + tl.zeros([1, 1], tl.int64),
-                            d_ok[None, :], d, cos, sin, HEAD_DIM)  # fmt: skip
-            row = slot * (KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM + d[None, :]  # [1, BLOCK_D] int64
-            tl.store(k_cache_ptr + row, k.to(k_cache_ptr.dtype.element_ty), mask=d_ok[None, :])
-            v = tl.load(v_new_ptr + tok * stride_vt + kvh * stride_vh + d[None, :], mask=d_ok[None, :])
-            tl.store(v_cache_ptr + row, v, mask=d_ok[None, :])
-            tl.debug_barrier()
-    else:
-        cos, sin = _rope_cos_sin(pos, d, inv_freq_ptr, HEAD_DIM, TABLE_DTYPE)  # [BLOCK_M, BLOCK_D]
-        j = tl.arange(0, NQ_POW2)
-        j_ok = j < q_count
-        jt = (q_start + j).to(tl.int64)
-        jpos = tl.load(positions_ptr + jt, mask=j_ok, other=-1)
-        slot = tl.load(slot_mapping_ptr + jt, mask=j_ok, other=-1)
-        owner = tl.minimum(tl.maximum(jpos, 0) // partition, num_splits - 1)
-        live = j_ok & (slot >= 0) & (owner == split)
-        jcos, jsin = _rope_cos_sin(jpos, d, inv_freq_ptr, HEAD_DIM, TABLE_DTYPE)
-        mask = live[:, None] & d_ok[None, :]
-        k = _rope_apply(k_new_ptr + jt[:, None] * stride_kt + kvh * stride_kh, mask, d, jcos, jsin, HEAD_DIM)
-        row = slot[:, None] * (KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM + d[None, :]  # int64
-        tl.store(k_cache_ptr + row, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        v = tl.load(v_new_ptr + jt[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=mask)
-        tl.store(v_cache_ptr + row, v, mask=mask)
-        tl.debug_barrier()
-    return _rope_apply(q_base, row_ok[:, None] & d_ok[None, :], d, cos, sin, HEAD_DIM)
-
-
-@triton.jit
 def _query_tile(
-    q_ptr, tok, head, pos, row_ok, d, d_ok, stride_qt, stride_qn, k_new_ptr, v_new_ptr, slot_mapping_ptr,
-    positions_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, q_start, q_count, kvh, split, partition,
-    num_splits, stride_kt, stride_kh, stride_vt, stride_vh, NUM_QUERY: tl.constexpr, KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, TABLE_DTYPE: tl.constexpr, NQ_POW2: tl.constexpr, ROPE_WRITE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    q_ptr, tok, head, row_ok, d, d_ok, stride_qt, stride_qn, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """The program's [BLOCK_M, BLOCK_D] query rows, in the dtype the dots take."""
-    if ROPE_WRITE:
-        # RoPE of q in registers, after the new tokens' K/V went into the cache (before any key is read)
-        q = _rope_q_and_write_new_kv(
-            q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qn, pos, row_ok,
-            k_new_ptr, v_new_ptr, slot_mapping_ptr, positions_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr,
-            q_start, q_count, kvh, split, partition, num_splits, stride_kt, stride_kh, stride_vt, stride_vh,
-            d, NUM_QUERY, KV_HEADS, HEAD_DIM, TABLE_DTYPE, NQ_POW2,
-        ).to(k_cache_ptr.dtype.element_ty)  # fmt: skip
-    else:
-        q = tl.load(
-            q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qn + d[None, :],
-            mask=row_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qn + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
     return q
@@ -430,15 +283,6 @@ def _paged_attention_kernel(
     part_m_ptr,  # [S, T, N] float32 out (splits): running max of the base-2 scores, -inf = no key
     part_l_ptr,  # [S, T, N] float32 out (splits): sum of exp2(score - max)
     part_acc_ptr,  # [S, T, N, D] float32 out (splits): unnormalised sum of exp2(score - max) * v
-    counter_ptr,  # [>= B * M_TILES * Nkv] int32, zero (FUSED_REDUCE): splits of each tile finished so far
-    k_new_ptr,  # [T, Nkv, D] (ROPE_WRITE) un-rotated keys of the query tokens, head-dim stride 1
-    v_new_ptr,  # [T, Nkv, D] (ROPE_WRITE) values of the query tokens in the cache's dtype, head-dim stride 1
-    slot_mapping_ptr,  # [T] int64 (ROPE_WRITE) cache slot of each query token; -1 = do not write
-    inv_freq_ptr,  # [D/2] float32 (ROPE_WRITE) RoPE's inverse frequencies
-    stride_kt,  # (ROPE_WRITE) elements between consecutive tokens of k_new
-    stride_kh,  # (ROPE_WRITE) elements between consecutive heads of k_new
-    stride_vt,  # (ROPE_WRITE) elements between consecutive tokens of v_new
-    stride_vh,  # (ROPE_WRITE) elements between consecutive heads of v_new
     stride_qt,  # elements between consecutive tokens of q
     stride_qn,  # elements between consecutive heads of q
     stride_ot,  # elements between consecutive tokens of out
@@ -454,16 +298,12 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,  # D
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     SPLIT: tl.constexpr,  # write partials for the reduce kernel (False: write out directly)
-    FUSED_REDUCE: tl.constexpr,  # (SPLIT) the tile's last split to finish combines the partials itself
     BLOCK_M: tl.constexpr,  # (query, head) rows per program, a power of two
     BLOCK_N: tl.constexpr,  # keys per loop iteration, a power of two
     BLOCK_D: tl.constexpr,  # next power of two >= max(D, 16)
     UPCAST: tl.constexpr,  # cast loaded q/K/V to float32 (interpreter, or float32 caches)
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
-    COMBINE_CHUNK: tl.constexpr = 1,  # (FUSED_REDUCE) splits combined per load, a power of two
-    ROPE_WRITE: tl.constexpr = False,  # q un-rotated; RoPE q and the new keys, write the new K/V first
-    TABLE_DTYPE: tl.constexpr = tl.float32,  # (ROPE_WRITE) the dtype RoPE's cos / sin tables would have
-    NQ_POW2: tl.constexpr = 1,  # (ROPE_WRITE, EARLY_KV) next power of two >= NUM_QUERY (`launch_plan`)
+    NQ_POW2: tl.constexpr = 1,  # (EARLY_KV) next power of two >= NUM_QUERY (`launch_plan`)
     EARLY_KV: tl.constexpr = False,  # load the first key tile's old rows before the PDL wait (see below)
     k_early_ptr=None,  # (EARLY_KV) the K cache the pre-wait loads read: k_cache_ptr but in tests
     v_early_ptr=None,  # (EARLY_KV) the V cache the pre-wait loads read: v_cache_ptr but in tests
@@ -509,12 +349,7 @@ def _paged_attention_kernel(
         k = tl.load(k_early_ptr + kv_off, mask=old, other=0.0)
         v = tl.load(v_early_ptr + kv_off, mask=old, other=0.0)
         pdl_enter(PDL)
-    q = _query_tile(
-        q_ptr, tok, head, pos, row_ok, d, d_ok, stride_qt, stride_qn, k_new_ptr, v_new_ptr, slot_mapping_ptr,
-        positions_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, q_start, q_count, kvh, split, partition,
-        num_splits, stride_kt, stride_kh, stride_vt, stride_vh,
-        NUM_QUERY, KV_HEADS, HEAD_DIM, TABLE_DTYPE, NQ_POW2, ROPE_WRITE, UPCAST,
-    )  # fmt: skip
+    q = _query_tile(q_ptr, tok, head, row_ok, d, d_ok, stride_qt, stride_qn, UPCAST)
     first = start
     if EARLY_KV:
         new = kv_ok & (n >= first_new)[:, None]
@@ -541,47 +376,6 @@ def _paged_attention_kernel(
         tl.store(
             part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=live[:, None] & d_ok[None, :]
         )
-        if FUSED_REDUCE:
-            # Every thread's stores above happen before the count (barrier, then a release at GPU scope);
-            # the program that sees count S - 1 acquires them all and combines the S partials as the reduce
-            # kernel does, then zeroes the counter for the next launch.
-            tile = tl.program_id(0) * KV_HEADS + kvh
-            tl.debug_barrier()
-            done = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if done == num_splits - 1:
-                tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
-                # Only splits that start before seq_len saw a key; they are combined COMBINE_CHUNK at a
-                # time (one load of their m, l and acc each), with the running max rescaled per chunk.
-                live_splits = tl.minimum(num_splits, (seq_len + partition - 1) // partition)
-                m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-                num = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-                den = tl.zeros([BLOCK_M], dtype=tl.float32)
-                for c0 in range(0, live_splits, COMBINE_CHUNK):
-                    sc = c0 + tl.arange(0, COMBINE_CHUNK)  # [CHUNK] splits
-                    ps = (sc[:, None] * T + tok[None, :]) * (KV_HEADS * GROUP) + head[None, :]  # [CHUNK, M]
-                    ok = (sc < live_splits)[:, None] & row_ok[None, :]
-                    m_s = tl.load(part_m_ptr + ps, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                    l_s = tl.load(part_l_ptr + ps, mask=ok, other=0.0, cache_modifier=".cg")
-                    live_s = ok & (m_s > float("-inf"))
-                    acc_s = tl.load(
-                        part_acc_ptr + ps[:, :, None] * HEAD_DIM + d[None, None, :],
-                        mask=live_s[:, :, None] & d_ok[None, None, :],
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )  # [CHUNK, M, BLOCK_D]
-                    m_new = tl.maximum(m_run, tl.max(m_s, axis=0))
-                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = tl.exp2(m_run - m_ref)  # 0 while nothing was combined
-                    w = tl.exp2(m_s - m_ref[None, :])  # 0 for splits without keys
-                    num = num * alpha[:, None] + tl.sum(acc_s * w[:, :, None], axis=0)
-                    den = den * alpha + tl.sum(tl.where(live_s, l_s * w, 0.0), axis=0)
-                    m_run = m_new
-                o = num / tl.where(den > 0, den, 1.0)[:, None]  # a row that saw no key (padding) -> 0
-                tl.store(
-                    out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_on + d[None, :],
-                    o.to(out_ptr.dtype.element_ty),
-                    mask=row_ok[:, None] & d_ok[None, :],
-                )
     else:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
@@ -615,7 +409,7 @@ def _paged_attention_reduce_kernel(
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
-    # SPLITS_POW2 splits per load, the running max rescaled per chunk (as the fused combine): the [S, D]
+    # SPLITS_POW2 splits per load, the running max rescaled per chunk: the [S, D]
     # tile of all splits at once grew with the context (a 128k-token cache has up to 528 splits: 528 x 128
     # float32 per program). With S <= SPLITS_POW2 (every context up to 8192 tokens) it is one iteration with
     # the arithmetic and the bits of the single load it replaces (alpha = 0 times zeros).
@@ -653,7 +447,7 @@ def _paged_attention_reduce_kernel(
 def check_config(cfg: AttentionConfig, *, cuda: bool) -> None:
     """ValueError naming the field unless the set fields are usable: block_n and block_m powers of two (at
     least 16 on a GPU, where they are tl.dot sizes), partition >= 1, num_warps a power of two <= 16,
-    num_stages >= 1, fused_reduce a bool or None."""
+    num_stages >= 1."""
     if not isinstance(cfg, AttentionConfig):
         raise ValueError(f"config: expected an AttentionConfig, got {type(cfg).__name__}")
     least = 16 if cuda else 1
@@ -667,7 +461,6 @@ def check_config(cfg: AttentionConfig, *, cuda: bool) -> None:
         ("partition", cfg.partition is None or _positive_int(cfg.partition), "None or an int >= 1"),
         ("num_warps", cfg.num_warps in (1, 2, 4, 8, 16) and _positive_int(cfg.num_warps), "1, 2, 4, 8 or 16"),
         ("num_stages", _positive_int(cfg.num_stages), "an int >= 1"),
-        ("fused_reduce", cfg.fused_reduce is None or isinstance(cfg.fused_reduce, bool), "None or a bool"),
     )
     for name, ok, expected in checks:
         if not ok:
@@ -693,15 +486,12 @@ def paged_attention(
     config: AttentionConfig | None = None,
     early_kv: bool = False,
     early_release: bool = False,
-    _rope_write: tuple | None = None,
     _early_cache: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Launch the kernels (see the module docstring) -> out [T, N, D] in q's dtype.
 
     Inputs are assumed validated (fspec.validate_attn_metadata); `config` overrides the heuristic (the
-    benchmark's sweep). Grid and launch arguments depend on static sizes only. `_rope_write` is
-    `rope_paged_attention`'s (k, v, slot_mapping, inv_freq, table_dtype): q is then un-rotated and the
-    output comes in the cache's dtype.
+    benchmark's sweep). Grid and launch arguments depend on static sizes only.
 
     `early_kv`: each program loads its first key tile's rows before the request's first query position
     ahead of its PDL wait (`EARLY_KV`), so their round trips overlap the kernel ahead. The caller vouches
@@ -721,8 +511,7 @@ def paged_attention(
     t, n, d = q.shape
     _, block_size, nkv, _ = kc.shape
     b, max_blocks = block_table.shape
-    out_dtype = q.dtype if _rope_write is None else kc.dtype  # rope_paged_attention: the cache's dtype
-    out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if t == 0 or b == 0:
         return out.zero_()
     if q.stride(-1) != 1:
@@ -736,15 +525,10 @@ def paged_attention(
     sizes = dict(
         tokens=t, batch=b, heads=n, kv_heads=nkv, head_dim=d, num_query=num_query, max_blocks=max_blocks,
         block_size=block_size, num_sms=_num_sms(q.device.index if q.is_cuda else None), config=config,
-        early_kv=early_kv, rope_write=_rope_write is not None,
+        early_kv=early_kv,
     )  # fmt: skip
     plan = launch_plan(**sizes)
     cfg, splits = plan.config, plan.splits
-    counters = None
-    if splits > 1 and plan.reduce_grid is None:
-        counters = zeroed_counters(q.device)  # None while capturing before they exist: two launches
-        if counters is None:
-            plan = launch_plan(**sizes, fused_counters=False)
     f32 = dict(dtype=torch.float32, device=q.device)
     part_m = torch.empty((splits, t, n), **f32) if splits > 1 else out
     part_l = torch.empty((splits, t, n), **f32) if splits > 1 else out
@@ -752,28 +536,20 @@ def paged_attention(
     # tl.dot needs one input dtype; the interpreter's bf16 arithmetic is garbage
     interpreted = isinstance(_paged_attention_kernel, InterpretedFunction)
     upcast = interpreted or out.dtype != kc.dtype or torch.float32 in (out.dtype, kc.dtype, vc.dtype)
-    launch = pdl.options(q)  # one environment read for the call's launches
-    if _rope_write is None:
-        kn = vn = slots = inv_freq = seq_lens  # unread
-        new_strides, rope = (0, 0, 0, 0), {}
-    else:
-        kn, vn, slots, inv_freq, table_dtype = _rope_write
-        new_strides = (kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1))
-        rope = dict(ROPE_WRITE=True, TABLE_DTYPE=_TL_DTYPES[table_dtype], NQ_POW2=plan.nq_pow2)
+    launch = pdl.options(q)  # one device check for the call's launches
+    early = {}
     if plan.early_kv:
         ke, ve = (kc, vc) if _early_cache is None else (layer_view(c, layer) for c in _early_cache)
-        rope = dict(rope, EARLY_KV=True, NQ_POW2=plan.nq_pow2, k_early_ptr=ke, v_early_ptr=ve)
+        early = dict(EARLY_KV=True, NQ_POW2=plan.nq_pow2, k_early_ptr=ke, v_early_ptr=ve)
     _paged_attention_kernel[plan.grid](
         q, kc, vc, block_table, seq_lens, positions, query_start_loc, out, part_m, part_l, part_acc,
-        seq_lens if counters is None else counters, kn, vn, slots, inv_freq, *new_strides,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         t, cfg.partition, splits, scale * LOG2E,
         NUM_QUERY=num_query, GROUP=group, KV_HEADS=nkv, HEAD_DIM=d, BLOCK_SIZE=block_size, SPLIT=splits > 1,
-        FUSED_REDUCE=counters is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=plan.block_d,
-        COMBINE_CHUNK=plan.combine_chunk,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=plan.block_d,
         UPCAST=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **launch, **rope,
+        **launch, **early,
     )  # fmt: skip
     if plan.reduce_grid is not None:
         _paged_attention_reduce_kernel[plan.reduce_grid](
@@ -786,79 +562,9 @@ def paged_attention(
     return out
 
 
-MAX_ROPE_WRITE_QUERY = 16  # rope_paged_attention's bound on query rows per request (decode, drafts, verify)
-
-
-def rope_paged_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    positions: Tensor,
-    inv_freq: Tensor,
-    table_dtype: torch.dtype,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    slot_mapping: Tensor,
-    block_table: Tensor,
-    seq_lens: Tensor,
-    query_start_loc: Tensor,
-    *,
-    scale: float,
-    num_query: int,
-    layer: int = 0,
-    config: AttentionConfig | None = None,
-) -> Tensor:
-    """`rope_pos_kv_write` and `paged_attention` in one launch -> out [T, N, D] in the cache's dtype.
-
-    q [T, N, D] and k [T, Nkv, D] come un-rotated (strided views of a fused projection are fine), v [T, Nkv,
-    D]; RoPE's cos / sin are computed from positions and inv_freq [D/2] and rounded to `table_dtype`, as
-    `rope_pos_kv_write` does. Each program rotates its q rows in registers and first writes the new tokens'
-    K/V of its KV head whose positions fall in its split (the only program that reads them), then attends
-    as `paged_attention`: the cache write's launch and its round trip before the attention are gone. For
-    num_query <= MAX_ROPE_WRITE_QUERY (a decode step, a draft step, a verification)."""
-    kc = layer_view(k_cache, layer)
-    check_rope_positions(q, k, v, kc, slot_mapping, positions, inv_freq, table_dtype)
-    if not 1 <= num_query <= MAX_ROPE_WRITE_QUERY:
-        raise ValueError(f"num_query: expected 1..{MAX_ROPE_WRITE_QUERY}, got {num_query}")
-    k, v = _unit_stride(k), _unit_stride(v.to(kc.dtype))  # v cast on the host, as the cache write does
-    new = (k, v, slot_mapping.contiguous(), inv_freq.float().contiguous(), table_dtype)
-    return paged_attention(
-        q, k_cache, v_cache, block_table, seq_lens, positions, query_start_loc,
-        scale=scale, num_query=num_query, layer=layer, config=config, _rope_write=new,
-    )  # fmt: skip
-
-
 # ----------------------------------------------------------------------------------------------------------
 # PyTorch reference
 # ----------------------------------------------------------------------------------------------------------
-
-
-def rope_paged_attention_ref(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    positions: Tensor,
-    inv_freq: Tensor,
-    table_dtype: torch.dtype,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    slot_mapping: Tensor,
-    block_table: Tensor,
-    seq_lens: Tensor,
-    query_start_loc: Tensor,
-    *,
-    scale: float,
-    num_query: int,
-    layer: int = 0,
-) -> Tensor:
-    """The reference of `rope_paged_attention`: `rope_pos_kv_write_ref`, then `paged_attention_ref`."""
-    q_rot = rope_pos_kv_write_ref(
-        q, k, v, positions, inv_freq, table_dtype, k_cache, v_cache, slot_mapping, layer=layer
-    )
-    return paged_attention_ref(
-        q_rot, k_cache, v_cache, block_table, seq_lens, positions, query_start_loc,
-        scale=scale, num_query=num_query, layer=layer,
-    )  # fmt: skip
 
 
 def paged_attention_ref(

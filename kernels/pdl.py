@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for fspec's kernels: on by default on Hopper, FSPEC_PDL=0 turns it off.
+"""Programmatic dependent launch (PDL) for fspec's kernels: on wherever the device has it (Hopper or later).
 
 A kernel launched with the PDL attribute may be scheduled before the kernel ahead of it in the stream has
 finished: once every program of the earlier kernel has executed `griddepcontrol.launch_dependents` (or
@@ -29,14 +29,11 @@ only once all its programs run, so an early successor never holds the SMs a pred
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-
-ENV = "FSPEC_PDL"
 
 
 @functools.cache
@@ -52,11 +49,8 @@ def _hopper_or_later(device_index: int) -> bool:
 
 def enabled(t: Tensor) -> bool:
     """`t` on a CUDA device of compute capability 9.0 or later (never the interpreter: its tensors are on
-    the CPU), unless FSPEC_PDL=0."""
-    env = os.environ.get(ENV)
-    if env not in (None, "0", "1"):
-        raise ValueError(f"{ENV}: expected '0' or '1', got {env!r}")
-    return env != "0" and t.is_cuda and _hopper_or_later(t.device.index or 0)
+    the CPU)."""
+    return t.is_cuda and _hopper_or_later(t.device.index or 0)
 
 
 def options(t: Tensor) -> dict:

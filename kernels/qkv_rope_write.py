@@ -112,7 +112,7 @@ def qkv_rope_write(
     launch = {} if interpreted else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
     _skinny_gemv_kernel[(rows // cfg.block_n, 1)](
-        x, w, y, norm, y, y, y, rows, k, k_split, float(eps), w.stride(0), y, 0, y, 0, y, 0,
+        x, w, y, norm, y, y, y, rows, k, k_split, float(eps), w.stride(0),
         positions, inv_freq.float().contiguous(), slot_mapping, kc, vc, q_cols, kv_cols,
         BLOCK_N=cfg.block_n, BLOCK_K=block_k, NORM=norm_weight is not None, ONE_TILE=one_tile,
         NORM_BLOCK=norm_block(k, cfg.num_warps) if norm_weight is not None else 16,

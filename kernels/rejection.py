@@ -410,7 +410,7 @@ def rejection_sample(
     )
     block_token, res_token, p_token, greedy = scratch(torch.int64, dev, (r, nb), (b, nb), (b, nb), (r,))
     sb, sk = target_logits.stride(0), target_logits.stride(1)
-    launch = pdl.options(target_logits)  # one environment read for the call's launches
+    launch = pdl.options(target_logits)  # one device check for the call's launches
     _rejection_stats_kernel[(r, nb)](
         target_logits, sb, sk, temperature, block_max, block_sum, block_token, block_raw, v, nb, k1,
         BLOCK=block,

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 
 import torch
 import triton
@@ -43,9 +42,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
-from . import l2_prefetch, pdl
+from . import pdl
 from .counters import COUNTER_SLOTS, zeroed_counters
-from .l2_prefetch import CHUNK_CONSTEXPR, prefetch_regions
 from .pdl import pdl_enter
 
 MAX_ROWS = 16  # rows of x one program handles (one tl.dot tile); callers fall back to F.linear above it
@@ -209,12 +207,6 @@ def _skinny_gemv_kernel(
     K_SPLIT,  # reduction depth of one split, a multiple of BLOCK_K (K when SPLIT_K = 1)
     eps,  # (NORM) RMSNorm epsilon
     stride_wn,  # elements between rows of w
-    pf0_ptr,  # (PREFETCH >= 1) the first range the L2 is asked for after the product (kernels/l2_prefetch.py)
-    pf0_bytes,  # its length in bytes
-    pf1_ptr,  # (PREFETCH >= 2) the second range
-    pf1_bytes,
-    pf2_ptr,  # (PREFETCH >= 3) the third range
-    pf2_bytes,
     positions_ptr,  # (ROPE_HEAD_DIM) [1] int: the row's position (negative: padding, rotated as position 0)
     inv_freq_ptr,  # (ROPE_HEAD_DIM) [D/2] float32: RoPE's inverse frequencies
     slot_ptr,  # (ROPE_HEAD_DIM) [1] int64: the row's cache slot; negative: nothing written
@@ -232,7 +224,6 @@ def _skinny_gemv_kernel(
     SPLIT_K: tl.constexpr = 1,  # programs per column block, each over K_SPLIT inputs (a power of two)
     NORM_BLOCK: tl.constexpr = 16,  # (NORM) x values per load of the RMS pass (K's next power of two if
     # registers allow: one L2 round trip instead of K / BLOCK_K dependent ones)
-    PREFETCH: tl.constexpr = 0,  # ranges (pf*) to prefetch into the L2 once the program's result is stored
     ROPE_HEAD_DIM: tl.constexpr = 0,  # D > 0: a fused q/k/v product; RoPE and the cache write as epilogue
     TABLE_DTYPE: tl.constexpr = tl.float32,  # (ROPE_HEAD_DIM) the dtype RoPE's cos / sin tables would have
 ):
@@ -249,10 +240,6 @@ def _skinny_gemv_kernel(
     after a barrier), and the program that sees the count reach SPLIT_K - 1 sums the SPLIT_K partials in
     one fixed order (deterministic: the same bits whichever split finishes last), resets the counter and
     applies the epilogue.
-
-    PREFETCH > 0: after its store each program asks the L2 for its share of up to three weight ranges that a
-    later kernel reads (kernels/l2_prefetch.py: the layer's o and gate/up while the attention runs, the next
-    step's q/k/v while the sampling runs).
 
     ROPE_HEAD_DIM = D > 0 (kernels/qkv_rope_write.py): w is a layer's fused [q; k; v] projection and the
     epilogue does what `rope_pos_kv_write` would do next: q and k rotated (rotate-half RoPE, cos / sin from
@@ -344,11 +331,6 @@ def _skinny_gemv_kernel(
                 ups = tl.load(parts + SPLIT_K * N, mask=n_ok[None, :], other=0.0, cache_modifier=".cg")
                 part_up = tl.sum(ups, axis=0)
             _gemv_epilogue(part, part_up, n, n_ok, y_ptr, res_ptr, SILU, RESIDUAL)
-    nprog = tl.num_programs(0) * tl.num_programs(1)
-    pid = split * tl.num_programs(0) + pid_n
-    prefetch_regions(
-        pf0_ptr, pf0_bytes, pf1_ptr, pf1_bytes, pf2_ptr, pf2_bytes, pid, nprog, PREFETCH, CHUNK_CONSTEXPR
-    )
 
 
 @triton.jit
@@ -647,16 +629,12 @@ def skinny_linear(
     silu_mul: bool = False,
     residual: Tensor | None = None,
     config: SkinnyConfig | None = None,
-    prefetch: Sequence[Tensor] = (),
 ) -> Tensor:
     """x [M, K] @ w [N, K].T -> [M, N] in x's dtype, M <= MAX_ROWS (`check_args`), with optional fusions:
     `norm_weight` applies RMSNorm (eps) to x first, `silu_mul` takes w = [w_gate; w_up] [2N, K] and returns
     silu(x @ w_gate.T) * (x @ w_up.T) [M, N], `residual` [M, N] is added to the result (see
-    `skinny_linear_ref`). `prefetch`: up to three contiguous tensors (weights a later kernel reads) that the
-    one-row kernel asks the L2 for once its products are stored (`l2_prefetch.check_regions`); a hint with
-    no effect on the result, issued only where `l2_prefetch.enabled` and for one row."""
+    `skinny_linear_ref`)."""
     check_args(x, w, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=residual)
-    l2_prefetch.check_regions(prefetch, x.device)
     m = x.shape[0]
     rows, k = w.shape
     n = rows // 2 if silu_mul else rows
@@ -695,7 +673,6 @@ def skinny_linear(
         if counters is None:  # one program per column block (also while capturing before the counters exist)
             cfg = dataclasses.replace(cfg, split_k=1)
         block_k, one_tile, k_split = gemv_block_k(cfg, k, silu_mul=silu_mul)
-        regions = list(prefetch) if l2_prefetch.enabled(x) else []
         parts = y
         if cfg.split_k > 1:
             parts = torch.empty(
@@ -703,11 +680,11 @@ def skinny_linear(
             )
         _skinny_gemv_kernel[(blocks, cfg.split_k)](
             x, w, y, norm, y if res is None else res, parts, y if counters is None else counters, n, k,
-            k_split, float(eps), w.stride(0), *l2_prefetch.region_args(regions, w), y, y, y, y, y, 0, 0,
+            k_split, float(eps), w.stride(0), y, y, y, y, y, 0, 0,
             BLOCK_N=cfg.block_n, BLOCK_K=block_k, NORM=norm_weight is not None, SILU=silu_mul,
             RESIDUAL=res is not None, ONE_TILE=one_tile, SPLIT_K=cfg.split_k,
             NORM_BLOCK=norm_block(k, cfg.num_warps) if norm_weight is not None else 16,
-            PREFETCH=len(regions), **launch, **pdl.options(x),
+            **launch, **pdl.options(x),
         )  # fmt: skip
         return y
     _skinny_linear_kernel[(triton.cdiv(n, cfg.block_n),)](
@@ -728,14 +705,11 @@ def skinny_linear_ref(
     eps: float = 1e-6,
     silu_mul: bool = False,
     residual: Tensor | None = None,
-    prefetch: Sequence[Tensor] = (),
 ) -> Tensor:
     """The reference: the unfused PyTorch ops of a Llama layer (RMSNorm in float32 as
     fspec.models.layers.rms_norm; float32 accumulation of x @ w.T cast to x's dtype; `F.silu(gate) * up` of
-    its two halves; `residual + y`). `prefetch` is checked as the kernel's launcher checks it, and has no
-    effect."""
+    its two halves; `residual + y`)."""
     check_args(x, w, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=residual)
-    l2_prefetch.check_regions(prefetch, x.device)
     if norm_weight is not None:
         x32 = x.float()
         x = norm_weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

@@ -53,11 +53,15 @@ def test_shipped_head_speculates_losslessly_and_accepts_on_a_held_out_chat(smoll
     assert spec.stats["acceptance_length"] > 1.3
 
 
-def test_tiny_recipe_builds_a_head_that_loads_and_generates(tmp_path: Path):
+def test_tiny_recipe_builds_a_head_that_loads_and_generates(tmp_path: Path, monkeypatch):
     """`--tiny`: prompts answered by the target, a stream, a few distillation steps, a bf16 head that loads
-    back with `load_default(path)`, and held-out acceptance in the log for every set."""
-    assert default_model.main(["--tiny", "--out", str(tmp_path), "--device", "cpu"]) == 0
+    back with `load_default(path)`, and held-out acceptance in the log for every set. With `--stream FILE`
+    the stream is kept there, and a second build reads it instead of answering again."""
+    stream = tmp_path / "stream.pt"
+    args = ["--tiny", "--device", "cpu", "--stream", str(stream)]
+    assert default_model.main([*args, "--out", str(tmp_path)]) == 0
     log = json.loads((tmp_path / "train_log.json").read_text())
+    assert stream.is_file()
     r = default_model.TINY
     assert log["prompts"]["given"] == r.train_prompts and 0 < log["prompts"]["kept"] <= r.train_prompts
     assert 0 < log["answers"]["new_tokens"] <= r.new_tokens * log["prompts"]["kept"]
@@ -73,24 +77,13 @@ def test_tiny_recipe_builds_a_head_that_loads_and_generates(tmp_path: Path):
     assert head.cfg.draft_vocab_size == r.draft_vocab_size and head.params["fc"].dtype == torch.float32
     assert int(head.params["t2d"].sum()) == r.draft_vocab_size
 
-
-def test_a_kept_stream_is_read_back_instead_of_answering_again(tmp_path: Path, monkeypatch):
-    """`--stream FILE`: the first build writes the training stream there; a second build reads it and never
-    calls `answers` (it would raise), and trains on the same number of tokens."""
-    stream = tmp_path / "stream.pt"
-    args = ["--tiny", "--device", "cpu", "--stream", str(stream)]
-    assert default_model.main([*args, "--out", str(tmp_path / "a")]) == 0
-    first = json.loads((tmp_path / "a" / "train_log.json").read_text())
-    assert stream.is_file()
-
     def no_answers(*a, **k):
         raise AssertionError("answers() called although the stream file exists")
 
     monkeypatch.setattr(default_model, "answers", no_answers)
-    assert default_model.main([*args, "--out", str(tmp_path / "b")]) == 0
-    second = json.loads((tmp_path / "b" / "train_log.json").read_text())
-    assert second["stream_tokens"] == first["stream_tokens"] > 0
-    assert second["answers"]["read_from"] == str(stream)
+    assert default_model.main([*args, "--out", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again" / "train_log.json").read_text())
+    assert again["stream_tokens"] == log["stream_tokens"] > 0 and again["answers"]["read_from"] == str(stream)
 
 
 def test_load_default_names_a_missing_head_directory(tmp_path: Path):

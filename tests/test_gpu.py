@@ -218,8 +218,9 @@ def test_same_seeds_give_the_same_tokens_on_gpu_across_runs_and_batch_compositio
 def test_draft_loop_with_and_without_pdl_gives_identical_results(monkeypatch):
     """Programmatic dependent launch changes when kernels start, never what they compute: an eager propose
     (paged attention, RoPE + cache write, step metadata and the Gumbel kernels, each launched back to back
-    after the kernel it reads from) gives bit-identical tokens, probabilities and cache with FSPEC_PDL=0 and
-    with the default (on, on an H200)."""
+    after the kernel it reads from) gives bit-identical tokens, probabilities and cache with PDL (the
+    default on an H200) and without it (the launches of a device before Hopper: `_hopper_or_later` says
+    no)."""
     from fspec.kernels import pdl
 
     target = tiny_target()
@@ -227,16 +228,16 @@ def test_draft_loop_with_and_without_pdl_gives_identical_results(monkeypatch):
     params = fspec.tree.tree_map(lambda p: p.detach().cuda(), draft.params)
     sc = scenario(draft, context_lens=[3, 9, 14], live=[2, 5, 1], temperature=[0.0, 1.0, 0.7], seed=4)
     state = fspec.tree.tree_map(lambda x: x.cuda(), sc.state)
-    results = {}
-    for switch in ("0", None):
-        if switch is None:
-            monkeypatch.delenv(pdl.ENV, raising=False)
-        else:
-            monkeypatch.setenv(pdl.ENV, switch)
-        hopper = torch.cuda.get_device_capability()[0] >= 9
-        assert pdl.enabled(state.draft_tokens) == (switch is None and hopper)
+
+    def run() -> tuple:
         cache = fspec.KVCache(k=sc.cache.k.cuda(), v=sc.cache.v.cuda())
         out, cache = fspec.propose(params, state, cache, cfg=draft.cfg)
-        results[switch] = (out.draft_tokens, out.draft_probs, cache.k, cache.v)
-    for off, on in zip(results["0"], results[None]):
+        return out.draft_tokens, out.draft_probs, cache.k, cache.v
+
+    with monkeypatch.context() as m:
+        m.setattr(pdl, "_hopper_or_later", lambda device_index: False)
+        assert not pdl.enabled(state.draft_tokens)
+        without = run()
+    assert pdl.enabled(state.draft_tokens) == (torch.cuda.get_device_capability()[0] >= 9)
+    for off, on in zip(without, run()):
         assert torch.equal(off, on)

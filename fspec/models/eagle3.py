@@ -152,9 +152,5 @@ def pre_logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Te
 
 
 def logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
-    """[..., Vd] logits over the DRAFT vocabulary: lm_head(norm(out)). A one-row product asks the L2 for the
-    leading rows of the layer's fused q/k/v (`L.l2_prefetch_budget`), which the next draft step reads after
-    the sampling."""
-    qkv = params["layer"].get("qkv")
-    ahead = L.leading_rows(qkv, L.l2_prefetch_budget()) if qkv is not None else []
-    return L.linear(pre_logits(params, out, cfg=cfg), params["lm_head"], prefetch=ahead)
+    """[..., Vd] logits over the DRAFT vocabulary: lm_head(norm(out))."""
+    return L.linear(pre_logits(params, out, cfg=cfg), params["lm_head"])

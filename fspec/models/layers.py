@@ -13,58 +13,35 @@ convention (the HF checkpoint layout, not the interleaved one of Meta's original
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 
 from fspec.attention import Attend
-from fspec.config import ModelConfig, env_choice
+from fspec.config import ModelConfig
 from fspec.kernels.ops import call
 from fspec.kernels.rope_cos_sin import inv_freq
 
 SKINNY_ROWS = 16  # fspec::skinny_linear's row limit (kernels/skinny_linear.py MAX_ROWS)
-# widest weight (output features) routed to it: wider ones (gate/up, LM heads) cuBLAS reads within 1-12% of
-# the floor, where the sweep's best skinny config is no faster (benchmarks/results/skinny_linear.json)
-SKINNY_MAX_OUT = 8192
-SKINNY_DEEP_K = 4096  # FSPEC_SKINNY_LINEAR=deep: shortest reduction routed
-# FSPEC_SKINNY_LINEAR=row: widest weight routed for one row (the widest of the one-row sweep, an EAGLE-3
-# head's 32000-token draft vocabulary, 31.7 vs cuBLAS 33.2 us; target LM heads, 128k outputs, stay with
-# cuBLAS: benchmarks/results/skinny_linear_one_row.json)
+# widest weight routed for one row (the widest of the one-row sweep, an EAGLE-3 head's 32000-token draft
+# vocabulary, 31.7 vs cuBLAS 33.2 us; target LM heads, 128k outputs, stay with cuBLAS:
+# benchmarks/results/skinny_linear_one_row.json)
 SKINNY_ROW_MAX_OUT = 32768
-SKINNY_MODES = ("0", "1", "deep", "row", "rowdeep")
-L2_PREFETCH_ENV = "FSPEC_L2_PREFETCH"  # MiB of weights a one-row product asks the L2 for (0: none)
-L2_PREFETCH_DEFAULT_MIB = 0
-
-
-def skinny_mode() -> str:
-    """FSPEC_SKINNY_LINEAR: 'row' (the default, also when unset: table `switches`, run i) one-row products
-    (batch-1 decode and draft steps) of at most SKINNY_ROW_MAX_OUT outputs; '0' off; '1' every weight of at
-    most SKINNY_MAX_OUT outputs; 'deep' of these only long reductions; 'rowdeep' both 'row' and 'deep'.
-    Anything else is a ValueError naming it."""
-    return env_choice("FSPEC_SKINNY_LINEAR", SKINNY_MODES, "row")
 
 
 def use_skinny_linear(x: torch.Tensor, w: torch.Tensor, *, cuda: bool | None = None) -> bool:
-    """Whether `linear` routes x @ w.T to `fspec::skinny_linear` (`skinny_mode`): FSPEC_SKINNY_LINEAR=1:
-    weights of at most SKINNY_MAX_OUT output features; =deep: of these, only long reductions, at least
-    SKINNY_DEEP_K input features and no fewer than output features (a 1B target's down projection, an
-    EAGLE-3 head's q/k/v, o (8B) and down, where the H200 sweep has the tile kernel ahead of cuBLAS); =row:
-    one row of x (the one-row CUDA-core kernel, ahead of cuBLAS at every one-row shape of the sweep but one)
-    and at most SKINNY_ROW_MAX_OUT output features; =rowdeep: 'row' or 'deep'. Always on CUDA, for at most
-    16 rows of x (decode, verification and draft steps at small batch), same floating dtype, and no autograd
-    through it (training keeps F.linear). Decided when a graph is traced."""
-    if not (x.is_cuda if cuda is None else cuda):  # before the environment read: per product, per layer
+    """Whether `linear` routes x @ w.T to `fspec::skinny_linear`: one row of x (batch-1 decode and draft
+    steps: the one-row CUDA-core kernel, ahead of cuBLAS at every one-row shape of the H200 sweep but one;
+    table `switches`, run i) and a 2-d weight of at most SKINNY_ROW_MAX_OUT output features, x and w of one
+    floating dtype, on CUDA, no autograd through it (training keeps F.linear). Several rows (verification,
+    a round's first draft step, batches) keep cuBLAS, which the tile kernels did not beat there
+    (docs/experiments.md). Decided when a graph is traced."""
+    if not (x.is_cuda if cuda is None else cuda):  # first: per product, per layer
         return False
-    mode = skinny_mode()
-    if mode == "0" or w.dim() != 2:
+    if w.dim() != 2 or math.prod(x.shape[:-1]) != 1 or w.shape[0] > SKINNY_ROW_MAX_OUT:
         return False
-    n, k = w.shape
-    deep = k >= max(SKINNY_DEEP_K, n) and n <= SKINNY_MAX_OUT
-    one_row = math.prod(x.shape[:-1]) == 1 and n <= SKINNY_ROW_MAX_OUT
-    routed = {"1": n <= SKINNY_MAX_OUT, "deep": deep, "row": one_row, "rowdeep": one_row or deep}[mode]
-    return routed and x.dtype == w.dtype and _skinny_inference(x, w, cuda=cuda)
+    return x.dtype == w.dtype and _skinny_inference(x, w, cuda=cuda)
 
 
 def _skinny_inference(x: torch.Tensor, w: torch.Tensor, *, cuda: bool | None) -> bool:
@@ -83,56 +60,13 @@ def _skinny_inference(x: torch.Tensor, w: torch.Tensor, *, cuda: bool | None) ->
     return cuda and 0 < rows <= SKINNY_ROWS and x.dtype in dtypes and not grad and unit
 
 
-def linear(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, prefetch: list[torch.Tensor] = ()
-) -> torch.Tensor:
-    """F.linear(x, w, b), through `fspec::skinny_linear` where `use_skinny_linear` says so; `prefetch`
-    (weights read after this product, `l2_prefetch_budget`) goes to `fspec::skinny_linear_prefetch` for one
-    row of x, and is dropped otherwise (a hint)."""
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, b), through `fspec::skinny_linear` where `use_skinny_linear` says so."""
     if not use_skinny_linear(x, w):
         return F.linear(x, w, b)
-    rows = x.reshape(-1, x.shape[-1])
-    if prefetch and rows.shape[0] == 1:
-        y = call("skinny_linear_prefetch", rows, w, None, 1e-6, False, None, list(prefetch))
-    else:
-        y = call("skinny_linear", rows, w)
+    y = call("skinny_linear", x.reshape(-1, x.shape[-1]), w)
     y = y.reshape(*x.shape[:-1], w.shape[0])
     return y if b is None else y + b
-
-
-def l2_prefetch_budget() -> int:
-    """FSPEC_L2_PREFETCH: MiB of the weights read after a latency-bound stretch (the attention, the
-    sampling) that the one-row product before it asks the L2 for (kernels/l2_prefetch.py); 0 turns the
-    prefetches off; unset: L2_PREFETCH_DEFAULT_MIB. Returns bytes. Anything but an int in [0, 64] is a
-    ValueError naming the variable (the H200's L2 is 50 MiB). Decided when a graph is traced."""
-    env = os.environ.get(L2_PREFETCH_ENV, str(L2_PREFETCH_DEFAULT_MIB))
-    if not env.isdigit() or int(env) > 64:
-        raise ValueError(f"{L2_PREFETCH_ENV}: expected an integer number of MiB in [0, 64], got {env!r}")
-    return int(env) << 20
-
-
-def leading_rows(w: torch.Tensor, budget: int) -> list[torch.Tensor]:
-    """[w[:r]]: the most leading rows of w that fit `budget` bytes (all of w if it fits); [] for none."""
-    row = w[0].numel() * w.element_size() if w.dim() == 2 and w.shape[0] else 0
-    r = min(w.shape[0], budget // row) if row else 0
-    return [w[:r]] if r else []
-
-
-def prefetch_after_qkv(p: dict, budget: int | None = None) -> list[torch.Tensor]:
-    """What a layer's q/k/v product asks the L2 for (`l2_prefetch_budget` bytes unless `budget`): o whole,
-    then as many leading rows of gate/up's two halves as the rest allows, as many of each (a program of the
-    gate/up kernel reads the same rows of both), for a layer with fused "o" and "gate_up"; else []. The
-    order of the kernels that read them: o first, gate/up's low programs next."""
-    budget = l2_prefetch_budget() if budget is None else budget
-    if budget <= 0 or "o" not in p or "gate_up" not in p:
-        return []
-    o = leading_rows(p["o"], budget)
-    rest = budget - (o[0].numel() * o[0].element_size() if o else 0)
-    if not o or o[0].shape[0] < p["o"].shape[0]:
-        return o
-    gate, up = p["gate_up"].chunk(2, dim=0)
-    half = leading_rows(gate, rest // 2)
-    return o + half + ([up[: half[0].shape[0]]] if half else [])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -196,11 +130,10 @@ def project_qkv(
     `attend` applies it).
 
     A fused layer (`fuse_projections`) computes all three with one matmul over its "qkv" weight; q, k and v
-    are then views of that one output, which the paged backend's kernel reads in place. Its one-row product
-    asks the L2 for the weights read after the attention (`prefetch_after_qkv`).
+    are then views of that one output, which the paged backend's kernel reads in place.
     """
     if "qkv" in p:
-        qkv = linear(x, p["qkv"], p.get("qkv_bias"), prefetch=prefetch_after_qkv(p) if x.is_cuda else [])
+        qkv = linear(x, p["qkv"], p.get("qkv_bias"))
         q, k, v = qkv.split(qkv_sizes(cfg), dim=-1)
     else:
         q = linear(x, p["q"], p.get("q_bias"))
@@ -368,25 +301,17 @@ def decoder_layer(
     return h + mlp(p, rms_norm(h, p["post_norm"], cfg.rms_norm_eps))
 
 
-def _fused_rows(x: torch.Tensor) -> bool:
-    """FSPEC_FUSED_LAYER for x's rows: 'row' (the default) one row, '1' any (up to 16, `_skinny_inference`),
-    '0' none; any other value is a ValueError naming the variable."""
-    mode = env_choice("FSPEC_FUSED_LAYER", ("0", "1", "row"), "row")
-    return mode == "1" or (mode == "row" and math.prod(x.shape[:-1]) == 1)
-
-
 def use_fused_layer(p: dict, x: torch.Tensor, cfg: ModelConfig, *, cuda: bool | None = None) -> bool:
-    """Whether a pre-norm layer runs as `fused_decoder_layer`: FSPEC_FUSED_LAYER=row (the default, also when
-    unset: table `switches`, run j) for one row of x, a batch-1 decode or draft step, where the one-row
-    kernel runs it, so that verification's K + 1 rows keep the unfused layer; =1 for 1..16 rows; =0 never;
-    for a layer with fused projections ("qkv", "gate_up"), a post-attention norm, no biases and no q/k
-    norm, its weights and norms in x's dtype (the input norm too where the layer has one: an EAGLE head's
-    first layer has none, and `decoder_layer` fuses only what follows its attention), and the conditions of
-    `use_skinny_linear` for x (CUDA, 1..16 rows, inference), wide weights included. Decided when a graph is
-    traced. Any other value of the variable than unset, 0, 1 and row is a ValueError naming it."""
-    if not (x.is_cuda if cuda is None else cuda):  # the kernel's device; decided before any env read
+    """Whether a pre-norm layer runs as `fused_decoder_layer`: for one row of x, a batch-1 decode or draft
+    step, where the one-row kernel runs it (table `switches`, run j), so that verification's K + 1 rows keep
+    the unfused layer; for a layer with fused projections ("qkv", "gate_up"), a post-attention norm, no
+    biases and no q/k norm, its weights and norms in x's dtype (the input norm too where the layer has one:
+    an EAGLE head's first layer has none, and `decoder_layer` fuses only what follows its attention), and
+    the conditions of `use_skinny_linear` for x (CUDA, inference), wide weights included. Decided when a
+    graph is traced."""
+    if not (x.is_cuda if cuda is None else cuda):  # the kernel's device, first
         return False
-    if not _fused_rows(x):
+    if math.prod(x.shape[:-1]) != 1:
         return False
     if "qkv" not in p or "gate_up" not in p or "qkv_bias" in p or "o_bias" in p or cfg.qk_norm:
         return False
@@ -419,11 +344,7 @@ def fused_decoder_layer(
     out = _qkv_rope_attention(p, x, p["input_norm"], attend, cfg=cfg, layer=layer, cos=cos)
     if out is not None:  # q/k/v, RoPE and the cache write in one launch, then the attention
         return _fused_after_attention(p, out, x, cfg=cfg)
-    ahead = prefetch_after_qkv(p)  # o and gate/up stream into the L2 while the attention runs
-    if ahead:
-        qkv = call("skinny_linear_prefetch", rows, p["qkv"], p["input_norm"], eps, False, None, ahead)
-    else:
-        qkv = call("skinny_linear", rows, p["qkv"], p["input_norm"], eps, False, None)
+    qkv = call("skinny_linear", rows, p["qkv"], p["input_norm"], eps, False, None)
     q, k, v = (rearrange(t, "t (n d) -> t n d", d=cfg.head_dim) for t in qkv.split(qkv_sizes(cfg), dim=-1))
     shape = lambda t: t.reshape(*lead, *t.shape[1:])  # noqa: E731
     out = rearrange(attend(shape(q), shape(k), shape(v), layer, cos, sin), "... n d -> ... (n d)")
@@ -441,10 +362,10 @@ def _qkv_rope_attention(
     cos: torch.Tensor,
 ) -> torch.Tensor | None:
     """The attention output [..., N, D] of one row x [..., K] (leading dims of size 1) through
-    `attend.qkv_rope` (the paged backend's `fspec::qkv_rope_write` then `fspec::paged_attention`,
-    FSPEC_QKV_ROPE): the layer's fused "qkv" weight, RMSNorm of x first with `norm_weight`, no q/k/v bias
-    and no q/k norm, on the one-row product's conditions (`use_skinny_linear`); None otherwise (the caller
-    projects, then attends)."""
+    `attend.qkv_rope` (the paged backend's `fspec::qkv_rope_write` then `fspec::paged_attention`): the
+    layer's fused "qkv" weight, RMSNorm of x first with `norm_weight`, no q/k/v bias and no q/k norm, on the
+    one-row product's conditions (`use_skinny_linear`); None otherwise (the caller projects, then
+    attends)."""
     qkv_rope = getattr(attend, "qkv_rope", None)
     if qkv_rope is None or "qkv" not in p or "qkv_bias" in p or cfg.qk_norm:
         return None

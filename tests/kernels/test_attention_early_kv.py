@@ -1,6 +1,6 @@
-"""The paged attention's early K/V loads (`early_kv`, FSPEC_ATTN_EARLY_KV): each program requests its first
-key tile's old rows before its PDL wait and the rows of the forward's own tokens after it; and its early
-release (`early_release`, FSPEC_ATTN_EARLY_RELEASE): the reduce lets the next launch start before its wait.
+"""The paged attention's early K/V loads (`early_kv`): each program requests its first key tile's old rows
+before its PDL wait and the rows of the forward's own tokens after it; and its early release
+(`early_release`): the reduce lets the next launch start before its wait. The layers ask for both.
 
 Under the interpreter nothing runs concurrently, so the tests hand the early loads a different copy of the
 cache (`_early_cache`): NaN where the new rows are in the early copy and where the old rows of each split's
@@ -115,14 +115,15 @@ def _tiny():
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("qkv_rope", ["0", "1"])
-def test_layers_ask_for_early_loads_and_release_by_the_switches(qkv_rope, monkeypatch):
-    """A paged prefill then a decode step of a tiny Llama (the decode's one row through `qkv_rope_write` or
-    the separate cache write): every attention launch gets early_kv as FSPEC_ATTN_EARLY_KV says and
-    early_release as FSPEC_ATTN_EARLY_RELEASE says (both on by default), the logits and caches are the same
-    either way, and a bad value is a ValueError naming the variable."""
+@pytest.mark.parametrize("qkv_rope", [False, True])
+def test_layers_ask_for_early_loads_and_release(qkv_rope, monkeypatch):
+    """A paged prefill then a decode step of a tiny Llama (the decode's one row through `qkv_rope_write`, as
+    on CUDA where one-row products go to skinny_linear, or through the separate cache write, as on the
+    CPU): every attention launch gets early_kv and early_release (the launch before it writes only q and
+    the new rows; the o projection after it reads only its weight before its wait)."""
     import fspec
     from fspec.cache import KVCache
+    from fspec.kernels import qkv_rope_write as qrw
     from fspec.metadata import _slot_mapping
     from fspec.models import layers as L
 
@@ -139,33 +140,19 @@ def test_layers_ask_for_early_loads_and_release_by_the_switches(qkv_rope, monkey
         )  # fmt: skip
 
     ids = torch.randint(0, cfg.vocab_size, (6,), generator=torch.Generator().manual_seed(2))
-    monkeypatch.setattr(L, "use_skinny_linear", lambda x, w, **kw: x.shape[:-1].numel() == 1)
-    monkeypatch.setenv("FSPEC_QKV_ROPE", qkv_rope)
+    if qkv_rope:
+        monkeypatch.setattr(L, "use_skinny_linear", lambda x, w, **kw: x.shape[:-1].numel() == 1)
+    epilogues = []
+    write = qrw.qkv_rope_write
+    monkeypatch.setattr(qrw, "qkv_rope_write", lambda *a, **k: epilogues.append(1) or write(*a, **k))
     seen = _record_flags(monkeypatch)
-    out = {}
-    for kv, release in ((None, None), ("0", "1"), ("1", "0"), ("0", "0")):
-        for name, value in (("FSPEC_ATTN_EARLY_KV", kv), ("FSPEC_ATTN_EARLY_RELEASE", release)):
-            if value is None:
-                monkeypatch.delenv(name, raising=False)
-            else:
-                monkeypatch.setenv(name, value)
-        seen.clear()
-        cache = KVCache.create(cfg, num_blocks=5, block_size=4)
-        _, _, cache = llama.forward(params, ids, meta(torch.arange(6)), cache, cfg=cfg, backend="paged",
-                                    max_query_len=6)  # fmt: skip
-        logits, _, cache = llama.forward(params, torch.tensor([7]), meta(torch.tensor([6])), cache, cfg=cfg,
-                                         backend="paged", max_query_len=1)  # fmt: skip
-        assert seen == [(kv != "0", release != "0")] * (2 * cfg.num_hidden_layers), (kv, release, seen)
-        out[kv, release] = (logits, cache.k, cache.v)
-    for other in list(out)[1:]:
-        for a, b in zip(out[None, None], out[other]):
-            assert torch.equal(a, b)
-    for name in ("FSPEC_ATTN_EARLY_KV", "FSPEC_ATTN_EARLY_RELEASE"):
-        monkeypatch.setenv(name, "yes")
-        with pytest.raises(ValueError, match=rf"^{name}: expected one of 0, 1, got 'yes'"):
-            llama.forward(params, torch.tensor([7]), meta(torch.tensor([6])), cache, cfg=cfg, backend="paged",
-                          max_query_len=1)  # fmt: skip
-        monkeypatch.setenv(name, "1")
+    cache = KVCache.create(cfg, num_blocks=5, block_size=4)
+    _, _, cache = llama.forward(params, ids, meta(torch.arange(6)), cache, cfg=cfg, backend="paged",
+                                max_query_len=6)  # fmt: skip
+    llama.forward(params, torch.tensor([7]), meta(torch.tensor([6])), cache, cfg=cfg, backend="paged",
+                  max_query_len=1)  # fmt: skip
+    assert seen == [(True, True)] * (2 * cfg.num_hidden_layers), seen
+    assert len(epilogues) == (cfg.num_hidden_layers if qkv_rope else 0)  # the decode step's layers
 
 
 @pytest.mark.gpu

@@ -52,19 +52,11 @@ def test_fused_layer_equals_norm_then_decoder_layer(rows):
 
 def test_model_through_fused_layers_gives_the_unfused_logits(monkeypatch):
     """A whole forward (dense attention, 7 tokens) with every layer routed to the fused path (forced here:
-    on the CPU the routing says no) equals the unfused forward."""
+    on the CPU the routing says no, and for 7 rows so it would on CUDA) equals the unfused forward."""
     target = _fused_target()
     ids = torch.tensor([[3, 17, 5, 40, 2, 9, 33]])
     want, want_h = llama.forward_dense(target.params, ids, cfg=target.cfg, aux_layer_ids=(0, 1))
-    routed = []
-    use = L.use_fused_layer
-
-    def forced(p, x, cfg, *, cuda=None):
-        routed.append(use(p, x, cfg, cuda=True))
-        return routed[-1]
-
-    monkeypatch.setattr(L, "use_fused_layer", forced)
-    monkeypatch.setenv("FSPEC_FUSED_LAYER", "1")
+    routed = _force_routing(monkeypatch)
     got, got_h = llama.forward_dense(target.params, ids, cfg=target.cfg, aux_layer_ids=(0, 1))
     assert routed == [True, True]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -72,55 +64,44 @@ def test_model_through_fused_layers_gives_the_unfused_logits(monkeypatch):
     torch.testing.assert_close(got_h.last, want_h.last, rtol=1e-4, atol=1e-4)
 
 
-def test_routing_needs_the_switch_fused_unbiased_layers_and_a_small_inference_batch(monkeypatch):
-    target, x = _fused_target(), torch.randn(4, 48)
+def test_routing_needs_one_row_of_inference_and_a_fused_unbiased_layer():
+    target, row = _fused_target(), torch.randn(1, 48)
     p, cfg = target.params["layers"][0], target.cfg
-    monkeypatch.delenv("FSPEC_FUSED_LAYER", raising=False)  # the default, "row": one row only
-    assert not L.use_fused_layer(p, x, cfg, cuda=True)
-    assert L.use_fused_layer(p, x[:1], cfg, cuda=True)
-    monkeypatch.setenv("FSPEC_FUSED_LAYER", "0")
-    assert not L.use_fused_layer(p, x[:1], cfg, cuda=True)
-    monkeypatch.setenv("FSPEC_FUSED_LAYER", "1")
-    assert L.use_fused_layer(p, x, cfg, cuda=True)
-    assert not L.use_fused_layer(p, x, cfg, cuda=False)
-    assert not L.use_fused_layer(p, torch.randn(17, 48), cfg, cuda=True)  # past skinny_linear's rows
-    assert not L.use_fused_layer(p, x.double(), cfg, cuda=True)
+    assert L.use_fused_layer(p, row, cfg, cuda=True)
+    assert L.use_fused_layer(p, torch.randn(1, 1, 48), cfg, cuda=True)
+    assert not L.use_fused_layer(p, row, cfg, cuda=False)
+    # one row of x only: verification's K + 1 rows (and batches) keep the unfused layer
+    for rows in ((4, 48), (2, 48), (1, 2, 48), (17, 48)):
+        assert not L.use_fused_layer(p, torch.randn(rows), cfg, cuda=True)
+    assert not L.use_fused_layer(p, row.double(), cfg, cuda=True)
     fp32_norms = {**p, "post_norm": p["post_norm"].double()}  # a checkpoint keeping norms in another dtype
-    assert not L.use_fused_layer(fp32_norms, x, cfg, cuda=True)
+    assert not L.use_fused_layer(fp32_norms, row, cfg, cuda=True)
     unfused = fspec.unfuse_projections(target.params, cfg)["layers"][0]
-    assert not L.use_fused_layer(unfused, x, cfg, cuda=True)
+    assert not L.use_fused_layer(unfused, row, cfg, cuda=True)
     for model_type in ("qwen2", "qwen3"):  # q/k/v biases; per-head q/k norms
         other = _fused_target(model_type)
-        assert not L.use_fused_layer(other.params["layers"][0], x, other.cfg, cuda=True)
+        assert not L.use_fused_layer(other.params["layers"][0], row, other.cfg, cuda=True)
     with torch.enable_grad():
-        assert not L.use_fused_layer(p, x.requires_grad_(), cfg, cuda=True)
-    # "row": one row of x only (verification's K + 1 rows keep the unfused layer)
-    monkeypatch.setenv("FSPEC_FUSED_LAYER", "row")
-    assert L.use_fused_layer(p, torch.randn(1, 1, 48), cfg, cuda=True)
-    assert not L.use_fused_layer(p, torch.randn(2, 48), cfg, cuda=True)
-    assert not L.use_fused_layer(p, torch.randn(1, 48), cfg, cuda=False)
+        assert not L.use_fused_layer(p, row.clone().requires_grad_(), cfg, cuda=True)
     # a layer without an input norm (an EAGLE head's first layer) fuses what follows its attention; one
     # without a post-attention norm or an o projection is not fused (and none is a KeyError)
-    row = torch.randn(1, 48)
     assert L.use_fused_layer({k: t for k, t in p.items() if k != "input_norm"}, row, cfg, cuda=True)
     for name in ("post_norm", "o", "down"):
         assert not L.use_fused_layer({k: t for k, t in p.items() if k != name}, row, cfg, cuda=True)
-    monkeypatch.setenv("FSPEC_FUSED_LAYER", "yes")
-    with pytest.raises(ValueError, match=r"^FSPEC_FUSED_LAYER: expected one of 0, 1, row, got 'yes'"):
-        L.use_fused_layer(p, x, cfg, cuda=True)
 
 
 @pytest.mark.gpu
 def test_fused_layers_on_gpu_give_the_unfused_logits_eager_and_compiled(monkeypatch):
-    """On CUDA the routing takes the fused path by itself (FSPEC_FUSED_LAYER=1): float32 logits equal the
+    """On CUDA the routing takes the fused path by itself for a one-row step: float32 logits equal the
     unfused model's, eagerly and inside torch.compile (the op's optional tensors traced)."""
     target = _fused_target()
     params = fspec.tree.tree_map(lambda t: t.cuda(), target.params)
-    ids = torch.tensor([[3, 17, 5, 40, 2, 9, 33]], device="cuda")
+    ids = torch.tensor([[17]], device="cuda")
     with torch.no_grad():
-        want, _ = llama.forward_dense(params, ids, cfg=target.cfg)
-        monkeypatch.setenv("FSPEC_FUSED_LAYER", "1")
-        assert L.use_fused_layer(params["layers"][0], torch.zeros(7, 48, device="cuda"), target.cfg)
+        with monkeypatch.context() as m:
+            m.setattr(L, "use_fused_layer", lambda *a, **k: False)
+            want, _ = llama.forward_dense(params, ids, cfg=target.cfg)
+        assert L.use_fused_layer(params["layers"][0], torch.zeros(1, 1, 48, device="cuda"), target.cfg)
         got, _ = llama.forward_dense(params, ids, cfg=target.cfg)
         compiled = torch.compile(lambda p, i: llama.forward_dense(p, i, cfg=target.cfg)[0], fullgraph=True)
         got_compiled = compiled(params, ids)
@@ -129,15 +110,16 @@ def test_fused_layers_on_gpu_give_the_unfused_logits_eager_and_compiled(monkeypa
 
 
 def _force_routing(monkeypatch):
-    """Route as on CUDA (the CPU runs the interpreted kernels) and count the layers routed."""
+    """Route as on CUDA (the CPU runs the interpreted kernels) for every row count (the routing's other
+    conditions checked on x's first row; `fused_decoder_layer` takes up to 16 rows) and count the layers
+    routed."""
     routed, use = [], L.use_fused_layer
 
     def forced(p, x, cfg, *, cuda=None):
-        routed.append(use(p, x, cfg, cuda=True))
+        routed.append(use(p, x.reshape(-1, x.shape[-1])[:1], cfg, cuda=True))
         return routed[-1]
 
     monkeypatch.setattr(L, "use_fused_layer", forced)
-    monkeypatch.setenv("FSPEC_FUSED_LAYER", "1")
     return routed
 
 

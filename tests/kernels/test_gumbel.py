@@ -236,29 +236,22 @@ def test_gumbel_kernel_rows_reaching_inf_are_decided_greedily():
     assert torch.equal(alone, tokens[3:])
 
 
-def test_tokens_per_program_come_from_the_call_the_environment_or_the_default(monkeypatch):
-    """launch_block: an explicit block wins, then FSPEC_SAMPLING_BLOCK (benchmark sweeps), then
-    DEFAULT_BLOCK; a value that is not a power of two >= 4 is refused, naming the variable. The kernel's
-    tokens do not depend on the block size (same Philox streams)."""
+def test_tokens_per_program_come_from_the_call_or_the_default():
+    """launch_block: an explicit block wins, else DEFAULT_BLOCK; a value that is not a power of two >= 4 is
+    refused, naming the argument. The kernel's tokens do not depend on the block size (same Philox
+    streams)."""
     from fspec.kernels.gumbel import DEFAULT_BLOCK, launch_block
 
-    monkeypatch.delenv("FSPEC_SAMPLING_BLOCK", raising=False)
-    assert launch_block(None) == DEFAULT_BLOCK and launch_block(64) == 64
-    monkeypatch.setenv("FSPEC_SAMPLING_BLOCK", "128")
-    assert launch_block(None) == 128 and launch_block(32) == 32
-    for bad in ("100", "2", "x", "-8"):
-        monkeypatch.setenv("FSPEC_SAMPLING_BLOCK", bad)
-        with pytest.raises(ValueError, match="FSPEC_SAMPLING_BLOCK: expected a power of two >= 4"):
-            launch_block(None)
-    for bad in (6, 2, 0, True, 64.0):  # an explicit block gets the same rule, naming the argument
+    assert launch_block(None) == DEFAULT_BLOCK and launch_block(64) == 64 and launch_block(4) == 4
+    for bad in (6, 2, 0, -8, True, 64.0, "128"):
         with pytest.raises(ValueError, match=r"^block: expected a power of two >= 4, got"):
             launch_block(bad)
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(3, 1031, generator=gen)
     t, seeds, positions = torch.tensor([0.0, 1.0, 1.7]), torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6])
-    monkeypatch.setenv("FSPEC_SAMPLING_BLOCK", "256")
-    via_env = gumbel_sample(logits, t, seeds, positions)
-    assert torch.equal(via_env, gumbel_sample(logits, t, seeds, positions, block=64))
+    default = gumbel_sample(logits, t, seeds, positions)
+    assert torch.equal(default, gumbel_sample(logits, t, seeds, positions, block=256))
+    assert torch.equal(default, gumbel_sample(logits, t, seeds, positions, block=64))
 
 
 def test_scratch_buffers_are_disjoint_contiguous_large_enough_and_16_byte_aligned():

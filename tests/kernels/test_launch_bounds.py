@@ -41,25 +41,22 @@ def test_step_metadata_launch_at_the_longest_prompt_and_largest_batch():
 
 
 def test_paged_attention_launch_at_the_longest_prompt_and_largest_batch():
-    """Prefill of 256 prompts of 8191 tokens (early_kv asked for, as the layers do), decode, a K + 1 = 17 row
-    verification, and the rope-write decode: (query, head) rows, keys and head dim per program capped; each
-    program's keys bounded by MAX_PARTITION; the early scan dropped for the prefill; splits, reduce chunks and
-    every grid axis within bounds."""
+    """Prefill of 256 prompts of 8191 tokens (early_kv asked for, as the layers do), decode and a K + 1 = 17
+    row verification: (query, head) rows, keys and head dim per program capped; each program's keys bounded
+    by MAX_PARTITION; the early scan dropped for the prefill; splits, reduce chunks and every grid axis
+    within bounds."""
     capacity_blocks = triton.cdiv(MAX_POSITIONS, BLOCK_SIZE)
-    for num_query, rope_write in ((PROMPT, False), (size_bucket(PROMPT), False), (1, False), (17, False),
-                                  (1, True)):  # fmt: skip
+    for num_query in (PROMPT, size_bucket(PROMPT), 1, 17):
         plan = pa.launch_plan(
             tokens=BATCH * num_query, batch=BATCH, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
             num_query=num_query, max_blocks=capacity_blocks, block_size=BLOCK_SIZE, early_kv=True,
-            rope_write=rope_write,
         )  # fmt: skip
         cfg = plan.config
         assert cfg.block_m <= pa.MAX_BLOCK_M and cfg.block_n <= 64 and plan.block_d <= 256, plan
         assert cfg.partition <= pa.MAX_PARTITION, plan  # keys one program reads
         assert plan.early_kv == (num_query <= pa.MAX_EARLY_KV_QUERY), plan
-        assert plan.nq_pow2 <= max(pa.MAX_EARLY_KV_QUERY, pa.MAX_ROPE_WRITE_QUERY), plan
+        assert plan.nq_pow2 <= pa.MAX_EARLY_KV_QUERY, plan
         assert plan.reduce_chunk * plan.block_d <= pa.REDUCE_TILE, plan
-        assert plan.combine_chunk * cfg.block_m * plan.block_d <= pa.COMBINE_VALUES_PER_THREAD * 32 * 16, plan
         assert _grid_ok(plan.grid) and plan.splits <= MAX_GRID_YZ, plan
         assert plan.reduce_grid is None or _grid_ok(plan.reduce_grid), plan
 
@@ -67,7 +64,7 @@ def test_paged_attention_launch_at_the_longest_prompt_and_largest_batch():
 def test_sampling_launches_at_the_vocabulary_and_largest_batch():
     """Gumbel sampling of 256 x 17 rows, rejection sampling of K = 16 drafts per request and the value
     checks over the 49152-token vocabulary: blocks per load capped, grids within bounds, also at the
-    smallest block FSPEC_SAMPLING_BLOCK allows and at philox.MAX_VOCAB."""
+    smallest block the launchers allow and at philox.MAX_VOCAB."""
     k = 16
     for v, asked in ((VOCAB, None), (VOCAB, 4), (1 << 24, None), (1 << 24, 4)):
         block, nb, nb_load = gumbel.vocab_blocks(v, gumbel.launch_block(asked))
@@ -124,7 +121,7 @@ META_TYPES = {"start_ptr": "*i64", "count_ptr": "*i64", "block_table_ptr": "*i32
               "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "slot_mapping_ptr": "*i64"}  # fmt: skip
 ATTN_TYPES = {"block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "positions_ptr": "*i64",
               "query_start_loc_ptr": "*i32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
-              "part_acc_ptr": "*fp32", "scale_log2": "fp32", "counter_ptr": "*i32", "q_ptr": "*bf16",
+              "part_acc_ptr": "*fp32", "scale_log2": "fp32", "q_ptr": "*bf16",
               "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16"}  # fmt: skip
 
 
@@ -143,9 +140,9 @@ def _attention_usage(num_query: int) -> tuple[tuple[int, int], tuple[int, int]]:
     cfg = plan.config
     consts = dict(
         NUM_QUERY=num_query, GROUP=HEADS // KV_HEADS, KV_HEADS=KV_HEADS, HEAD_DIM=HEAD_DIM,
-        BLOCK_SIZE=BLOCK_SIZE, SPLIT=plan.splits > 1, FUSED_REDUCE=False, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_D=plan.block_d, UPCAST=False, COMBINE_CHUNK=plan.combine_chunk,
-        ROPE_WRITE=False, EARLY_KV=plan.early_kv, NQ_POW2=plan.nq_pow2,
+        BLOCK_SIZE=BLOCK_SIZE, SPLIT=plan.splits > 1, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_D=plan.block_d, UPCAST=False,
+        EARLY_KV=plan.early_kv, NQ_POW2=plan.nq_pow2,
     )  # fmt: skip
     main = _sm90(pa._paged_attention_kernel, ATTN_TYPES, consts, num_warps=cfg.num_warps,
                  num_stages=cfg.num_stages)  # fmt: skip

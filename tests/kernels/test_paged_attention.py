@@ -38,8 +38,6 @@ CONFIGS = {
     "one_split": AttentionConfig(block_n=16, partition=32),
     "split_bn4": AttentionConfig(block_n=4, partition=8),
     "split_bn8": AttentionConfig(block_n=8, partition=8),
-    # the same splits combined in the main launch by each tile's last split (no reduce kernel)
-    "split_bn4_fused": AttentionConfig(block_n=4, partition=8, fused_reduce=True),
 }
 # seq_lens per request (0 = padding request) and live query tokens of each (the rest of num_query rows are
 # padding, positions -1): contexts of 1 token, ending on a block boundary (4, 20 = full table), crossing one.
@@ -142,62 +140,18 @@ def test_split_configs_really_split():
     assert _num_splits(CONFIGS["one_split"], num_query=3) == 1
     assert _num_splits(CONFIGS["split_bn4"], num_query=3) == 3
     assert _num_splits(CONFIGS["split_bn8"], num_query=1) == 3
-    assert _num_splits(CONFIGS["split_bn4_fused"], num_query=3) == 3
 
 
-def test_attention_switches_of_the_environment(monkeypatch):
-    """FSPEC_ATTN_FUSED_REDUCE=1 turns the fused reduction on where the config leaves it open;
-    FSPEC_ATTN_MIN_PARTITION sets the heuristic's shortest partition and refuses what is not a multiple of
-    16."""
+def test_the_heuristic_splits_into_partitions_of_at_least_min_partition(monkeypatch):
+    """The split heuristic's shortest partition is the module constant MIN_PARTITION (64, table `switches`
+    run g), read when a launch is planned (a benchmark may set it before compiling: kernel_timeline.py)."""
     from fspec.kernels import paged_attention as pa
 
     sizes = dict(batch=1, kv_heads=8, group=4, num_query=1, head_dim=64, capacity=2304)
-    assert pa.default_config(**sizes).fused_reduce is False
+    assert pa.MIN_PARTITION == 64
     assert pa.default_config(**sizes).partition == 64  # 36 splits of the 2304-token capacity
-    monkeypatch.setenv("FSPEC_ATTN_MIN_PARTITION", "256")
+    monkeypatch.setattr(pa, "MIN_PARTITION", 256)
     assert pa.default_config(**sizes).partition == 256  # 9 splits
-    monkeypatch.setenv("FSPEC_ATTN_FUSED_REDUCE", "1")
-    monkeypatch.setenv("FSPEC_ATTN_MIN_PARTITION", "64")
-    cfg = pa.default_config(**sizes)
-    assert cfg.fused_reduce is True and cfg.partition == 64
-    assert pa.default_config(**sizes, override=AttentionConfig(fused_reduce=False)).fused_reduce is False
-    for bad in ("40", "0", "x"):
-        monkeypatch.setenv("FSPEC_ATTN_MIN_PARTITION", bad)
-        with pytest.raises(ValueError, match="FSPEC_ATTN_MIN_PARTITION"):
-            pa.default_config(**sizes)
-
-
-@pytest.mark.parametrize("values_per_thread", [None, 4, 2])
-def test_fused_reduce_launches_no_reduce_kernel_and_leaves_the_counters_at_zero(
-    monkeypatch, values_per_thread
-):
-    """With fused_reduce the last split of each tile combines the partials: the reduce kernel is never
-    launched, the result equals the two-launch one, and every tile counter is back at zero for the next
-    launch (three calls in a row, the same counters). The live splits (up to 3: the 20-token request of
-    "boundaries") are combined all at once, two at a time (a full chunk, then one with a masked slot) or one
-    at a time, the running max rescaled between chunks (COMBINE_VALUES_PER_THREAD)."""
-    from fspec.kernels import paged_attention as pa
-
-    if values_per_thread is not None:
-        monkeypatch.setattr(pa, "COMBINE_VALUES_PER_THREAD", values_per_thread)
-    cfg = _full_config(CONFIGS["split_bn4_fused"], num_query=3)
-    want_chunk = {None: 4, 4: 2, 2: 1}[values_per_thread]
-    assert pa.combine_chunk(3, cfg.block_m, 16, cfg.num_warps) == want_chunk
-
-    class Refuse:
-        def __getitem__(self, grid):
-            raise AssertionError("the reduce kernel was launched")
-
-    for lens in LENS:
-        q, kc, vc, table, seq, positions, qsl = _case(lens, 3, torch.float32)
-        args = (q, kc, vc, table, seq, positions, qsl)
-        two = paged_attention(*args, scale=0.3, num_query=3, config=CONFIGS["split_bn4"])
-        with monkeypatch.context() as m:
-            m.setattr(pa, "_paged_attention_reduce_kernel", Refuse())
-            for _ in range(3):
-                one = paged_attention(*args, scale=0.3, num_query=3, config=CONFIGS["split_bn4_fused"])
-                torch.testing.assert_close(one, two, rtol=1e-6, atol=1e-6)
-                assert (counters_mod.zeroed_counters(q.device) == 0).all()
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -439,25 +393,20 @@ def _compile_kernels_for_h200() -> None:
 
     ptrs = dict(block_table_ptr="*i32", seq_lens_ptr="*i32", positions_ptr="*i64", query_start_loc_ptr="*i32")
     ptrs |= dict(part_m_ptr="*fp32", part_l_ptr="*fp32", part_acc_ptr="*fp32", scale_log2="fp32")
-    ptrs |= dict(counter_ptr="*i32")
-    # (dtype, num_query, group, head_dim, split, fused): decode and K+1 rows, split-K (with the reduce kernel
-    # or fused) and not, an unpadded head dim
-    for dtype, nq, group, d, split, fused in (
-        ("bf16", 1, 4, 128, True, False), ("bf16", 4, 4, 128, False, False),
-        ("fp16", 1, 4, 128, False, False), ("fp32", 4, 4, 128, True, False),
-        ("bf16", 3, 1, 24, True, False), ("bf16", 1, 4, 128, True, True),
+    # (dtype, num_query, group, head_dim, split): decode and K+1 rows, split-K (with the reduce kernel) and
+    # not, an unpadded head dim
+    for dtype, nq, group, d, split in (
+        ("bf16", 1, 4, 128, True), ("bf16", 4, 4, 128, False), ("fp16", 1, 4, 128, False),
+        ("fp32", 4, 4, 128, True), ("bf16", 3, 1, 24, True),
     ):  # fmt: skip
         cfg = pa.default_config(batch=8, kv_heads=8, group=group, num_query=nq, head_dim=d, capacity=4096)
         types = dict(
             ptrs, q_ptr=f"*{dtype}", k_cache_ptr=f"*{dtype}", v_cache_ptr=f"*{dtype}", out_ptr=f"*{dtype}"
         )
         consts = dict(
-            NUM_QUERY=nq, GROUP=group, KV_HEADS=8, HEAD_DIM=d, BLOCK_SIZE=16, SPLIT=split, FUSED_REDUCE=fused,
+            NUM_QUERY=nq, GROUP=group, KV_HEADS=8, HEAD_DIM=d, BLOCK_SIZE=16, SPLIT=split,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=triton_next_pow2(d), UPCAST=dtype == "fp32",
-            COMBINE_CHUNK=pa.combine_chunk(
-                -(-4096 // cfg.partition), cfg.block_m, triton_next_pow2(d), cfg.num_warps
-            ) if fused else 1,
-            ROPE_WRITE=False, EARLY_KV=False,
+            EARLY_KV=False,
         )  # fmt: skip
         ptx = _ptx_for_h200(
             pa._paged_attention_kernel, types, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages
@@ -466,23 +415,6 @@ def _compile_kernels_for_h200() -> None:
         if dtype != "fp32" and d == 128:
             # K/V tiles move as 16-byte cp.async copies (pipelined), never 2-byte scalar loads
             assert "cp.async.cg.shared.global" in ptx and not any(x.endswith("16") for x in loads), loads
-        if fused:  # the count is an acquire-release atomic at GPU scope, after a barrier
-            assert "atom.global.gpu.acq_rel.add" in ptx and "bar.sync" in ptx
-    # RoPE and the new tokens' cache write in the attention launch (fspec::rope_paged_attention), decode
-    import triton.language as tl
-
-    cfg = pa.default_config(batch=8, kv_heads=8, group=4, num_query=1, head_dim=128, capacity=4096)
-    types = dict(ptrs, q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16")
-    types |= dict(k_new_ptr="*bf16", v_new_ptr="*bf16", slot_mapping_ptr="*i64", inv_freq_ptr="*fp32")
-    consts = dict(
-        NUM_QUERY=1, GROUP=4, KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, SPLIT=True, FUSED_REDUCE=False,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=128, UPCAST=False, COMBINE_CHUNK=1, ROPE_WRITE=True,
-        TABLE_DTYPE=tl.bfloat16, NQ_POW2=1, EARLY_KV=False,
-    )  # fmt: skip
-    ptx = _ptx_for_h200(
-        pa._paged_attention_kernel, types, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages
-    )
-    assert "bar.sync" in ptx and "cp.async.cg.shared.global" in ptx  # the write's barrier; K/V still async
     # EARLY_KV under PDL (decode, and K + 1 rows): the first tile's old K/V rows are requested before the
     # wait; nothing is stored before it, and the wait comes once, ahead of the trigger
     for nq in (1, 4):
@@ -490,9 +422,9 @@ def _compile_kernels_for_h200() -> None:
         types = dict(ptrs, q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16")
         types |= dict(k_early_ptr="*bf16", v_early_ptr="*bf16")
         consts = dict(
-            NUM_QUERY=nq, GROUP=4, KV_HEADS=8, HEAD_DIM=64, BLOCK_SIZE=16, SPLIT=True, FUSED_REDUCE=False,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=64, UPCAST=False, COMBINE_CHUNK=1,
-            ROPE_WRITE=False, NQ_POW2=nq, EARLY_KV=True, PDL=True,
+            NUM_QUERY=nq, GROUP=4, KV_HEADS=8, HEAD_DIM=64, BLOCK_SIZE=16, SPLIT=True,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=64, UPCAST=False,
+            NQ_POW2=nq, EARLY_KV=True, PDL=True,
         )  # fmt: skip
         ptx = _ptx_for_h200(
             pa._paged_attention_kernel, types, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages
@@ -564,10 +496,7 @@ def _gpu_matches_reference() -> None:
             None,
             AttentionConfig(block_n=64, partition=4096),
             AttentionConfig(block_n=32, partition=512),
-            # the last split to finish combines: on a GPU programs finish in any order (the interpreter
-            # runs them in grid order, where combining early and re-combining later also comes out right)
-            AttentionConfig(block_n=32, partition=512, fused_reduce=True),
-            AttentionConfig(block_n=64, partition=64, fused_reduce=True),
+            AttentionConfig(block_n=64, partition=64),
         ):
             out = paged_attention(*args, scale=scale, num_query=num_query, config=cfg)
             torch.testing.assert_close(
@@ -664,7 +593,7 @@ def test_kv_write_gpu_writes_exactly_the_reference_slots():
 
 
 @pytest.mark.gpu
-def test_a_cuda_kv_cache_allocates_the_fused_reduction_counters_outside_any_graph(tiny_model_cfg):
+def test_a_cuda_kv_cache_allocates_the_split_reduction_counters_outside_any_graph(tiny_model_cfg):
     """KVCache.create on CUDA leaves zeroed counters for its device, so a compiled function's CUDA-graph
     warm-up never allocates them from the graph's pool (CUDA-graph trees reject such a live tensor)."""
     import fspec
@@ -680,13 +609,12 @@ def test_a_cuda_kv_cache_allocates_the_fused_reduction_counters_outside_any_grap
 
 def test_bad_launch_configs_are_value_errors_naming_the_field():
     """An explicit AttentionConfig is checked before any launch: power-of-two tiles (>= 16 on a GPU, any on
-    the interpreter), positive partition and stages, 1..16 warps, a bool or None for fused_reduce."""
+    the interpreter), positive partition and stages, 1..16 warps."""
     from fspec.kernels.paged_attention import check_config
 
     check_config(AttentionConfig(block_n=4, partition=8, block_m=4), cuda=False)  # the interpreter's tiles
     for field, bad in (
         ("block_n", 24), ("block_m", 12), ("partition", 0), ("num_warps", 3), ("num_stages", 0),
-        ("fused_reduce", 1),
     ):  # fmt: skip
         with pytest.raises(ValueError, match=rf"^config\.{field}: expected"):
             check_config(dataclasses.replace(AttentionConfig(), **{field: bad}), cuda=False)
@@ -787,13 +715,10 @@ def test_early_kv_is_dropped_above_its_query_cap_with_the_same_result(monkeypatc
 
 def test_launch_plan_keeps_splits_on_grid_axis_2_within_cuda_limits():
     """A partition override far below capacity / 65535 is raised so the splits (grid axis 2) stay within
-    CUDA's 65535; the rope write's NQ_POW2 is bounded by MAX_ROPE_WRITE_QUERY (more rows: a ValueError)."""
+    CUDA's 65535."""
     from fspec.kernels import paged_attention as pa
 
     big = dict(tokens=1, batch=1, heads=9, kv_heads=3, head_dim=64, num_query=1, block_size=16)
     plan = pa.launch_plan(**big, max_blocks=1 << 20, config=AttentionConfig(partition=64))
     assert plan.splits <= pa.MAX_GRID_YZ and plan.grid[1] <= pa.MAX_GRID_YZ
     assert plan.config.partition % plan.config.block_n == 0
-    assert pa.launch_plan(**big, max_blocks=512, rope_write=True).nq_pow2 == 1
-    with pytest.raises(ValueError, match="num_query"):
-        pa.launch_plan(**dict(big, num_query=pa.MAX_ROPE_WRITE_QUERY + 1), max_blocks=512, rope_write=True)

@@ -1,7 +1,7 @@
 """The one-row q/k/v product with RoPE and the cache write as its epilogue (kernels/qkv_rope_write.py,
 `fspec::qkv_rope_write`): the interpreted kernel against the two launches it replaces (`skinny_linear` then
 `rope_pos_kv_write`) and against its PyTorch reference, the op, the checks, a paged decode step through it
-(FSPEC_QKV_ROPE), the sm_90 build, and the H200 under @pytest.mark.gpu.
+(the one-row layers' default), the sm_90 build, and the H200 under @pytest.mark.gpu.
 
 Caches are random (poison) and stacked [L, ...] with the step writing layer 1, so a write to a wrong slot,
 head or layer shows up as a changed byte elsewhere."""
@@ -164,9 +164,10 @@ def _tiny() -> fspec.ModelConfig:
 @pytest.mark.parametrize("fused_layer", [True, False])
 def test_decode_step_through_the_fused_projection_equals_the_two_launches(fused_layer, monkeypatch):
     """A paged batch-1 decode step after a prefill, routed as on CUDA (one-row products on skinny_linear;
-    the fused decode layer, or the plain layer an EAGLE head's first layer takes): with FSPEC_QKV_ROPE=1
-    every layer launches `qkv_rope_write` and no `rope_pos_kv_write`, and the logits and every cache byte
-    equal FSPEC_QKV_ROPE=0's, under the interpreter."""
+    the fused decode layer, or the plain layer an EAGLE head's first layer takes): every layer launches
+    `qkv_rope_write` and no `rope_pos_kv_write`, and the logits and every cache byte equal those of the two
+    launches it replaces (the product, then `rope_pos_kv_write`: forced here by a layer that never hands
+    its row to `attend.qkv_rope`), under the interpreter."""
     from fspec.kernels import qkv_rope_write as qrw
     from fspec.kernels import rope_kv_write as rkv
 
@@ -204,24 +205,24 @@ def test_decode_step_through_the_fused_projection_equals_the_two_launches(fused_
 
     monkeypatch.setattr(qrw, "qkv_rope_write", count("qkv", fused))
     monkeypatch.setattr(rkv, "rope_pos_kv_write", count("rope", rope))
-    out = {}
-    for mode in ("0", "1"):
-        monkeypatch.setenv("FSPEC_QKV_ROPE", mode)
+
+    def decode() -> tuple:
         cache = KVCache.create(cfg, num_blocks=6, block_size=4)
         _, _, cache = llama.forward(params, ids, prefill, cache, cfg=cfg, backend="paged", max_query_len=6)
         before = dict(launches)
         logits, _, cache = llama.forward(
             params, torch.tensor([9]), step, cache, cfg=cfg, backend="paged", max_query_len=1
         )
-        out[mode] = (logits, cache, {k: launches[k] - before[k] for k in launches})
-    (want, want_cache, off), (got, got_cache, on) = out["0"], out["1"]
-    assert off == {"qkv": 0, "rope": cfg.num_hidden_layers}
-    assert on == {"qkv": cfg.num_hidden_layers, "rope": 0}
+        return logits, cache, {k: launches[k] - before[k] for k in launches}
+
+    with monkeypatch.context() as m:
+        m.setattr(L, "_qkv_rope_attention", lambda *a, **k: None)
+        want, want_cache, two = decode()
+    got, got_cache, one = decode()
+    assert two == {"qkv": 0, "rope": cfg.num_hidden_layers}
+    assert one == {"qkv": cfg.num_hidden_layers, "rope": 0}
     assert torch.equal(got, want)
     assert torch.equal(got_cache.k, want_cache.k) and torch.equal(got_cache.v, want_cache.v)
-    monkeypatch.setenv("FSPEC_QKV_ROPE", "yes")
-    with pytest.raises(ValueError, match=r"^FSPEC_QKV_ROPE: expected one of 0, 1, got 'yes'"):
-        llama.forward(params, torch.tensor([9]), step, cache, cfg=cfg, backend="paged", max_query_len=1)
 
 
 def test_a_layer_hands_its_one_row_to_qkv_rope_with_or_without_rows(monkeypatch):
@@ -265,7 +266,6 @@ def test_compiled_decode_step_through_the_fused_projection(monkeypatch):
     CUDA): equal to eager (logits and cache), the graph calls the op once per layer and no
     `rope_pos_kv_write`, and a second step at the next position reuses the graph (no recompile)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the compiled graph runs the op's reference
-    monkeypatch.setenv("FSPEC_QKV_ROPE", "1")
     from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
 
@@ -319,14 +319,14 @@ def _compile_for_sm90_body():
     names = list(inspect.signature(_skinny_gemv_kernel.fn).parameters)
     types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "norm_ptr": "*bf16", "res_ptr": "*bf16",
              "part_ptr": "*fp32", "counter_ptr": "*i32", "eps": "fp32", "positions_ptr": "*i64",
-             "inv_freq_ptr": "*fp32", "slot_ptr": "*i64", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
-             "pf0_ptr": "*bf16", "pf1_ptr": "*bf16", "pf2_ptr": "*bf16"}  # fmt: skip
+             "inv_freq_ptr": "*fp32", "slot_ptr": "*i64", "k_cache_ptr": "*bf16",
+             "v_cache_ptr": "*bf16"}  # fmt: skip
     for rows, k, d, norm in ((3072, 2048, 64, True), (6144, 8192, 128, False), (3072, 4096, 64, False)):
         cfg = default_config(rows, k, one_row=True)
         block_k, one_tile, _ = gemv_block_k(cfg, k)
         consts = {"BLOCK_N": cfg.block_n, "BLOCK_K": block_k, "NORM": norm, "SILU": False, "RESIDUAL": False,
                   "PDL": True, "ONE_TILE": one_tile, "SPLIT_K": 1, "NORM_BLOCK": norm_block(k, cfg.num_warps),
-                  "PREFETCH": 0, "ROPE_HEAD_DIM": d, "TABLE_DTYPE": tl.bfloat16}  # fmt: skip
+                  "ROPE_HEAD_DIM": d, "TABLE_DTYPE": tl.bfloat16}  # fmt: skip
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
         src = ASTSource(fn=_skinny_gemv_kernel, signature=sig, constexprs=consts)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})

@@ -307,17 +307,15 @@ def _prefill(cfg: fspec.ModelConfig):
     return ids, meta
 
 
-@pytest.mark.parametrize(("ops", "rope_attention"), [("reference", "0"), ("triton", "0"), ("triton", "1")])
+@pytest.mark.parametrize("ops", ["reference", "triton"])
 @pytest.mark.parametrize(
     ("model_type", "fused"), [("llama", True), ("llama", False), ("qwen3", True), ("qwen2", False)]
 )
-def test_paged_forward_equals_reference_backend(model_type, fused, ops, rope_attention, monkeypatch):
+def test_paged_forward_equals_reference_backend(model_type, fused, ops, monkeypatch):
     """backend="paged" (RoPE inside fspec::rope_kv_write) == backend="reference" on a prefill: logits, aux
     hidden, and every live cache slot (layer 0's K/V bit for bit: same inputs, same fp32 ops); for fused and
     separate q/k/v weights, qk-norm (qwen3) and q/k/v biases (qwen2); the ops run their PyTorch references
-    ("reference") or the interpreted Triton kernels ("triton"), the latter also with RoPE, the cache write
-    and the attention in one launch (FSPEC_ROPE_ATTENTION=1, fspec::rope_paged_attention)."""
-    monkeypatch.setenv("FSPEC_ROPE_ATTENTION", rope_attention)
+    ("reference") or the interpreted Triton kernels ("triton")."""
     if ops == "reference":
         monkeypatch.setenv("TRITON_INTERPRET", "0")  # the ops fall back to their references
     cfg = _tiny(model_type)
@@ -346,43 +344,6 @@ def test_paged_forward_equals_reference_backend(model_type, fused, ops, rope_att
         assert torch.equal(g[0], w[0]), f"layer 0's {name} cache must be bit-identical"
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     assert got_cache.k[:, :NUM_BLOCKS].abs().sum() > 0
-
-
-@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-def test_decode_step_with_rope_attention_equals_the_two_launches(model_type, monkeypatch):
-    """A paged decode step (one row per request, two requests and a padding row) after a prefill: with
-    FSPEC_ROPE_ATTENTION=decode (fspec::rope_paged_attention, its one-row branch) the logits and every cache
-    byte equal those of the two launches (FSPEC_ROPE_ATTENTION=0), under the interpreter."""
-    cfg = _tiny(model_type)
-    params = L.fuse_projections(llama.init(cfg, seed=4))
-    ids, meta = _prefill(cfg)
-    tables = meta.block_table
-    positions = torch.tensor([5, 7, -1])
-    step = fspec.AttnMetadata(
-        positions=positions,
-        query_start_loc=torch.tensor([0, 1, 2, 3], dtype=torch.int32),
-        seq_lens=torch.tensor([6, 8, 0], dtype=torch.int32),
-        block_table=tables,
-        slot_mapping=_slot_mapping(tables, positions, BLOCK_SIZE, torch.tensor([0, 1, 2])),
-    )
-    from fspec.kernels import paged_attention as pa
-
-    launches = []
-    fused = pa.rope_paged_attention
-    monkeypatch.setattr(pa, "rope_paged_attention", lambda *a, **k: launches.append(1) or fused(*a, **k))
-    out = {}
-    for mode in ("0", "decode"):
-        monkeypatch.setenv("FSPEC_ROPE_ATTENTION", mode)
-        cache = KVCache.create(cfg, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
-        _, _, cache = llama.forward(params, ids, meta, cache, cfg=cfg, backend="paged", max_query_len=7)
-        logits, _, cache = llama.forward(
-            params, torch.tensor([3, 9, 0]), step, cache, cfg=cfg, backend="paged", max_query_len=1
-        )
-        out[mode] = (logits, cache)
-    (want, want_cache), (got, got_cache) = out["0"], out["decode"]
-    assert len(launches) == cfg.num_hidden_layers  # the decode step's layers only, not the prefill's
-    assert torch.equal(got, want)
-    assert torch.equal(got_cache.k, want_cache.k) and torch.equal(got_cache.v, want_cache.v)
 
 
 def test_compiled_paged_forward_hands_the_projection_output_to_the_op(monkeypatch):

@@ -70,69 +70,44 @@ def test_op_matches_reference_and_traces_under_compile():
     torch.testing.assert_close(compiled(x, w), want * 2.0, rtol=1e-5, atol=1e-5)
 
 
-def test_linear_routes_only_small_inference_products_on_cuda_when_asked(monkeypatch):
-    """use_skinny_linear: off unless FSPEC_SKINNY_LINEAR=1; then only on CUDA, for 1..16 rows, at most
-    SKINNY_MAX_OUT outputs, matching float dtypes, and never where autograd would need the product's
-    gradient. `linear` itself equals F.linear (on CPU it never routes)."""
-    x, w = torch.randn(2, 3, 8), torch.randn(5, 8)
-    monkeypatch.delenv("FSPEC_SKINNY_LINEAR", raising=False)  # the default, "row": one row only
-    assert not layers.use_skinny_linear(x, w, cuda=True)
-    assert layers.use_skinny_linear(x[:1, :1], w, cuda=True)
-    monkeypatch.setenv("FSPEC_SKINNY_LINEAR", "0")
-    assert not layers.use_skinny_linear(x[:1, :1], w, cuda=True)
-    monkeypatch.setenv("FSPEC_SKINNY_LINEAR", "1")
-    assert layers.use_skinny_linear(x, w, cuda=True)  # 6 rows
-    assert not layers.use_skinny_linear(x, w, cuda=False)
+def test_linear_routes_only_one_row_inference_products_on_cuda():
+    """use_skinny_linear: only on CUDA, for one row of x (batch-1 decode and draft steps; several rows keep
+    cuBLAS), at most SKINNY_ROW_MAX_OUT outputs (gate/up yes, target LM heads no), matching float dtypes
+    it handles, and never where autograd would need the product's gradient. `linear` itself equals
+    F.linear (on CPU it never routes)."""
+    row, w = torch.randn(1, 1, 8), torch.randn(5, 8)
+    widest = layers.SKINNY_ROW_MAX_OUT
+    assert layers.use_skinny_linear(row, w, cuda=True)
+    assert layers.use_skinny_linear(row[0], w, cuda=True)
+    assert layers.use_skinny_linear(row[0, 0], w, cuda=True)  # a 1-d x: one row
+    assert not layers.use_skinny_linear(row, w, cuda=False)
+    assert not layers.use_skinny_linear(torch.randn(2, 3, 8), w, cuda=True)  # 6 rows
+    assert not layers.use_skinny_linear(torch.randn(2, 8), w, cuda=True)  # two rows
     assert not layers.use_skinny_linear(torch.randn(17, 8), w, cuda=True)
-    assert layers.use_skinny_linear(x, torch.randn(layers.SKINNY_MAX_OUT, 8), cuda=True)
-    wide = torch.randn(layers.SKINNY_MAX_OUT + 1, 8)  # gate/up, LM heads
-    assert not layers.use_skinny_linear(x, wide, cuda=True)
-    assert not layers.use_skinny_linear(x.double(), w.double(), cuda=True)
-    assert not layers.use_skinny_linear(x.bfloat16(), w, cuda=True)
-    assert not layers.use_skinny_linear(x, w.requires_grad_(), cuda=True)
-    with torch.no_grad():
-        assert layers.use_skinny_linear(x, w, cuda=True)
-    b = torch.randn(5)
-    torch.testing.assert_close(layers.linear(x, w.detach(), b), F.linear(x, w.detach(), b))
-    # "deep": only reductions of >= SKINNY_DEEP_K inputs and no fewer inputs than outputs
-    monkeypatch.setenv("FSPEC_SKINNY_LINEAR", "deep")
-    k = layers.SKINNY_DEEP_K
-    x = torch.randn(2, k)
-    assert layers.use_skinny_linear(x, torch.randn(k, k), cuda=True)  # o of an 8B head
-    assert layers.use_skinny_linear(x, torch.randn(16, k), cuda=True)  # down
-    assert not layers.use_skinny_linear(x, torch.randn(k + 1, k), cuda=True)  # q/k/v, gate/up of a target
-    x = torch.randn(2, k - 1)
-    assert not layers.use_skinny_linear(x, torch.randn(16, k - 1), cuda=True)  # a short reduction
-    x = torch.randn(2, k)
-    assert not layers.use_skinny_linear(x, torch.randn(k, k), cuda=False)
-    assert not layers.use_skinny_linear(torch.randn(17, k), torch.randn(k, k), cuda=True)
-    # "row": one row of x, any reduction, at most SKINNY_ROW_MAX_OUT outputs (gate/up yes, LM heads no)
-    monkeypatch.setenv("FSPEC_SKINNY_LINEAR", "row")
-    row, widest = torch.randn(1, 1, 8), layers.SKINNY_ROW_MAX_OUT
-    assert layers.use_skinny_linear(row, torch.randn(16, 8), cuda=True)
+    assert not layers.use_skinny_linear(torch.randn(0, 8), w, cuda=True)
     assert layers.use_skinny_linear(row, torch.randn(widest, 8), cuda=True)
     assert not layers.use_skinny_linear(row, torch.randn(widest + 1, 8), cuda=True)
-    assert not layers.use_skinny_linear(torch.randn(2, 8), torch.randn(16, 8), cuda=True)  # two rows
-    assert not layers.use_skinny_linear(x, torch.randn(k, k), cuda=True)  # deep, but two rows
-    assert not layers.use_skinny_linear(row, torch.randn(16, 8), cuda=False)
-    assert not layers.use_skinny_linear(row, torch.randn(16, 8).requires_grad_(), cuda=True)
-    # "rowdeep": either
-    monkeypatch.setenv("FSPEC_SKINNY_LINEAR", "rowdeep")
-    assert layers.use_skinny_linear(row, torch.randn(widest, 8), cuda=True)
-    assert layers.use_skinny_linear(x, torch.randn(k, k), cuda=True)
-    assert not layers.use_skinny_linear(torch.randn(2, 8), torch.randn(16, 8), cuda=True)
+    k = 4096  # a long reduction of one row: routed; of two rows: not
+    assert layers.use_skinny_linear(torch.randn(1, k), torch.randn(k, k), cuda=True)
+    assert not layers.use_skinny_linear(torch.randn(2, k), torch.randn(k, k), cuda=True)
+    assert not layers.use_skinny_linear(row, torch.randn(1, 5, 8), cuda=True)  # a 3-d weight
+    assert not layers.use_skinny_linear(row.double(), w.double(), cuda=True)
+    assert not layers.use_skinny_linear(row.bfloat16(), w, cuda=True)
+    assert layers.use_skinny_linear(row.bfloat16(), w.bfloat16(), cuda=True)
+    assert not layers.use_skinny_linear(row, w.clone().requires_grad_(), cuda=True)
+    assert not layers.use_skinny_linear(row.clone().requires_grad_(), w, cuda=True)
+    with torch.no_grad():
+        assert layers.use_skinny_linear(row, w.clone().requires_grad_(), cuda=True)
+    b = torch.randn(5)
+    x = torch.randn(2, 3, 8)
+    torch.testing.assert_close(layers.linear(x, w, b), F.linear(x, w, b))
+    torch.testing.assert_close(layers.linear(row, w, b), F.linear(row, w, b))
     # never under a torch.func transform (the op has no vmap rule) nor for a weight strided along K
-    monkeypatch.delenv("FSPEC_SKINNY_LINEAR")
     w16 = torch.randn(16, 8)
     torch.func.vmap(lambda r: _assert_routed(r, w16, False), in_dims=0)(torch.randn(3, 1, 8))
     torch.func.grad(lambda r: (_assert_routed(r, w16, False) * r).sum())(torch.randn(1, 8))
     _assert_routed(row, w16, True)
     _assert_routed(row, torch.randn(8, 16).t(), False)
-    monkeypatch.setenv("FSPEC_SKINNY_LINEAR", "yes")  # no mode: refused, naming the variable
-    with pytest.raises(
-        ValueError, match=r"FSPEC_SKINNY_LINEAR: expected one of 0, 1, deep, row, rowdeep, got 'yes'"
-    ):
-        layers.use_skinny_linear(x, torch.randn(k, k), cuda=True)
 
 
 def _assert_routed(x: torch.Tensor, w: torch.Tensor, want: bool) -> torch.Tensor:
@@ -234,11 +209,10 @@ def _compile_for_sm90_body():
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "norm_ptr": "*bf16", "res_ptr": "*bf16"}
     sig.update(part_ptr="*fp32", counter_ptr="*i32", N="i32", K="i32", K_SPLIT="i32", eps="fp32")
-    sig.update(stride_wn="i32", pf0_ptr="*bf16", pf0_bytes="i32", pf1_ptr="*bf16", pf1_bytes="i32")
-    sig.update(pf2_ptr="*bf16", pf2_bytes="i32", positions_ptr="*i64", inv_freq_ptr="*fp32", slot_ptr="*i64")
+    sig.update(stride_wn="i32", positions_ptr="*i64", inv_freq_ptr="*fp32", slot_ptr="*i64")
     sig.update(k_cache_ptr="*bf16", v_cache_ptr="*bf16", q_cols="i32", kv_cols="i32")
     names = ("BLOCK_N", "BLOCK_K", "NORM", "SILU", "RESIDUAL", "PDL", "ONE_TILE", "SPLIT_K", "NORM_BLOCK")
-    sig.update({name: "constexpr" for name in (*names, "PREFETCH", "ROPE_HEAD_DIM", "TABLE_DTYPE")})
+    sig.update({name: "constexpr" for name in (*names, "ROPE_HEAD_DIM", "TABLE_DTYPE")})
     # the loop at its largest tiles, and the one-tile kernel at the largest the launcher allows
     # (GEMV_ONE_TILE_ELEMS_PER_THREAD: 16 x 2048 at 8 warps; 16 x 1024 with SiLU * up's two tiles); the
     # split reduction (its combine adds a [SPLIT_K, BLOCK_N] load and an atomic)
@@ -253,11 +227,8 @@ def _compile_for_sm90_body():
         # the RMS pass at its widest load (NORM_VALUES_PER_THREAD per thread: K = 8192 at 8 warps)
         consts.update(RESIDUAL=bool(residual), PDL=True, ONE_TILE=bool(one), SPLIT_K=split)
         consts.update(NORM_BLOCK=norm_block(8192, warps) if norm else 16)
-        # the L2 prefetch of up to three ranges after the store (the fused layer's q/k/v: o, gate and up
-        # rows; an EAGLE-3 head's LM head: q/k/v) on every other config
-        prefetch = (0, 3, 1)[(block_k + norm + silu) % 3]
-        consts.update(PREFETCH=prefetch, ROPE_HEAD_DIM=0, TABLE_DTYPE=tl.float32)  # (test_qkv_rope_write.py)
-        divisible = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 15, 16, 17)
+        consts.update(ROPE_HEAD_DIM=0, TABLE_DTYPE=tl.float32)  # (test_qkv_rope_write.py)
+        divisible = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11)
         attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
         src = ASTSource(fn=_skinny_gemv_kernel, signature=sig, constexprs=consts, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
@@ -267,8 +238,6 @@ def _compile_for_sm90_body():
             run = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True)
         assert "STL" not in run.stdout, f"the one-row kernel spills registers ({consts}, {warps} warps)"
         assert ("ATOM" in run.stdout) == (split > 1), f"the counter's atomic ({consts})"
-        # cp.async.bulk.prefetch.L2 compiles to UBLKPF.L2: one per region in the chunk loop, none without
-        assert run.stdout.count("UBLKPF.L2") == prefetch, f"the L2 prefetches ({consts})"
     # the 2..FMA_MAX_ROWS-row CUDA-core kernel (an explicit fma config) at the tiles its launcher picks from
     # the one-row configs for a 1B-shaped head's products (and a 32000-token LM head), at 2, 4 and 8 padded
     # rows, plain and with the fusions
@@ -309,9 +278,7 @@ def _gpu_matches_reference_body():
     """On CUDA at the decode shapes of a 1B-shaped target (bf16): the compiled kernel equals the float32
     reference within one bf16 rounding of the output, for 1, 6 and 16 rows, default and non-default tiles
     and the one-row CUDA-core kernel (a loop, one tile, the reduction split over 4 programs);
-    and a layer's projections routed through it (FSPEC_SKINNY_LINEAR=1) equal F.linear's the same way."""
-    import os
-
+    and a layer's one-row projection routed through it equals F.linear's the same way."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     for n, k in ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (100, 72)):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k**-0.5
@@ -330,17 +297,13 @@ def _gpu_matches_reference_body():
             ):
                 got = skinny_linear(x, w, config=cfg).float()
                 torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7)
-    os.environ["FSPEC_SKINNY_LINEAR"] = "1"
-    try:
-        x = torch.randn(2, 3, 2048, device="cuda", dtype=torch.bfloat16, generator=gen)
-        w = torch.randn(512, 2048, device="cuda", dtype=torch.bfloat16, generator=gen) * 2048**-0.5
-        with torch.no_grad():
-            assert layers.use_skinny_linear(x, w)
-            torch.testing.assert_close(
-                layers.linear(x, w).float(), F.linear(x, w).float(), rtol=2**-7, atol=2**-7
-            )
-    finally:
-        del os.environ["FSPEC_SKINNY_LINEAR"]
+    x = torch.randn(1, 1, 2048, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(512, 2048, device="cuda", dtype=torch.bfloat16, generator=gen) * 2048**-0.5
+    with torch.no_grad():
+        assert layers.use_skinny_linear(x, w) and not layers.use_skinny_linear(x.expand(2, 3, 2048), w)
+        torch.testing.assert_close(
+            layers.linear(x, w).float(), F.linear(x, w).float(), rtol=2**-7, atol=2**-7
+        )
     # the fusions at a 1B layer's shapes (bf16): input norm on q/k/v, residual on o and down, the post norm
     # and SiLU * up on gate/up; within two bf16 roundings of the reference (sum order, approximate exp / sqrt)
     for n, k, kw in (
