@@ -362,6 +362,29 @@ def _steps_for(target, draft, stream, settings: dict, budget_s: float) -> int:
     return max(int(budget_s / per_step), settings["warmup_steps"] + 1)
 
 
+def recipe_changes(items: list[str]) -> dict:
+    """{field: value} from "FIELD=VALUE" strings, each VALUE read as its `Recipe` field's type; an unknown
+    field or a value of the wrong type is a ValueError naming it."""
+    types = {f.name: f.type for f in dataclasses.fields(Recipe)}
+    out = {}
+    for item in items:
+        name, eq, text = item.partition("=")
+        if not eq or name not in types:
+            raise ValueError(f"--set: expected FIELD=VALUE with FIELD one of {sorted(types)}, got {item!r}")
+        kind = types[name]
+        try:
+            if kind == "bool":
+                if text.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(text)
+                value = text.lower() in ("true", "1")
+            else:
+                value = {"int": int, "float": float, "str": str}[kind](text)
+        except ValueError:
+            raise ValueError(f"--set {name}: expected a value of type {kind}, got {text!r}") from None
+        out[name] = value
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fspec.default_model", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None, help="head directory (default: the package's assets)")
@@ -374,10 +397,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gen-eager", action="store_true", help="answer with eager (uncompiled) calls")
     parser.add_argument("--stream", default=None, help="training stream file: read if present, else written")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="FIELD=VALUE", help="any Recipe field (repeatable)"
+    )
     args = parser.parse_args(argv)
     r = TINY if args.tiny else FULL
     names = ("minutes", "steps", "train_prompts", "gen_minutes")
     changes = {k: v for k in names if (v := getattr(args, k)) is not None}
+    changes.update(recipe_changes(args.set))
     if args.tiny:
         torch.set_num_threads(1)
     if args.gen_eager:

@@ -3,6 +3,7 @@ it; the build recipe runs end to end at toy sizes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -84,6 +85,21 @@ def test_tiny_recipe_builds_a_head_that_loads_and_generates(tmp_path: Path, monk
     assert default_model.main([*args, "--out", str(tmp_path / "again")]) == 0
     again = json.loads((tmp_path / "again" / "train_log.json").read_text())
     assert again["stream_tokens"] == log["stream_tokens"] > 0 and again["answers"]["read_from"] == str(stream)
+
+
+def test_any_recipe_field_can_be_set_from_the_command_line():
+    got = default_model.recipe_changes(["ttt_steps=3", "lr=0.001", "gen_compile=false", "val_share=0.1"])
+    assert got == {"ttt_steps": 3, "lr": 0.001, "gen_compile": False, "val_share": 0.1}
+    assert dataclasses.replace(default_model.FULL, **got).ttt_steps == 3
+    bad_items = [
+        ("nope=1", "FIELD one of"),
+        ("ttt_steps", "FIELD=VALUE"),
+        ("ttt_steps=3.5", "type int"),
+        ("gen_compile=maybe", "type bool"),
+    ]
+    for bad, match in bad_items:
+        with pytest.raises(ValueError, match=match):
+            default_model.recipe_changes([bad])
 
 
 def test_load_default_names_a_missing_head_directory(tmp_path: Path):
