@@ -1,6 +1,6 @@
 """Every `torch.compile` call of fspec, in one place.
 
-Two ways to run the draft loop as CUDA graphs (COMPILE-FACTS.md records why these two and not the obvious
+Two ways to run the draft loop as CUDA graphs (docs/compile-facts.md records why these two and not the obvious
 `state = compiled_step(state)`, which raises "accessing tensor output of CUDAGraphs that has been overwritten"
 on its second call):
 

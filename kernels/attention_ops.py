@@ -14,8 +14,8 @@
 
 Each op runs the Triton kernel when its tensors are on CUDA, or when the kernels were built by the Triton
 interpreter (TRITON_INTERPRET=1 before import, as in tests/kernels) and nothing is being traced; otherwise
-the plain-PyTorch reference beside the kernel (COMPILE-FACTS.md, "Triton ops under torch.compile"). The fake
-implementations let `torch.compile(fullgraph=True)` trace through the ops.
+the plain-PyTorch reference beside the kernel (docs/compile-facts.md, "Triton ops under torch.compile").
+The fake implementations let `torch.compile(fullgraph=True)` trace through the ops.
 
 Callers pass the whole cache buffers ([num_blocks, block_size, Nkv, D], or the stacked [L, ...] with
 `layer`), never views: a view of a buffer that a compiled graph cloned can be rewritten to the original

@@ -2,7 +2,7 @@
 
 Each op runs the Triton kernel when its tensors are on CUDA, or when the kernels were built by the Triton
 interpreter (`TRITON_INTERPRET=1` before import, e.g. in tests/kernels) and nothing is being traced;
-otherwise it runs the plain-PyTorch reference beside the kernel (COMPILE-FACTS.md, "Triton ops under
+otherwise it runs the plain-PyTorch reference beside the kernel (docs/compile-facts.md, "Triton ops under
 torch.compile": `triton_op` cannot trace on a CPU-only machine). Every op has a fake implementation, so
 `torch.compile(fullgraph=True)` traces through it; a raw Triton call in compiled code breaks tracing.
 
