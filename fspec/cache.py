@@ -64,13 +64,6 @@ class KVCache:
             raise ValueError(f"dtype: expected a floating-point torch.dtype for K/V, got {dtype!r}")
         shape = (cfg.num_hidden_layers, num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
         k, v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
-        if k.is_cuda:
-            # the counters of skinny_linear's split reduction (`SkinnyConfig.split_k`): allocated now,
-            # outside any CUDA-graph memory pool (a first allocation during a compiled graph's warm-up
-            # would land in the graph's pool)
-            from fspec.kernels.counters import zeroed_counters
-
-            zeroed_counters(k.device)
         return cls(k=k, v=v)
 
 

@@ -43,7 +43,6 @@ from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
 from . import pdl
-from .counters import COUNTER_SLOTS, zeroed_counters
 from .pdl import pdl_enter
 
 MAX_ROWS = 16  # rows of x one program handles (one tl.dot tile); callers fall back to F.linear above it
@@ -669,9 +668,9 @@ def skinny_linear(
         return y
     if cfg.fma and m == 1:
         blocks = triton.cdiv(n, cfg.block_n)
-        counters = zeroed_counters(x.device) if cfg.split_k > 1 and blocks <= COUNTER_SLOTS else None
-        if counters is None:  # one program per column block (also while capturing before the counters exist)
-            cfg = dataclasses.replace(cfg, split_k=1)
+        # the split reduction's per-block counters: zeroed for this launch (its last program per block also
+        # resets them, so they end at zero), freed after it: no buffer outlives a call
+        counters = torch.zeros(blocks, dtype=torch.int32, device=x.device) if cfg.split_k > 1 else None
         block_k, one_tile, k_split = gemv_block_k(cfg, k, silu_mul=silu_mul)
         parts = y
         if cfg.split_k > 1:

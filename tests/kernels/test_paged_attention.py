@@ -15,7 +15,6 @@ import torch
 from fresh_process import in_fresh_process
 
 from fspec.kernels import attention_ops
-from fspec.kernels import counters as counters_mod
 from fspec.kernels.kv_write import kv_write, kv_write_ref
 from fspec.kernels.paged_attention import (
     AttentionConfig,
@@ -590,21 +589,6 @@ def test_kv_write_gpu_writes_exactly_the_reference_slots():
     the cache bit-identical to the reference: live slots written, -1 skipped, nothing else touched. Outside
     a graph, so compute-sanitizer memcheck can run it with the caching allocator off."""
     _in_fresh_process("_gpu_kv_write")
-
-
-@pytest.mark.gpu
-def test_a_cuda_kv_cache_allocates_the_split_reduction_counters_outside_any_graph(tiny_model_cfg):
-    """KVCache.create on CUDA leaves zeroed counters for its device, so a compiled function's CUDA-graph
-    warm-up never allocates them from the graph's pool (CUDA-graph trees reject such a live tensor)."""
-    import fspec
-
-    device = torch.device("cuda", torch.cuda.current_device())
-    counters_mod._COUNTERS.pop(device, None)
-    fspec.KVCache.create(tiny_model_cfg, num_blocks=4, block_size=4, device=device)
-    counters = counters_mod._COUNTERS[device]
-    assert counters.shape == (counters_mod.COUNTER_SLOTS,) and counters.dtype == torch.int32
-    assert not bool(counters.any())
-    assert counters_mod.zeroed_counters(device) is counters
 
 
 def test_bad_launch_configs_are_value_errors_naming_the_field():
