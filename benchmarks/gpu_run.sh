@@ -9,7 +9,7 @@
 #   attention    benchmarks/bench_attention.py
 #   generate     benchmarks/bench_generate.py
 #   overhead     benchmarks/bench_call_overhead.py (warm generate calls, B = 1: forced full acceptance and
-#                target-only; FSPEC_* switches in the environment apply; a later --out names another file)
+#                target-only; TORCHINDUCTOR_* variables in the environment apply; a later --out names another file)
 #   linear       benchmarks/bench_skinny_linear.py (fspec::skinny_linear vs cuBLAS; --sweep for configs)
 #   host         benchmarks/bench_host_overhead.py (host µs of each piece of an eager sampling call; run it
 #                alone: a compile in another process inflates every figure)

@@ -1,5 +1,6 @@
-"""The header every benchmark result carries (machine, device, versions, date, command, FSPEC_* switches),
-how a result is written, and the copy bandwidth its floors divide by, for the scripts that share them."""
+"""The header every benchmark result carries (machine, device, versions, date, command, the environment
+variables of fspec and Inductor), how a result is written, and the copy bandwidth its floors divide by, for
+the scripts that share them."""
 
 from __future__ import annotations
 
