@@ -502,8 +502,8 @@ def paged_attention(
     pre-wait loads (the o projection's weight tiles) overlap the attention. The caller vouches that the
     launch after reads nothing before its PDL wait but constants (`skinny_linear`: weights; Inductor's
     kernels, which wait before any access inside fspec's compiled calls: nothing). Without PDL, or with one
-    split (no reduce), it changes nothing. `_early_cache` (tests only): other (k_cache, v_cache) layers for those
-    early loads, so a test can tell which rows came from which load.
+    split (no reduce), it changes nothing. `_early_cache` (tests only): other (k_cache, v_cache) layers for
+    those early loads, so a test can tell which rows came from which load.
     """
     if config is not None:
         check_config(config, cuda=q.is_cuda)
