@@ -122,7 +122,7 @@ class Recipe:
     lr: float = 2e-3
     warmup_steps: int = 100
     steps: int = 0
-    minutes: float = 2.5
+    minutes: float = 4.5
     val_share: float = 0.03
     val_batches: int = 8
     eval_prompts: int = 64
