@@ -5,12 +5,12 @@ per-position acceptance rates, and two predictions — the i.i.d. formula (1 −
 the K = 1 acceptance rate, and 1 + Σ_k Π_{i≤k} α_i with the conditional rates measured at K = 7 — beside
 an untrained head of the same shape. Runs on any device (CPU is fine: the model is 4M parameters).
 Prompts: a window from the middle of each of --prompts held-out files spread evenly over the sorted
-held-out list (`fspec.data.spread_starts`), so no single file dominates.
+held-out list (`fspec.train.data.spread_starts`), so no single file dominates.
 
     python benchmarks/bench_acceptance.py [--prompts 0] [--new-tokens 128] [--device cpu] [--out PATH]
         [--model DIR] [--ks 1,3,5,7] [--trained-only]
 
---model scores another build of `python -m fspec.toy_model` (default: the shipped one); --ks and
+--model scores another build of `python -m fspec.train.toy_model` (default: the shipped one); --ks and
 --trained-only cut the grid for quick comparisons of builds (the theory columns need K = 1 and K = 7).
 
 --prompts 0 (the default) takes one prompt from every held-out file of at least --prompt-len tokens; N > 0
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 import fspec
-from fspec import data, toy_model
+from fspec.train import data, toy_model
 
 
 def prompts_from_held_out(tokenizer, n: int, length: int) -> tuple[list[list[int]], list[str]]:
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
         "prompt_files": files,
         "prompt_selection": f"a {args.prompt_len}-token window from the middle of each of {len(prompts)} "
         f"held-out files (of {data_files}, this Python's) spread evenly over the sorted held-out list "
-        "(fspec.data.spread_starts); generated "
+        "(fspec.train.data.spread_starts); generated "
         "_sysconfigdata* files are not in the corpus",
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,

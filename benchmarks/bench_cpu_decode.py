@@ -97,10 +97,11 @@ def prompt_ids(target: fspec.Target) -> list[int]:
 class ContextProbe:
     """Records the most keys per request that reference-attention calls read (the gathered context C), over
     all calls (`most`) and over one-row calls (`most_one_row`: decode and later draft steps), by wrapping
-    `fspec.attention.reference_plan` while active; None where fspec has no such function (older trees)."""
+    `fspec.ops.attention.reference_plan` while active; None where fspec has no such function (older trees)."""
 
     def __init__(self) -> None:
-        self.module = sys.modules["fspec.attention"]
+        # fspec.attention in trees before the sub-packages
+        self.module = sys.modules.get("fspec.ops.attention") or sys.modules["fspec.attention"]
         self.orig = getattr(self.module, "reference_plan", None)
         self.most = self.most_one_row = None
 

@@ -1,4 +1,5 @@
-"""Data-parallel scaling of `fspec.distill`: one process vs `torchrun --nproc_per_node=N`, same global batch.
+"""Data-parallel scaling of `fspec.train.distill`: one process vs `torchrun --nproc_per_node=N`, same global
+batch.
 
     python benchmarks/bench_distill_scaling.py [--out benchmarks/results/distill_scaling.json] [--gpus 2]
         [--steps 30] [--batch-size 16] [--seq-len 1024] [--equality-steps 8]
@@ -7,10 +8,10 @@
 Setup: a Llama-3.2-1B-shaped target with RANDOM weights (bf16, `benchmarks/bench_generate.llama_1b_config`)
 and a fresh EAGLE-3 head at its shapes (hidden 2048, draft vocabulary 32000, layers (2, 8, 13)), trained
 online (the target runs in the loop on each process's rows) on random token ids. Both runs are the command
-line a user types:
+line a user types, with the same flags:
 
-    python -m fspec.distill train --target T --tokens ids.npy --kind eagle3 --draft-vocab-size 32000 ...
-    python -m torch.distributed.run --standalone --nproc_per_node=N -m fspec.distill train ...   # same flags
+    python -m fspec.train.distill train --target T --tokens ids.npy --kind eagle3 --draft-vocab-size 32000 ...
+    python -m torch.distributed.run --standalone --nproc_per_node=N -m fspec.train.distill train ...
 
 1. Throughput: bf16 autocast (`--autocast`), `--steps` steps of `--batch-size` sequences of `--seq-len`
    tokens (the global batch: each of N processes takes batch/N rows). tokens/s = global tokens of the logged
@@ -91,7 +92,7 @@ def make_target(work: Path, smoke: bool) -> Path:
 def run_distill(
     work: Path, name: str, procs: int, args, *, steps: int, autocast: bool, smoke: bool, timed: bool
 ) -> dict:
-    """One `fspec.distill train` run (torchrun when procs > 1); returns its records and wall time."""
+    """One `fspec.train.distill train` run (torchrun when procs > 1); returns its records and wall time."""
     batch = args.batch_size if timed else args.equality_batch_size
     seq_len = args.seq_len if timed else args.equality_seq_len
     out, log = work / name, work / f"{name}.jsonl"
@@ -108,9 +109,9 @@ def run_distill(
         flags += ["--device", "cpu"]
     if procs > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"]
-        cmd += ["-m", "fspec.distill", *flags]
+        cmd += ["-m", "fspec.train.distill", *flags]
     else:
-        cmd = [sys.executable, "-m", "fspec.distill", *flags]
+        cmd = [sys.executable, "-m", "fspec.train.distill", *flags]
     env = {**os.environ, **NCCL_ENV, "PYTHONUNBUFFERED": "1"}
     if procs == 1 and not smoke:
         env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
@@ -198,7 +199,7 @@ def main(argv=None) -> int:
     many = throughput(run_distill(work, f"tp{n}", n, args, **kw), args)
     result["throughput"] = {"1": one, str(n): many, "scaling": many["tokens_per_s"] / one["tokens_per_s"]}
     print(json.dumps(result["throughput"], indent=1), flush=True)
-    # 2. equality (fp32); the initial weights a0 are rebuilt exactly as `fspec.distill train` builds them
+    # 2. equality (fp32); the initial weights a0 are rebuilt exactly as `fspec.train.distill train` does
     es = args.equality_steps
     kw = dict(steps=es, autocast=False, smoke=smoke, timed=False)
     e1 = run_distill(work, "eq1", 1, args, **kw)
@@ -226,9 +227,10 @@ def main(argv=None) -> int:
 
 
 def init_weights(work: Path, smoke: bool) -> list[torch.Tensor]:
-    """The head's initial trainable weights, as `fspec.distill train` builds them (same seed, vocabulary)."""
-    from fspec import distill as D
-    from fspec.ttt import split_params
+    """The head's initial trainable weights, as `fspec.train.distill train` builds them (same seed,
+    vocabulary)."""
+    from fspec.train import distill as D
+    from fspec.train.ttt import split_params
 
     target = fspec.load_target(work / "target", device="cpu")
     ids = torch.from_numpy(np.load(work / "ids.npy")).long()

@@ -217,7 +217,7 @@ def main(argv=None) -> int:
         return 0
     import triton
 
-    from fspec.config import env_switches
+    from fspec.core.config import env_switches
 
     torch._dynamo.config.cache_size_limit = 64
     if args.quick:

@@ -32,7 +32,7 @@ Beside them:
    aux layers included), plus T_propose, the whole K-step draft loop (fspec.compile.compile_propose), each
    compiled on its own and replayed alone at context prompt_len + new_tokens / 2; model tokens/s =
    B * tau / (T_target + T_propose). The forced row reuses the random-head row's parts (same shapes).
- * round graph: the engine's own round (fspec.rounds.spec_round / decode_step: verification, rejection
+ * round graph: the engine's own round (fspec.serve.rounds.spec_round / decode_step: verification, rejection
    sampling, next drafts), replayed alone through the very graph `generate` compiled (no recompile); for
    target-only rows it is also the model (one decode step).
  * measured round = wall time / rounds (prefill included), and without the prefill (the time of a
@@ -68,15 +68,16 @@ import results_io
 import torch
 
 import fspec
-from fspec import rounds, runner
 from fspec.compile import compile_propose, jit
-from fspec.config import ModelConfig, env_switches
+from fspec.core.config import ModelConfig, env_switches
+from fspec.core.metadata import first_step_metadata
+from fspec.core.state import init_draft_state
 from fspec.draft import propose
-from fspec.engine import Stats
-from fspec.metadata import first_step_metadata
 from fspec.models import layers as L
-from fspec.models import llama, project_target_hidden
-from fspec.state import init_draft_state
+from fspec.models import llama
+from fspec.models.heads import project_target_hidden
+from fspec.serve import rounds, runner
+from fspec.serve.engine import Stats
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "generate.json"
 BLOCK_SIZE = 16  # fspec.generate's block size without a head; the heads here use the same
@@ -467,9 +468,9 @@ def run_generate(target, draft, prompts, s: Setup, max_new: int | None = None) -
 
 
 def _engine_run(target, draft, b: int, s: Setup) -> runner.Run:
-    """A (never run) fspec.runner.Run for b prompts: caches, bucket, max_len, temperature and seed tensors
-    shaped exactly as the ones `generate` hands its compiled graphs, so replaying those graphs recompiles
-    nothing. Its caches are already marked static when compiling."""
+    """A (never run) fspec.serve.runner.Run for b prompts: caches, bucket, max_len, temperature and seed
+    tensors shaped exactly as the ones `generate` hands its compiled graphs, so replaying those graphs
+    recompiles nothing. Its caches are already marked static when compiling."""
     k = draft.cfg.num_speculative_steps if draft is not None else 0
     return runner.Run(
         target,
@@ -527,8 +528,9 @@ def _mid_position(s: Setup) -> int:
 
 
 def engine_round_us(target, draft, b: int, s: Setup) -> float:
-    """One round of the engine's own device function (`fspec.rounds.spec_round` / `decode_step`), replayed
-    alone: with compile, the very graph `generate` compiled (no host bookkeeping, no sync per round)."""
+    """One round of the engine's own device function (`fspec.serve.rounds.spec_round` / `decode_step`),
+    replayed alone: with compile, the very graph `generate` compiled (no host bookkeeping, no sync per
+    round)."""
     run = _engine_run(target, draft, b, s)
     dev, bucket = s.device, run.b
     table = _table(run, b, dev)

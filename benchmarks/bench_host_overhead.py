@@ -43,7 +43,7 @@ from triton import knobs  # noqa: E402
 import fspec  # noqa: E402
 from fspec.kernels import gumbel, pdl  # noqa: E402
 from fspec.kernels.dispatch import call  # noqa: E402
-from fspec.sampling import _validate_gumbel  # noqa: E402
+from fspec.ops.sampling import _validate_gumbel  # noqa: E402
 
 K = 5
 SHAPES = [(1, 32000), (1, 128256), (8, 128256), (64, 128256)]

@@ -4,10 +4,10 @@ and Hugging Face transformers, in one run on one GPU.
     python benchmarks/bench_real_model.py [--out benchmarks/results/real_model.json] [--batch 1 8 32]
         [--temperature 0 0.7] [--new-tokens 256] [--k 5] [--reps 3] [--dtype bfloat16] [--head DIR]
 
-Prompts: the held-out sets of `fspec.prompts` (never trained on), rendered with the model's chat template;
-a batch of B takes the first B prompts of the sets interleaved (code, chat, code, ...). Each call stops a
-request at EOS or after --new-tokens. tokens/s = new tokens of the batch (EOS included) / wall time of one
-call, warm: every fspec call is made twice first (compiles, records CUDA graphs), then --reps times on the
+Prompts: the held-out sets of `fspec.train.prompts` (never trained on), rendered with the model's chat
+template; a batch of B takes the first B prompts of the sets interleaved (code, chat, code, ...). Each call
+stops a request at EOS or after --new-tokens. tokens/s = new tokens of the batch (EOS included) / wall time of
+one call, warm: every fspec call is made twice first (compiles, records CUDA graphs), then --reps times on the
 same prompts; the median is reported (HF: one warm-up call for the dynamic cache, two for the static one,
 then --reps - 1 timed calls, at least one). HF rows: transformers `generate` on the same weights (written by
 `fspec.save_target`, loaded with AutoModelForCausalLM) greedy or sampled at the same temperature, dynamic
@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_io  # noqa: E402
 
 import fspec  # noqa: E402
-from fspec import default_model  # noqa: E402
-from fspec import prompts as P  # noqa: E402
+from fspec.train import default_model  # noqa: E402
+from fspec.train import prompts as P  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
         dtype=args.dtype,
         k=args.k,
         new_tokens=args.new_tokens,
-        prompts="fspec.prompts held-out sets " + ", ".join(P.HELDOUT),
+        prompts="fspec.train.prompts held-out sets " + ", ".join(P.HELDOUT),
         rows=[],
     )
     out = Path(args.out)

@@ -32,7 +32,7 @@ import triton.testing
 from results_io import copy_bandwidth_tbps
 
 import fspec
-from fspec.config import env_switches
+from fspec.core.config import env_switches
 from fspec.kernels import gumbel, rejection
 from fspec.kernels.ops import call
 

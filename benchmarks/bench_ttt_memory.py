@@ -4,20 +4,20 @@
     python benchmarks/bench_ttt_memory.py --cuda [--out ...]   # also time each variant on the GPU
     python benchmarks/bench_ttt_memory.py --smoke              # tiny shapes, timed on the CPU
 
-Counts the distinct storages that autograd saves while `fspec.ttt.ttt_loss` runs forward (a
+Counts the distinct storages that autograd saves while `fspec.train.ttt.ttt_loss` runs forward (a
 `saved_tensors_hooks` pack hook), on the meta device: nothing is allocated, so full Llama-3.2-1B / 3.1-8B
 EAGLE-3 shapes fit on any machine and the count is exact. fp32 throughout (distillation without
 `--autocast`; bf16 halves every row). Four variants of the same loss (equal values and gradients, tested in
-tests/test_ttt_attention.py and tests/test_distill.py):
+tests/ops/test_ttt_attention.py and tests/train/test_distill.py):
 
 * dense: the unrolled steps attend through SDPA with a boolean `ttt_mask` over the concatenated keys, run by
   PyTorch's math backend (what CUDA SDPA falls back to for a boolean mask with grouped-query heads in
   torch 2.11: flash takes no mask, memory-efficient attention no GQA), and the soft cross-entropy is the
   plain -(softmax(p) * log_softmax(q)).sum(-1).mean();
-* + lean attention: steps >= 1 through `fspec.ttt_attention.ttt_attention`;
-* + lean CE: and the cross-entropy through `fspec.ttt.soft_cross_entropy` (keeps only the logits);
+* + lean attention: steps >= 1 through `fspec.ops.ttt_attention.ttt_attention`;
+* + lean CE: and the cross-entropy through `fspec.train.ttt.soft_cross_entropy` (keeps only the logits);
 * + fused lm_head CE: the lm_head matmul and the cross-entropy in chunks of rows
-  (`fspec.ttt.linear_soft_cross_entropy`), keeping no logits at all (fspec's default).
+  (`fspec.train.ttt.linear_soft_cross_entropy`), keeping no logits at all (fspec's default).
 
 With --cuda each variant also runs for real on the GPU (random bf16 batch, bf16 autocast as `--autocast`
 trains, one `torch.func.grad_and_value` of the loss per step): median seconds per step and peak allocated
@@ -44,12 +44,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_generate import llama_1b_config  # noqa: E402
 
 import fspec  # noqa: E402
-from fspec import ttt  # noqa: E402
-from fspec.attention import dense_attention  # noqa: E402
-from fspec.models import (
-    head_logits,  # noqa: E402
-    llama,  # noqa: E402
-)
+from fspec.models import llama  # noqa: E402
+from fspec.models.heads import head_logits  # noqa: E402
+from fspec.ops.attention import dense_attention  # noqa: E402
+from fspec.train import ttt  # noqa: E402
 
 SHAPES = {
     "1b": dict(hidden=2048, heads=32, kv_heads=8, head_dim=64, intermediate=8192, layers=16),

@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_generate import llama_1b_config  # noqa: E402
 
 import fspec  # noqa: E402
-from fspec import rounds  # noqa: E402
 from fspec.models import llama  # noqa: E402
-from fspec.runner import _cache  # noqa: E402
+from fspec.serve import rounds  # noqa: E402
+from fspec.serve.runner import Resources  # noqa: E402
 
 KERNEL = re.compile(r"(triton_\w*paged_attention\w*) = async_compile\.triton\((.*?)''', device_str", re.S)
 
@@ -37,7 +37,7 @@ def main(out_dir: str) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cfg = llama_1b_config(400)
     params = fspec.fuse_projections(llama.init(cfg, seed=0, dtype=torch.bfloat16, device="cuda"))
-    cache = _cache(cfg, 32, 16, torch.bfloat16, torch.device("cuda"), True)
+    cache = Resources().cache(cfg, 32, 16, torch.bfloat16, torch.device("cuda"), True)
     step = rounds.compiled_decode_step(cfg, 16, 400)
     cuda = {"device": "cuda"}
     table = torch.arange(25, dtype=torch.int32, **cuda)[None, :]

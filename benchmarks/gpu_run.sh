@@ -28,7 +28,7 @@
 #                $OUT/variants.tgz
 #   ttt          benchmarks/bench_ttt_memory.py --cuda (TTT loss: dense vs lean, time and peak memory)
 #   heads        build the default model once per "TAG:ARGS" argument, all at once on the one GPU (ARGS:
-#                fspec.default_model options, "+" for spaces), then score each with bench_acceptance.py
+#                fspec.train.default_model options, "+" for spaces), then score each with bench_acceptance.py
 #                (K = 5, every held-out file); $OUT/TAG.json is each train_log.json with that score under
 #                "all_held_out_files", $OUT/best-TAG.tar.xz the built files of the best by greedy tau
 set -u
@@ -96,7 +96,7 @@ case "$stage" in
     pids=()
     for spec in "$@"; do
       tag=${spec%%:*}; extra=${spec#*:}
-      { timeout 500 python3 -m fspec.default_model --out "$WORK/$tag" --device cuda ${extra//+/ } &&
+      { timeout 500 python3 -m fspec.train.default_model --out "$WORK/$tag" --device cuda ${extra//+/ } &&
         timeout 60 python3 benchmarks/bench_acceptance.py --model "$WORK/$tag" --device cuda --ks 5 \
           --trained-only --out "$WORK/$tag-acc.json"; } > "$WORK/$tag.log" 2>&1 &
       pids+=($!)

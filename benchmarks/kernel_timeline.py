@@ -50,7 +50,7 @@ def _timeline(fn, calls: int = 1) -> list[tuple[float, float, str]]:
 
 
 def _write(path: Path, title: str, events: list[tuple[float, float, str]], median_us: float) -> None:
-    from fspec.config import env_switches
+    from fspec.core.config import env_switches
 
     t0 = events[0][0]
     switches = " ".join(f"{k}={v}" for k, v in env_switches().items()) or "none"
@@ -90,13 +90,13 @@ def decode(out: Path, b: int, tag: str) -> None:
     from bench_generate import llama_1b_config
 
     import fspec
-    from fspec import rounds
     from fspec.models import llama
-    from fspec.runner import _cache
+    from fspec.serve import rounds
+    from fspec.serve.runner import Resources
 
     cfg = llama_1b_config(400)
     params = fspec.fuse_projections(llama.init(cfg, seed=0, dtype=torch.bfloat16, device="cuda"))
-    cache = _cache(cfg, 32 * b, 16, torch.bfloat16, torch.device("cuda"), True)
+    cache = Resources().cache(cfg, 32 * b, 16, torch.bfloat16, torch.device("cuda"), True)
     step = rounds.compiled_decode_step(cfg, 16, 400)
     cuda = {"device": "cuda"}
     table = torch.arange(25 * b, dtype=torch.int32, **cuda).view(b, 25)

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_io  # noqa: E402
 
 import fspec  # noqa: E402
-from fspec import default_model  # noqa: E402
-from fspec import prompts as P  # noqa: E402
+from fspec.train import default_model  # noqa: E402
+from fspec.train import prompts as P  # noqa: E402
 
 
 def summarise(prof, wall: float, rounds: int, top: int = 25) -> dict:

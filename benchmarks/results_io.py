@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import triton
 
-from fspec.config import env_switches
+from fspec.core.config import env_switches
 
 
 def copy_bandwidth_tbps(device: str | torch.device = "cuda", *, reps: int = 20) -> float:

@@ -4,17 +4,17 @@ Naming convention everywhere: p = target distribution, q = draft distribution.
 """
 
 # Pytrees: one namespace ("fspec") shared by optree, torch.func and torch.compile.
-from fspec.pytree import pytree_dataclass, replace, static_field, tree
+from fspec.core.pytree import pytree_dataclass, replace, static_field, tree
 
 # Static configuration.
-from fspec.config import BATCH_BUCKETS, DraftConfig, ModelConfig, bucket_for
+from fspec.core.config import BATCH_BUCKETS, DraftConfig, ModelConfig, bucket_for
 
 # State pytrees.
-from fspec.state import AttnMetadata, DraftState, init_draft_state
-from fspec.state import validate_attn_metadata, validate_draft_state
+from fspec.core.state import AttnMetadata, DraftState, init_draft_state
+from fspec.core.state import validate_attn_metadata, validate_draft_state
 
 # Metadata algebra.
-from fspec.metadata import (
+from fspec.core.metadata import (
     advance,
     decode_after,
     decode_metadata,
@@ -24,11 +24,11 @@ from fspec.metadata import (
 )
 
 # Models, checkpoints, KV cache, attention.
-from fspec.attention import attention, dense_attention
-from fspec.cache import BlockAllocator, KVCache, block_table_row, blocks_needed, mark_static, write_kv
-from fspec.checkpoint import Draft, Target, init_draft, load_draft, load_target, save_draft, save_target
-from fspec.checkpoint import render_chat
-from fspec.models import (
+from fspec.ops.attention import attention, dense_attention
+from fspec.core.cache import BlockAllocator, KVCache, block_table_row, blocks_needed, mark_static, write_kv
+from fspec.models.checkpoint import Draft, Target, init_draft, load_draft, load_target, save_draft
+from fspec.models.checkpoint import render_chat, save_target
+from fspec.models.heads import (
     TargetHidden,
     draft_to_target,
     eagle3_layer_ids,
@@ -42,21 +42,21 @@ from fspec.models import (
 )
 
 # Sampling and verification (p = target, q = draft).
-from fspec.sampling import gumbel_sample
-from fspec.verify import rejection_sample
+from fspec.ops.sampling import gumbel_sample
+from fspec.ops.verify import rejection_sample
 
 # The draft loop.
 from fspec.draft import draft_step, propose
 
 # End-to-end generation, and its first step as a function.
-from fspec.engine import GenerateResult, Generator, default_generator, generate
-from fspec.prefill import Prefill, prefill
+from fspec.serve.engine import GenerateResult, Generator, default_generator, generate
+from fspec.serve.prefill import Prefill, prefill
 
 # Training-time-test distillation, the embedded default model (SmolLM2-135M-Instruct and its EAGLE-3 head)
 # and the 4-layer toy model (a fast test fixture).
-from fspec.default_model import load_default
-from fspec.toy_model import load_toy
-from fspec.distill import DistillConfig, distill_head
+from fspec.train.default_model import load_default
+from fspec.train.toy_model import load_toy
+from fspec.train.distill import DistillConfig, distill_head
 
 __version__ = "0.1.0"
 

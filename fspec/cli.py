@@ -15,7 +15,7 @@ def _demo(args: argparse.Namespace) -> int:
     import torch
 
     import fspec
-    from fspec import prompts as P
+    from fspec.train import prompts as P
 
     # One thread by default: torch's two threads on a busy 2-core machine scattered the speed-up from 0.34x
     # to 8.68x across runs; one thread gave a stable 1.5x (measured on the toy model, DESIGN-NOTES.md).
@@ -157,12 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.set_defaults(func=_generate)
     dist = sub.add_parser(
-        "distill", help="train a draft head (see `python -m fspec.distill --help`)", add_help=False
+        "distill", help="train a draft head (see `python -m fspec.train.distill --help`)", add_help=False
     )
     dist.set_defaults(func=None)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["distill"]:
-        from fspec.distill import main as distill_main
+        from fspec.train.distill import main as distill_main
 
         return distill_main(argv[1:])
     args = parser.parse_args(argv)

@@ -25,15 +25,15 @@ from __future__ import annotations
 
 import torch
 
-from fspec.cache import KVCache, check_cache
-from fspec.config import DraftConfig
+from fspec.core.cache import KVCache, check_cache
+from fspec.core.config import DraftConfig
+from fspec.core.metadata import decode_after, decode_rollout
+from fspec.core.pytree import replace
+from fspec.core.state import AttnMetadata, DraftState, check_positive_int, validate_draft_state
 from fspec.kernels.ops import call
 from fspec.kernels.salts import SALT_DRAFT
-from fspec.metadata import decode_after, decode_rollout
-from fspec.models import _head_forward, check_head_params
-from fspec.models.eagle3 import _draft_to_target
-from fspec.pytree import replace
-from fspec.state import AttnMetadata, DraftState, check_positive_int, validate_draft_state
+from fspec.models.heads import _head_forward, check_head_params
+from fspec.models.heads.eagle3 import _draft_to_target
 
 
 def last_live_rows(attn: AttnMetadata) -> torch.Tensor:

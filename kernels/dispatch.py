@@ -10,13 +10,19 @@ grad), no TorchDispatchMode, and every tensor argument a plain tensor (or parame
 grad. Otherwise it calls the op, so fake tensors, tracing, autograd's refusal of these ops and dispatch modes
 see exactly what they saw before.
 
-    @register("fspec::name", mutates_args=(...))   # torch.library.custom_op, and remembered for `call`
-    def name(...): ...
-    call("name", *args, **kwargs)                  # what fspec's code calls
+    @register("fspec::name", mutates_args=(...))   # torch.library.custom_op
+    def name(x: Tensor, ...) -> Tensor: ...        # the implementation (kernel or reference)
+    name(x, ...)                                   # what fspec's code calls: the typed function `register`
+                                                   # returns, with the choice above inside it
+
+The returned function keeps the implementation's name, signature and docstring (a reader, an IDE or a type
+checker follows a call to its definition); `name.op` is the torch.library op, `name.impl` the
+implementation, and `name.register_fake` / `name.register_vmap` are the op's.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable
 
@@ -26,7 +32,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from triton.runtime.interpreter import InterpretedFunction
 
-_IMPLS: dict[str, Callable] = {}
+_TYPED: dict[str, Callable] = {}  # TRANSITION
 _PLAIN = (Tensor, torch.nn.Parameter)
 
 
@@ -46,14 +52,26 @@ def use_triton(t: Tensor) -> bool:
 
 
 def register(qualname: str, *, mutates_args: Iterable[str]) -> Callable:
-    """`torch.library.custom_op(qualname, mutates_args=...)` that also keeps the function for `call`."""
+    """`torch.library.custom_op(qualname, mutates_args=...)`, returned as a typed function that calls the
+    implementation directly where `direct` allows and the op otherwise."""
     namespace, name = qualname.split("::")
     if namespace != "fspec":
         raise ValueError(f"qualname: expected an op of the 'fspec' namespace, got {qualname!r}")
 
-    def wrap(fn: Callable):
-        _IMPLS[name] = fn
-        return torch.library.custom_op(qualname, mutates_args=tuple(mutates_args))(fn)
+    def wrap(fn: Callable) -> Callable:
+        op = torch.library.custom_op(qualname, mutates_args=tuple(mutates_args))(fn)
+        overload = getattr(torch.ops.fspec, name).default
+
+        @functools.wraps(fn)
+        def typed(*args, **kwargs):
+            if not torch.compiler.is_compiling() and direct((*args, *kwargs.values())):
+                return typed.impl(*args, **kwargs)
+            return overload(*args, **kwargs)
+
+        typed.op, typed.impl = op, fn
+        typed.register_fake, typed.register_vmap = op.register_fake, op.register_vmap
+        _TYPED[name] = typed  # TRANSITION: removed with `call`
+        return typed
 
     return wrap
 
@@ -70,8 +88,5 @@ def direct(args: Iterable[object]) -> bool:
     return True
 
 
-def call(name: str, *args, **kwargs):
-    """torch.ops.fspec.<name>(*args, **kwargs), without the dispatcher where `direct` allows."""
-    if not torch.compiler.is_compiling() and direct((*args, *kwargs.values())):
-        return _IMPLS[name](*args, **kwargs)
-    return getattr(torch.ops.fspec, name)(*args, **kwargs)
+def call(name: str, *args, **kwargs):  # TRANSITION: callers move to the typed functions
+    return _TYPED[name](*args, **kwargs)

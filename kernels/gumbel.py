@@ -360,7 +360,7 @@ def gumbel_sample(
 ) -> Tensor:
     """Launch the Gumbel kernels; returns tokens [N] int64 and, with out buffers, writes column `col`.
 
-    Inputs are assumed validated (fspec.sampling.gumbel_sample checks them); out_tokens [N, K] and
+    Inputs are assumed validated (fspec.ops.sampling.gumbel_sample checks them); out_tokens [N, K] and
     out_probs [N, K, V] must be contiguous. With `d2t` [V] (int offsets) the returned ids and out_tokens'
     column are t + d2t[t] (EAGLE-3's target ids; out_probs stays over the sampled vocabulary). `block` is a
     power of two >= 4 (None: `launch_block`). The Philox counter of row r is positions[r] + position_offset

@@ -1,4 +1,4 @@
-"""Paged attention over the KV cache, driven by the `AttnMetadata` tensors (fspec/state.py).
+"""Paged attention over the KV cache, driven by the `AttnMetadata` tensors (fspec/core/state.py).
 
     paged_attention(q [T, N, D], k_cache, v_cache, block_table, seq_lens, positions, query_start_loc,
                     *, scale, num_query, layer=0, early_kv=False, early_release=False) -> out [T, N, D]
@@ -496,7 +496,7 @@ def paged_attention(
     `early_kv`: each program loads its first key tile's rows before the request's first query position
     ahead of its PDL wait (`EARLY_KV`), so their round trips overlap the kernel ahead. The caller vouches
     that the kernel ahead in the stream writes nothing this launch reads but q and the cache rows of the
-    query tokens' positions (a layer's cache write or q/k/v product right before; fspec/attention.py).
+    query tokens' positions (a layer's cache write or q/k/v product right before; fspec/ops/attention.py).
     Ignored above MAX_EARLY_KV_QUERY query rows per request (a prefill): the same result, no early loads.
     `early_release`: the reduce kernel lets the launch after it start before its own wait, so that launch's
     pre-wait loads (the o projection's weight tiles) overlap the attention. The caller vouches that the

@@ -15,7 +15,7 @@ before it; `skinny_linear` loads its first weight tile there. Kernels launched w
 Inductor's kernels unless TORCHINDUCTOR_ENABLE_PDL=1) keep plain stream order.
 
 Two relaxations, each a flag its caller sets because only the caller knows the neighbours (the layers of
-fspec/attention.py do): when a PDL kernel starts, the kernel ahead has passed its wait, so every launch
+fspec/ops/attention.py do): when a PDL kernel starts, the kernel ahead has passed its wait, so every launch
 before that one has completed and only what the kernel ahead writes is unsafe to read. The paged attention
 with `early_kv` reads before its wait what older launches wrote (metadata, block table, the cache rows
 before the forward's own tokens): the kernel ahead must write nothing of that. Its reduce with

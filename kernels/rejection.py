@@ -385,8 +385,8 @@ def rejection_sample(
 ) -> tuple[Tensor, Tensor]:
     """Launch the rejection-sampling kernels: (tokens [B, K+1] int64, num_accepted [B] int64).
 
-    Inputs are assumed validated (fspec.verify.rejection_sample checks them). `block` is a power of two >= 4
-    (None: `launch_block`).
+    Inputs are assumed validated (fspec.ops.verify.rejection_sample checks them). `block` is a power of two >=
+    4 (None: `launch_block`).
     """
     b, k1, v = target_logits.shape
     block, nb, nb_load = vocab_blocks(v, launch_block(block))

@@ -6,7 +6,7 @@
             slot_mapping [S * B * Q] int64)                                     S = steps
 
 Three modes, each the exact arithmetic of the PyTorch reference beside the kernel (`step_metadata_ref`, which
-is what `fspec.metadata` computed before this kernel existed):
+is what `fspec.core.metadata` computed before this kernel existed):
 
 * MODE_DECODE (Q = 1): `start` holds each request's position (-1 = padding): positions = start, seq_lens =
   start + 1 where start >= 0, else 0.
@@ -25,10 +25,10 @@ query_start_loc = arange(B + 1) * Q. Slot of a token at position p of request b:
 + p % bs, or -1 where p < 0, p // bs is past the table, or the table's entry is negative (unallocated).
 
 Why: each of these fields is an input of the attention ops of every layer, so it must be one materialised
-buffer (Inductor recomputed cheap expressions in front of every consumer, fspec/metadata.py). Materialised
-through copies, the four fields cost four small Inductor kernels and four device copies per step: eight
-launches of ~1 µs plus a ~0.4 µs gap each in a CUDA graph (benchmarks/kernel_timeline.py, draft step of a
-1B-shaped EAGLE-3 head on the H200). One kernel writes all four.
+buffer (Inductor recomputed cheap expressions in front of every consumer, fspec/core/metadata.py).
+Materialised through copies, the four fields cost four small Inductor kernels and four device copies per step:
+eight launches of ~1 µs plus a ~0.4 µs gap each in a CUDA graph (benchmarks/kernel_timeline.py, draft step of
+a 1B-shaped EAGLE-3 head on the H200). One kernel writes all four.
 """
 
 import dataclasses
@@ -187,7 +187,8 @@ def step_metadata(
     steps: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Launch the kernel: (positions, query_start_loc, seq_lens, slot_mapping). Inputs are assumed
-    validated (fspec.metadata checks them eagerly); `count` is read only in MODE_FIRST and MODE_ADVANCE."""
+    validated (fspec.core.metadata checks them eagerly); `count` is read only in MODE_FIRST and
+    MODE_ADVANCE."""
     check_steps(steps, mode)
     b = start.shape[0]
     q = num_query if mode == MODE_FIRST else 1
@@ -256,8 +257,8 @@ def step_metadata_ref(
 
 def slot_mapping_ref(block_table: Tensor, positions: Tensor, block_size: int, request: Tensor) -> Tensor:
     """Branch-free int64 slots of `positions` (any shape) of requests `request` (same shape): -1 where the
-    position is < 0, lies past the table, or its block entry is < 0 (unallocated). fspec.metadata's algebra
-    and checks use it too (as `_slot_mapping`)."""
+    position is < 0, lies past the table, or its block entry is < 0 (unallocated). fspec.core.metadata's
+    algebra and checks use it too (as `_slot_mapping`)."""
     pos = positions.clamp(min=0)
     col = pos // block_size
     beyond = col >= block_table.shape[1]

@@ -12,7 +12,7 @@ check is one program of one grid over (rows, vocabulary blocks): a program reads
 draft probabilities) once, the first program of a request row also checks that request's temperature,
 position and draft tokens, and every failed check sets its bit in one int32 word with an atomic OR. The
 caller reads the word (the one sync) and, only when a bit is set, runs the detailed PyTorch checks that
-name the argument and the bad values (fspec/sampling.py, fspec/verify.py).
+name the argument and the bad values (fspec/ops/sampling.py, fspec/ops/verify.py).
 
 Semantics (`value_flags_ref` is the same in plain PyTorch; tests compare them bit for bit):
     FLAG_TEMPERATURE  a temperature NaN, +-inf or < 0

@@ -376,7 +376,7 @@ NB01: list[tuple[str, str]] = [
         target.params, seqs, cfg=cfg, aux_layer_ids=dcfg.target_layer_ids
     )  # [2, S+1, V], TargetHidden(aux [2, S+1, 3H])
     ids_in = seqs[:, 1:]  # [2, S]: the token at i + 1 ...
-    aux_in = fspec.models.TargetHidden(last=th.last[:, :-1], aux=th.aux[:, :-1])  # ... with the target at i
+    aux_in = fspec.models.heads.TargetHidden(last=th.last[:, :-1], aux=th.aux[:, :-1])  # ... with the target at i
 
     heads = [make_head(seed).params for seed in (1, 2, 3)]
     dense = lambda p: fspec.head_forward_dense(
@@ -464,11 +464,11 @@ NB02: list[tuple[str, str]] = [
     The acceptance length τ is the mean number of tokens one target forward emits: the accepted drafts plus
     the target's own replacement (or bonus) token, so 1 ≤ τ ≤ K + 1 with K drafts per round. This notebook
     measures τ of the embedded default model — SmolLM2-135M-Instruct with the EAGLE-3 head fspec distilled
-    for it (`fspec.default_model.load_default()`, head in `fspec/assets/smollm2_eagle3`) — for K = 1, 2, 3, 5
-    and temperatures 0 and 0.7, on prompts of the three held-out sets of `fspec.prompts` (`HELDOUT`):
+    for it (`fspec.train.default_model.load_default()`, head in `fspec/assets/smollm2_eagle3`) — for K = 1, 2, 3, 5
+    and temperatures 0 and 0.7, on prompts of the three held-out sets of `fspec.train.prompts` (`HELDOUT`):
     **code** (HumanEval's function stubs), **chat** (TruthfulQA's questions) and **health** (LiveQA and
     MedicationQA questions), each rendered with the model's chat template. The head was trained on the
-    target's answers to `fspec.prompts.train_prompts()`, which never overlap these sets (asserted below). τ is
+    target's answers to `fspec.train.prompts.train_prompts()`, which never overlap these sets (asserted below). τ is
     set against
 
     1. the i.i.d. model: if every draft were accepted with the same probability α, independently,
@@ -498,8 +498,8 @@ NB02: list[tuple[str, str]] = [
     import torch
 
     import fspec
-    import fspec.prompts
-    from fspec import default_model
+    import fspec.train.prompts
+    from fspec.train import default_model
 
     # One thread: the sizes below are budgeted for one core of a shared 2-core CPU.
     torch.set_num_threads(1)
@@ -510,7 +510,7 @@ NB02: list[tuple[str, str]] = [
         PER_SET, NEW_TOKENS, KS = 1, 16, [1, 3]
     TEMPS = [0.0, 0.7]
     print(f"{'full' if FULL else 'tiny'} size: {PER_SET} prompt(s) from each held-out set "
-          f"{fspec.prompts.HELDOUT}, {NEW_TOKENS} new tokens each, K in {KS}, temperatures {TEMPS}")
+          f"{fspec.train.prompts.HELDOUT}, {NEW_TOKENS} new tokens each, K in {KS}, temperatures {TEMPS}")
 
 
     def show_table(header, rows):
@@ -530,7 +530,7 @@ NB02: list[tuple[str, str]] = [
     so the two differ only in their weights. The prompts are the first `PER_SET` of each held-out set, as one
     user turn through the chat template (`default_model.chat_ids`, the same rendering the head's build
     used); none of them is among the training prompts of the shipped head's recipe (its build log names
-    the `train_prompts` arguments), compared after `fspec.prompts.normalise` as the prompt module's own
+    the `train_prompts` arguments), compared after `fspec.train.prompts.normalise` as the prompt module's own
     overlap rule does. For reference, the cell also prints the shipped head's own
     evaluation on the same sets from its build log (more prompts and longer answers, in bf16 on a GPU).
     """),
@@ -560,18 +560,18 @@ NB02: list[tuple[str, str]] = [
           f"{dc.draft_vocab_size}, {own_params(trained):,} parameters of its own (embedding: the target's)")
 
     texts, names = [], []
-    for set_name in fspec.prompts.HELDOUT:
-        for i, text in enumerate(fspec.prompts.heldout(set_name)[:PER_SET]):
+    for set_name in fspec.train.prompts.HELDOUT:
+        for i, text in enumerate(fspec.train.prompts.heldout(set_name)[:PER_SET]):
             texts.append(text)
             names.append(f"{set_name}[{i}]")
     prompts = default_model.chat_ids(target, texts, max_tokens=default_model.EVAL_MAX_PROMPT_TOKENS)
     assert len(prompts) == len(texts), "no prompt dropped for length"
     build_log = json.loads((default_model.ASSETS / "train_log.json").read_text())
     r = build_log["recipe"]  # the shipped head's build: its training prompts are train_prompts(...) of these
-    training = fspec.prompts.train_prompts(n_code=r["n_code"], n_chat=r["n_chat"],
+    training = fspec.train.prompts.train_prompts(n_code=r["n_code"], n_chat=r["n_chat"],
                                            code_phrasings=r["code_phrasings"])
-    training = {fspec.prompts.normalise(t) for t in training[: r["train_prompts"] or None]}
-    assert not training & {fspec.prompts.normalise(t) for t in texts}, "held-out prompts only"
+    training = {fspec.train.prompts.normalise(t) for t in training[: r["train_prompts"] or None]}
+    assert not training & {fspec.train.prompts.normalise(t) for t in texts}, "held-out prompts only"
     print(f"\\n{len(prompts)} held-out prompts ({', '.join(names)}), {min(map(len, prompts))} to "
           f"{max(map(len, prompts))} tokens after the chat template; none of the {len(training):,} training "
           "prompts of the shipped head's recipe")
@@ -790,21 +790,21 @@ NB03: list[tuple[str, str]] = [
     target's hidden state and the true token: it reads its own previous output and its own previous draft.
     EAGLE-3's training-time test (TTT) trains for exactly that: the head step is unrolled K times per batch,
     step j reading step j − 1's hidden state and argmax, and the loss is Σ_j w^j · CE(p_j, q_j)
-    (`fspec.ttt.ttt_loss`; K = `ttt_steps`, w = `step_weight` = 0.8).
+    (`fspec.train.ttt.ttt_loss`; K = `ttt_steps`, w = `step_weight` = 0.8).
 
     This notebook trains two EAGLE-3 heads from scratch for the embedded default target, SmolLM2-135M-Instruct
-    (`fspec.default_model.load_default()`, frozen), with the same initialisation, the same batches and the
+    (`fspec.train.default_model.load_default()`, frozen), with the same initialisation, the same batches and the
     same number of optimizer steps:
 
     - **unrolled**: `ttt_steps = 5`, the K it is evaluated at;
     - **K = 1**: `ttt_steps = 1`, plain next-token distillation (each step costs a fraction as much).
 
-    **Data.** Self-distillation, as the shipped head was built (`fspec/default_model.py`): training prompts
-    from `fspec.prompts.train_prompts()` (code requests written from the standard library's docstrings, and
+    **Data.** Self-distillation, as the shipped head was built (`fspec/train/default_model.py`): training prompts
+    from `fspec.train.prompts.train_prompts()` (code requests written from the standard library's docstrings, and
     chat prompts: HealthSearchQA and NQ-open questions, XSum articles to summarise, sentences to translate),
     rendered with the chat template (`default_model.chat_ids`), answered by the target itself, greedy
     (`default_model.answers`), and concatenated into one token stream (`default_model.stream_of`).
-    **Evaluation** uses only the held-out sets of `fspec.prompts` (`HELDOUT`: code = HumanEval, chat =
+    **Evaluation** uses only the held-out sets of `fspec.train.prompts` (`HELDOUT`: code = HumanEval, chat =
     TruthfulQA, health = LiveQA + MedicationQA), which the training prompts never overlap (asserted): τ with
     `fspec.generate` (greedy, K = 5), and each head's top-1 agreement with the target at each unrolled depth
     on the target's own greedy answers to held-out prompts. The shipped head is the reference.
@@ -828,8 +828,8 @@ NB03: list[tuple[str, str]] = [
     import torch
 
     import fspec
-    import fspec.prompts
-    from fspec import default_model, distill, ttt
+    import fspec.train.prompts
+    from fspec.train import default_model, distill, ttt
 
     # One thread: the sizes below are budgeted for one core of a shared 2-core CPU.
     torch.set_num_threads(1)
@@ -869,10 +869,10 @@ NB03: list[tuple[str, str]] = [
     """),
     code("""
     target, shipped = default_model.load_default(dtype=torch.bfloat16, device="cpu")
-    train_texts = fspec.prompts.train_prompts(n_code=N_CODE, n_chat=N_CHAT)
-    held_texts = [t for s in fspec.prompts.HELDOUT for t in fspec.prompts.heldout(s)[:HELD_PER_SET]]
-    held_set = {fspec.prompts.normalise(t) for s in fspec.prompts.HELDOUT for t in fspec.prompts.heldout(s)}
-    assert not held_set & {fspec.prompts.normalise(t) for t in train_texts}, "no held-out prompt in training"
+    train_texts = fspec.train.prompts.train_prompts(n_code=N_CODE, n_chat=N_CHAT)
+    held_texts = [t for s in fspec.train.prompts.HELDOUT for t in fspec.train.prompts.heldout(s)[:HELD_PER_SET]]
+    held_set = {fspec.train.prompts.normalise(t) for s in fspec.train.prompts.HELDOUT for t in fspec.train.prompts.heldout(s)}
+    assert not held_set & {fspec.train.prompts.normalise(t) for t in train_texts}, "no held-out prompt in training"
 
     train_ids = default_model.chat_ids(target, train_texts, max_tokens=MAX_PROMPT_TOKENS)
     held_ids = default_model.chat_ids(target, held_texts, max_tokens=default_model.EVAL_MAX_PROMPT_TOKENS)
@@ -898,7 +898,7 @@ NB03: list[tuple[str, str]] = [
     print(f"training: {len(train_ids)} of {len(train_texts)} prompts (<= {MAX_PROMPT_TOKENS} tokens), "
           f"{info['new_tokens']:,} answer tokens, a stream of {stream.numel():,} tokens; {seen:,} tokens "
           f"seen per head ({seen / stream.numel():.1f} epochs)")
-    print(f"held out: {len(held_ids)} prompts ({HELD_PER_SET} per set of {fspec.prompts.HELDOUT}), "
+    print(f"held out: {len(held_ids)} prompts ({HELD_PER_SET} per set of {fspec.train.prompts.HELDOUT}), "
           f"{sum(map(len, held_plain.tokens)):,} answer tokens, {n_windows} windows of {SEQ_LEN} "
           f"({int(held_answer.sum()):,} positions before an answer token)")
     print("\\na training prompt:\\n" + train_texts[0][:300])
@@ -918,17 +918,17 @@ NB03: list[tuple[str, str]] = [
     ## Training, one pure step at a time
 
     `fspec.distill_head` runs this loop; here it is written out so that both heads train in lockstep and are
-    measured at checkpoints. `fspec.distill.new_draft` makes a fresh head whose draft vocabulary is the `VD`
+    measured at checkpoints. `fspec.train.distill.new_draft` makes a fresh head whose draft vocabulary is the `VD`
     most frequent tokens of the stream; `online_batches` maps a step number to a batch (windows of the stream
     run through the frozen target), a pure function of (seed, step); each step's batch is made once and both
-    heads take their step on it. `fspec.ttt.train_step` is one pure AdamW step on the TTT loss
-    (`torch.func.grad_and_value`); `fspec.distill.to_draft` turns the fp32 master weights into a servable
+    heads take their step on it. `fspec.train.ttt.train_step` is one pure AdamW step on the TTT loss
+    (`torch.func.grad_and_value`); `fspec.train.distill.to_draft` turns the fp32 master weights into a servable
     `Draft` at each checkpoint.
 
     At each checkpoint: τ with `fspec.generate` (greedy, K = 5) on one held-out prompt per set, and the
     head's top-1 agreement with the target at each of 5 unrolled depths on the held-out windows. Agreement
     here is measured over the target's whole vocabulary: at depth j the head drafts from its own j − 1
-    previous drafts (`fspec.ttt.unroll`, as at serving time), and its draft, mapped to a target id, counts
+    previous drafts (`fspec.train.ttt.unroll`, as at serving time), and its draft, mapped to a target id, counts
     when it is the target's argmax there — the token greedy verification would accept — so heads with
     different draft vocabularies compare on the same footing.
     """),
@@ -1118,7 +1118,7 @@ NB03: list[tuple[str, str]] = [
     md("""
     ## What this shows
 
-    - fspec's distillation is a pure step (`fspec.ttt.train_step`) over dict pytrees, fed by a batch function
+    - fspec's distillation is a pure step (`fspec.train.ttt.train_step`) over dict pytrees, fed by a batch function
       of the step number; `fspec.distill_head` is this loop with logging, checkpoints and torchrun.
     - Unrolling trains the depths the draft loop runs at serving time. Trained at depth 1 only, a head
       agrees with the target less from depth 2 on than the unrolled head does. Unrolling costs compute (an

@@ -67,7 +67,7 @@ def test_call_overhead_smoke_times_every_case_and_gc_setting(tmp_path):
 def test_acceptance_scores_a_built_model_on_a_cut_grid(tmp_path):
     """--model / --ks / --trained-only (how gpu_run.sh's heads stage scores builds): only those rows, and
     no theory columns without the K = 1 and K = 7 runs they need."""
-    from fspec import toy_model
+    from fspec.train import toy_model
 
     d = _run(
         "bench_acceptance.py", "--model", str(toy_model.ASSETS), "--prompts", "2", "--ks", "5",

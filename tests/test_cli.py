@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import fspec
-import fspec.prompts
+import fspec.train.prompts
 from fspec.cli import main
 
 from engine_setup import aligned_pair
@@ -18,7 +18,7 @@ def test_demo_answers_a_held_out_chat_prompt_with_the_real_model_losslessly(caps
     assert main(["demo", "--max-new-tokens", "24"]) == 0
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["demo"] == "smollm2-135m-instruct" and len(record["tokens"]) <= 24
-    assert record["prompt"] == fspec.prompts.heldout("chat")[0] and record["threads"] == 1
+    assert record["prompt"] == fspec.train.prompts.heldout("chat")[0] and record["threads"] == 1
     assert record["same_tokens"] is True
     assert record["acceptance_length"] > 1.1  # an untrained head gets about 1.0
     ratio = record["tokens_per_second"] / record["target_only_tokens_per_second"]

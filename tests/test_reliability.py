@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import fspec
-from fspec.engine import Stats
-from fspec.metadata import _slot_mapping
-from fspec.runner import Run
+from fspec.core.metadata import _slot_mapping
+from fspec.serve.engine import Stats
+from fspec.serve.runner import Run
 
 from draft_setup import scenario as draft_scenario
 from draft_setup import tiny_draft, tiny_target
@@ -621,7 +621,7 @@ BAD_CALLS = [
     ("batch['input_ids']", lambda c: _distill(c, _batch(input_ids=torch.full((1, 8), 97)))),
     (
         "tokens",
-        lambda c: fspec.distill.online_batches(
+        lambda c: fspec.train.distill.online_batches(
             c.target,
             c.draft,
             torch.arange(200),

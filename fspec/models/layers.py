@@ -2,8 +2,8 @@
 
 Every function works on any leading shape (`[T, ...]` for the paged path, `[B, S, ...]` for the dense path):
 attention itself is passed in as `attend(q, k, v, layer, cos, sin) -> out`, so one decoder layer serves both.
-RoPE belongs to attention (`fspec.attention.Attend`): the layer hands over q and k un-rotated with the cos/sin
-of their positions, so the paged backend can rotate them inside its cache-write kernel.
+RoPE belongs to attention (`fspec.ops.attention.Attend`): the layer hands over q and k un-rotated with the
+cos/sin of their positions, so the paged backend can rotate them inside its cache-write kernel.
 
 Numerics follow transformers' Llama (v5.24): RMSNorm in fp32 then cast back before the weight multiply;
 RoPE's cos/sin computed in fp32 from `positions * inv_freq` and cast to the activation dtype; rotate-half
@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from fspec.attention import Attend
-from fspec.config import ModelConfig
+from fspec.core.config import ModelConfig
 from fspec.kernels.ops import call
 from fspec.kernels.rope_cos_sin import inv_freq
+from fspec.ops.attention import Attend
 
 SKINNY_ROWS = 16  # fspec::skinny_linear's row limit (kernels/skinny_linear.py MAX_ROWS)
 # widest weight routed for one row (the widest of the one-row sweep, an EAGLE-3 head's 32000-token draft

@@ -21,11 +21,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from fspec.attention import Attend, bind, causal
-from fspec.cache import KVCache
-from fspec.config import ModelConfig
+from fspec.core.cache import KVCache
+from fspec.core.config import ModelConfig
+from fspec.core.state import AttnMetadata
 from fspec.models import layers as L
-from fspec.state import AttnMetadata
+from fspec.ops.attention import Attend, bind, causal
 
 
 class TargetHidden(NamedTuple):

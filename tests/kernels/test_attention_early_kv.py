@@ -122,9 +122,9 @@ def test_layers_ask_for_early_loads_and_release(qkv_rope, monkeypatch):
     CPU): every attention launch gets early_kv and early_release (the launch before it writes only q and
     the new rows; the o projection after it reads only its weight before its wait)."""
     import fspec
-    from fspec.cache import KVCache
+    from fspec.core.cache import KVCache
+    from fspec.core.metadata import _slot_mapping
     from fspec.kernels import qkv_rope_write as qrw
-    from fspec.metadata import _slot_mapping
     from fspec.models import layers as L
 
     cfg = _tiny()

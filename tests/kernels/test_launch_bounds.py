@@ -14,7 +14,7 @@ import pytest
 import triton
 from fresh_process import in_fresh_process
 
-from fspec.config import size_bucket
+from fspec.core.config import size_bucket
 from fspec.kernels import gumbel, rejection, rope_cos_sin, step_metadata
 from fspec.kernels import paged_attention as pa
 from fspec.kernels import value_flags as vf

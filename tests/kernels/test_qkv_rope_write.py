@@ -13,13 +13,13 @@ import torch
 from fresh_process import in_fresh_process
 
 import fspec
-from fspec.cache import KVCache
+from fspec.core.cache import KVCache
+from fspec.core.metadata import _slot_mapping
 from fspec.kernels import attention_ops  # noqa: F401  (registers torch.ops.fspec)
 from fspec.kernels.qkv_rope_write import qkv_rope_write, qkv_rope_write_ref
 from fspec.kernels.rope_cos_sin import inv_freq as make_inv_freq
 from fspec.kernels.rope_kv_write import rope_pos_kv_write
 from fspec.kernels.skinny_linear import skinny_linear
-from fspec.metadata import _slot_mapping
 from fspec.models import layers as L
 from fspec.models import llama
 

@@ -14,10 +14,10 @@ import torch
 from fresh_process import in_fresh_process
 
 import fspec
-from fspec.cache import KVCache
+from fspec.core.cache import KVCache
+from fspec.core.metadata import _slot_mapping
 from fspec.kernels import attention_ops
 from fspec.kernels.rope_kv_write import rope_kv_write, rope_kv_write_ref
-from fspec.metadata import _slot_mapping
 from fspec.models import layers as L
 from fspec.models import llama
 

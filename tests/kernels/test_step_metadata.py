@@ -96,7 +96,7 @@ def _slot(table: torch.Tensor, b: int, pos: int) -> int:
 
 
 def test_reference_equals_the_algebra_written_out():
-    """Per request and row, in plain Python: what each mode means (fspec/metadata.py's builders)."""
+    """Per request and row, in plain Python: what each mode means (fspec/core/metadata.py's builders)."""
     b, q = 37, 6
     start, count, table = _inputs(b, q, seed=5)
     start[:4] = torch.tensor([17, 18, 25, 0])  # at, past max_model_len - 1 (AFTER clamps), past the table

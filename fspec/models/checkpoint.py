@@ -1,0 +1,606 @@
+"""Checkpoints in the layouts other tools read: HF for targets, published EAGLE / EAGLE-3 layouts for heads.
+
+Target (`load_target` / `save_target`): a local HF directory with config.json (either RoPE spelling),
+weights in `model.safetensors` or shards `model-0000i-of-0000n.safetensors` listed by
+`model.safetensors.index.json`, and an optional tokenizer.json. Keys: ``model.embed_tokens.weight``,
+``model.layers.{i}.self_attn.q_proj.weight``, ..., ``model.norm.weight``, ``lm_head.weight`` (absent when
+tied); transformers loads what `save_target` writes.
+
+Draft heads (`load_draft` / `save_draft`), keys as in SafeAILab/EAGLE's state dicts (eagle/model/cnets1.py and
+cnets.py `Model`):
+* EAGLE-1: ``fc.weight``, ``fc.bias``, ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.mlp.*``,
+  ``layers.{i}.post_attention_layernorm.weight`` (and ``input_layernorm`` for i > 0); config "bias" tells
+  whether fc has a bias.
+* EAGLE-3: ``fc.weight``, ``midlayer.self_attn.*``, ``midlayer.input_layernorm.weight``,
+  ``midlayer.hidden_norm.weight``, ``midlayer.post_attention_layernorm.weight``, ``midlayer.mlp.*``,
+  ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``; config architectures ["LlamaForCausalLMEagle3"] with
+  `draft_vocab_size` (and `target_hidden_size` when it differs from hidden_size).
+* MTP: DeepSeek-V3's MTP-layer names without the ``model.layers.{L}.`` prefix (vLLM deepseek_mtp.py):
+  ``enorm.weight``, ``hnorm.weight``, ``eh_proj.weight``, ``self_attn.*``, ``mlp.*``,
+  ``input_layernorm.weight``, ``post_attention_layernorm.weight``, ``shared_head.norm.weight``.
+The embedding (``embed_tokens.weight``) and, for EAGLE-1/MTP, the lm_head (``lm_head.weight`` /
+``shared_head.head.weight``) are the target's and are not saved; a checkpoint that carries its own copy loads
+it as the head's own. config.json records the kind under "fspec_draft"; without it (published heads) the kind
+is read from the architecture or the weight names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from fspec.core.config import DraftConfig, ModelConfig
+from fspec.models import layers as L
+from fspec.models import llama
+from fspec.models.gguf import read_gguf
+from fspec.models.heads import HEADS, eagle3_layer_ids
+
+SHAREABLE = ("embed", "lm_head")  # draft params that default to the target's Parameter objects
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A loaded target. Attributes: cfg (ModelConfig), params (dict pytree), tokenizer (tokenizers.Tokenizer
+    or None), chat_template (the checkpoint's Jinja chat template, or None; `render_chat` renders it)."""
+
+    cfg: ModelConfig
+    params: dict
+    tokenizer: Any = None
+    chat_template: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Draft:
+    """A draft head. Attributes: cfg (DraftConfig), params (dict pytree), shared (names of params that are the
+    target's own Parameter objects: not saved, re-linked on load)."""
+
+    cfg: DraftConfig
+    params: dict
+    shared: tuple[str, ...] = ()
+
+
+# --- key maps ----------------------------------------------------------------------------------------------
+
+
+def target_key_map(params: dict) -> dict[str, tuple]:
+    """HF key -> path into `params` (a tuple of dict keys / list indices)."""
+    keys = {"model.embed_tokens.weight": ("embed",), "model.norm.weight": ("norm",)}
+    for i, layer in enumerate(params["layers"]):
+        keys.update({f"model.layers.{i}.{L.LAYER_KEYS[n]}": ("layers", i, n) for n in layer})
+    if "lm_head" in params:
+        keys["lm_head.weight"] = ("lm_head",)
+    return keys
+
+
+_DRAFT_TOP = {
+    "eagle": {
+        "embed": "embed_tokens.weight",
+        "fc": "fc.weight",
+        "fc_bias": "fc.bias",
+        "lm_head": "lm_head.weight",
+    },
+    "eagle3": {
+        "embed": "embed_tokens.weight",
+        "fc": "fc.weight",
+        "norm": "norm.weight",
+        "lm_head": "lm_head.weight",
+        "d2t": "d2t",
+        "t2d": "t2d",
+    },
+    "mtp": {
+        "embed": "embed_tokens.weight",
+        "enorm": "enorm.weight",
+        "hnorm": "hnorm.weight",
+        "eh_proj": "eh_proj.weight",
+        "final_norm": "shared_head.norm.weight",
+        "lm_head": "shared_head.head.weight",
+    },
+}
+_LAYER_PREFIX = {"eagle3": "midlayer.", "mtp": ""}
+
+
+def draft_key_map(kind: str, params: dict) -> dict[str, tuple]:
+    """Published-layout key -> path into the head's `params`."""
+    keys = {}
+    for name, value in params.items():
+        if name == "layers":
+            for i, layer in enumerate(value):
+                keys.update({f"layers.{i}.{L.LAYER_KEYS[n]}": ("layers", i, n) for n in layer})
+        elif name == "layer":
+            keys.update({_LAYER_PREFIX[kind] + L.LAYER_KEYS[n]: ("layer", n) for n in value})
+        else:
+            keys[_DRAFT_TOP[kind][name]] = (name,)
+    return keys
+
+
+def _get(tree, path: tuple):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _set(tree, path: tuple, value) -> None:
+    for k in path[:-1]:
+        tree = tree[k]
+    tree[path[-1]] = value
+
+
+# --- files --------------------------------------------------------------------------------------------------
+
+
+def _directory(path) -> Path:
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"path: expected a checkpoint directory, got {str(path)!r} (no such directory)"
+        )
+    return path
+
+
+def _read_config(path: Path) -> dict:
+    file = path / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: expected an HF config.json in the checkpoint directory, found none")
+    return json.loads(file.read_text())
+
+
+def _read_tensors(path: Path, *, allow_bin: bool = False) -> dict[str, torch.Tensor]:
+    """All tensors of `model.safetensors`, or of the shards listed in `model.safetensors.index.json`."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: expected a 'weight_map' object, got {type(weight_map).__name__}")
+        tensors = {}
+        for shard in sorted(set(weight_map.values())):
+            if not (path / shard).is_file():
+                raise FileNotFoundError(f"{path / shard}: listed in {index.name}, but no such file")
+            tensors.update(load_file(path / shard))
+        return tensors
+    if (path / "model.safetensors").is_file():
+        return load_file(path / "model.safetensors")
+    if allow_bin and (path / "pytorch_model.bin").is_file():  # published EAGLE heads ship this
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise FileNotFoundError(
+        f"{path}: expected model.safetensors or model.safetensors.index.json with its shards, found neither"
+    )
+
+
+def _write_tensors(tensors: dict[str, torch.Tensor], path: Path, *, max_shard_bytes: int | None) -> None:
+    tensors = {k: t.detach().cpu().contiguous() for k, t in tensors.items()}
+    meta = {"format": "pt"}  # transformers refuses safetensors without it
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        save_file(tensors, path / "model.safetensors", metadata=meta)
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, path / name, metadata=meta)
+        weight_map.update(dict.fromkeys(shard, name))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _fill(
+    template: dict, keys: dict[str, tuple], tensors: dict[str, torch.Tensor], *, where: Path, dtype, device
+) -> dict:
+    """Copy `tensors` into a copy of `template` (meta-device shapes) by `keys`, checking names and shapes."""
+    out = _copy_structure(template)
+    for key, path in keys.items():
+        expected = tuple(_get(template, path).shape)
+        if key not in tensors:
+            raise ValueError(f"{where}: missing key {key!r} (expected shape {list(expected)})")
+        t = tensors[key]
+        if tuple(t.shape) != expected:
+            raise ValueError(f"{where}: key {key!r} expected shape {list(expected)}, got {list(t.shape)}")
+        want = _get(template, path).dtype if not t.is_floating_point() else (dtype or t.dtype)
+        _set(out, path, L.param(t.to(device=device, dtype=want)))
+    return out
+
+
+def _copy_structure(tree):
+    if isinstance(tree, dict):
+        return {k: _copy_structure(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_copy_structure(v) for v in tree]
+    return tree
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+# --- target -------------------------------------------------------------------------------------------------
+
+
+def load_target(
+    path, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu", fuse: bool = True
+) -> Target:
+    """A `Target` from a local HF directory or a Llama-architecture `.gguf` file (llama.cpp's format,
+    `fspec.models.gguf`); dtype None keeps the checkpoint's (float32 for a quantized GGUF, which is
+    dequantized).
+
+    fuse (default): each layer's q/k/v and gate/up weights are concatenated (`fuse_projections`), so a
+    decode step runs 4 matmuls per layer instead of 7 (measured on an H200, BENCHMARKS.md); `save_target`
+    writes the HF layout either way. fuse=False keeps HF's separate weights.
+
+    The chat template comes from chat_template.jinja or tokenizer_config.json's "chat_template" (a GGUF's
+    ``tokenizer.chat_template``).
+
+    Raises FileNotFoundError for a missing directory, file, config or weights; ValueError for an unsupported
+    architecture or a missing, unexpected or mis-shaped key (named, with the expected and actual shapes), and
+    for a GGUF file that is truncated, not GGUF, or holds an unsupported tensor type.
+    """
+    _check_fuse(fuse)
+    if Path(path).suffix.lower() == ".gguf" and not Path(path).is_dir():
+        gguf = read_gguf(path, dtype=dtype)
+        cfg = ModelConfig.from_hf(gguf.config)
+        params = _target_params(cfg, gguf.tensors, where=Path(path), dtype=dtype, device=device, fuse=fuse)
+        return Target(cfg=cfg, params=params, tokenizer=gguf.tokenizer, chat_template=gguf.chat_template)
+    path = _directory(path)
+    cfg = ModelConfig.from_hf(_read_config(path))
+    tensors = _read_tensors(path)
+    params = _target_params(cfg, tensors, where=path, dtype=dtype, device=device, fuse=fuse)
+    tokenizer = None
+    if (path / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    return Target(cfg=cfg, params=params, tokenizer=tokenizer, chat_template=_read_chat_template(path))
+
+
+def _target_params(
+    cfg: ModelConfig, tensors: dict[str, torch.Tensor], *, where: Path, dtype, device, fuse: bool
+) -> dict:
+    """The target's params from HF-keyed `tensors`, names and shapes checked against `cfg`."""
+    template = llama.init(cfg, seed=0, device="meta")
+    keys = target_key_map(template)
+    ignored = {k for k in tensors if k.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_word_embeddings:
+        ignored.add("lm_head.weight")  # tied: the embedding is the head, whatever the file carries
+    unexpected = sorted(set(tensors) - set(keys) - ignored)
+    if unexpected:
+        raise ValueError(
+            f"{where}: unexpected keys {unexpected[:4]}{' ...' if len(unexpected) > 4 else ''} for "
+            f"model_type={cfg.model_type!r} (does config.json match the weights?)"
+        )
+    params = _fill(template, keys, tensors, where=where, dtype=dtype, device=device)
+    if fuse:
+        L.fuse_projections_(params)
+    return params
+
+
+def _read_chat_template(path: Path) -> str | None:
+    """chat_template.jinja (which transformers prefers), else tokenizer_config.json's "chat_template" (a
+    string, or a list of {"name", "template"} whose "default" entry is taken), else None."""
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text(encoding="utf-8")
+    file = path / "tokenizer_config.json"
+    if not file.is_file():
+        return None
+    template = json.loads(file.read_text(encoding="utf-8")).get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def render_chat(target: Target, messages, *, add_generation_prompt: bool = True) -> str:
+    """`messages` (a list of {"role": str, "content": str}) rendered with the target's chat template, as
+    transformers' `apply_chat_template(..., tokenize=False)` renders it (`_chat_environment`), given
+    `messages`, `add_generation_prompt`, `bos_token` and `eos_token` (the strings of the config's BOS and
+    first EOS id; "" without a tokenizer).
+
+    Raises ValueError when the target has no template, for malformed messages (named by index), and when
+    the template itself refuses them (its `raise_exception`).
+    """
+    import jinja2
+
+    if not target.chat_template:
+        raise ValueError("target.chat_template: expected a Jinja chat template, got None")
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"messages: expected a non-empty list of role/content dicts, got {messages!r}")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"messages[{i}]: expected a dict with str 'role' and 'content', got {m!r}")
+    tok, cfg = target.tokenizer, target.cfg
+    name = lambda i: (tok.id_to_token(i) or "") if tok is not None and i >= 0 else ""
+    try:
+        return (
+            _chat_environment()
+            .from_string(target.chat_template)
+            .render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                bos_token=name(cfg.bos_token_id),
+                eos_token=name(cfg.eos_token_ids[0] if cfg.eos_token_ids else -1),
+            )
+        )
+    except jinja2.exceptions.TemplateError as e:
+        raise ValueError(f"messages: the chat template refused them: {e}") from e
+
+
+def _chat_environment():
+    """transformers' chat-template Jinja environment (utils/chat_template_utils.py): sandboxed and
+    immutable, trim_blocks and lstrip_blocks, loop controls, `raise_exception`, `strftime_now` and a
+    `tojson` that does not HTML-escape."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
+    return env
+
+
+def save_target(target: Target, path, *, max_shard_bytes: int | None = None) -> None:
+    """Write `target` as an HF directory transformers can load (sharded past `max_shard_bytes`)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    params = L.unfuse_projections(target.params, target.cfg)  # HF keeps q/k/v and gate/up apart
+    keys = target_key_map(params)
+    _write_tensors({k: _get(params, p) for k, p in keys.items()}, path, max_shard_bytes=max_shard_bytes)
+    config = target.cfg.to_hf()
+    config["torch_dtype"] = _DTYPE_NAMES.get(target.params["embed"].dtype, "float32")
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    if target.tokenizer is not None:
+        target.tokenizer.save(str(path / "tokenizer.json"))
+
+
+# --- draft --------------------------------------------------------------------------------------------------
+
+
+def _target_param(name: str, target: Target) -> torch.Tensor:
+    return target.params["embed"] if name == "embed" else llama.lm_head(target.params)
+
+
+def _shared_names(params: dict, target: Target) -> tuple[str, ...]:
+    return tuple(n for n in SHAREABLE if n in params and params[n] is _target_param(n, target))
+
+
+def _positive(name: str, value, default: int) -> int:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return value
+
+
+def _layer_ids(kind: str, ids, num_layers: int) -> tuple[int, ...]:
+    if kind != "eagle3":
+        if ids:
+            raise ValueError(f"target_layer_ids: expected None for kind={kind!r}, got {ids!r}")
+        return ()
+    if ids is None:
+        return eagle3_layer_ids(num_layers)
+    ids = tuple(ids)
+    if len(ids) != 3 or any(
+        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= num_layers for i in ids
+    ):
+        raise ValueError(
+            f"target_layer_ids: expected three target layer ids in [0, {num_layers}], got {ids!r}"
+        )
+    return ids
+
+
+def init_draft(
+    target: Target,
+    *,
+    kind: str = "eagle3",
+    seed: int = 0,
+    num_speculative_steps: int = 3,
+    draft_vocab_size: int | None = None,
+    block_size: int = 16,
+    max_model_len: int | None = None,
+    greedy_drafts: bool = False,
+    draft_ids: torch.Tensor | None = None,
+    target_layer_ids: tuple[int, ...] | None = None,
+    intermediate_size: int | None = None,
+) -> Draft:
+    """A fresh one-layer head of `kind` for `target`, with the target's layer shapes and RoPE.
+
+    target_layer_ids (EAGLE-3 only): the three target layers whose input the head reads; default
+    `eagle3_layer_ids(L)`, the published (2, L // 2, L - 3).
+    intermediate_size: the head layer's MLP width; default the target's (config.json records it).
+
+    draft_vocab_size (EAGLE-3 only; default V) with draft_ids, the target ids of the draft vocabulary
+    (default 0..Vd-1). max_model_len defaults to the target's max_position_embeddings.
+    """
+    if kind not in HEADS:
+        raise ValueError(f"kind: expected one of {tuple(HEADS)}, got {kind!r}")
+    tc = target.cfg
+    head = dataclasses.replace(
+        tc,
+        num_hidden_layers=1,
+        model_type="llama",
+        attention_bias=False,
+        qk_norm=False,
+        tie_word_embeddings=False,
+        intermediate_size=_positive("intermediate_size", intermediate_size, tc.intermediate_size),
+    )
+    cfg = DraftConfig(
+        kind=kind,
+        model=head,
+        num_speculative_steps=num_speculative_steps,
+        draft_vocab_size=draft_vocab_size or 0,
+        target_hidden_size=tc.hidden_size,
+        target_layer_ids=_layer_ids(kind, target_layer_ids, tc.num_hidden_layers),
+        block_size=block_size,
+        max_model_len=max_model_len or tc.max_position_embeddings,
+        greedy_drafts=greedy_drafts,
+    )
+    kwargs = {"draft_ids": draft_ids} if kind == "eagle3" else {}
+    params = HEADS[kind].init(cfg, target.params, seed=seed, **kwargs)
+    return Draft(cfg=cfg, params=params, shared=_shared_names(params, target))
+
+
+def save_draft(draft: Draft, path) -> None:
+    """Write the head's own weights in its published layout, plus a config.json; shared target weights are
+    not written."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = draft.cfg
+    params = L.unfuse_projections(draft.params, cfg.model)
+    keys = draft_key_map(cfg.kind, params)
+    tensors = {k: _get(params, p) for k, p in keys.items() if p[0] not in draft.shared}
+    _write_tensors(tensors, path, max_shard_bytes=None)
+    config = cfg.model.to_hf()
+    if cfg.kind == "eagle":
+        config.update(architectures=["LlamaForCausalLM"], bias="fc_bias" in params)
+    elif cfg.kind == "eagle3":
+        config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=cfg.draft_vocab_size)
+        config["eagle_aux_hidden_state_layer_ids"] = list(cfg.target_layer_ids)  # the key vLLM reads
+        if cfg.target_hidden_size != cfg.model.hidden_size:
+            config["target_hidden_size"] = cfg.target_hidden_size
+    else:
+        config["architectures"] = ["FspecMTPHead"]
+    config["torch_dtype"] = _DTYPE_NAMES.get(params["fc" if "fc" in params else "eh_proj"].dtype, "float32")
+    config["fspec_draft"] = {
+        "kind": cfg.kind,
+        "target_hidden_size": cfg.target_hidden_size,
+        "target_layer_ids": list(cfg.target_layer_ids),
+        "num_speculative_steps": cfg.num_speculative_steps,
+        "block_size": cfg.block_size,
+        "max_model_len": cfg.max_model_len,
+        "greedy_drafts": cfg.greedy_drafts,
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _draft_kind(config: dict, tensors: dict, path: Path) -> str:
+    recorded = (config.get("fspec_draft") or {}).get("kind")
+    if recorded is not None:
+        if recorded not in HEADS:
+            raise ValueError(
+                f"{path}: config.fspec_draft.kind: expected one of {tuple(HEADS)}, got {recorded!r}"
+            )
+        return recorded
+    archs = config.get("architectures") or []
+    if (
+        any("Eagle3" in a for a in archs)
+        or "draft_vocab_size" in config
+        or any(k.startswith("midlayer.") for k in tensors)
+    ):
+        return "eagle3"
+    if "eh_proj.weight" in tensors:
+        return "mtp"
+    if "fc.weight" in tensors:
+        return "eagle"
+    raise ValueError(
+        f"{path}: cannot tell the draft kind: expected config.fspec_draft.kind, an Eagle3 architecture, or "
+        f"'midlayer.*', 'eh_proj.weight' or 'fc.weight' keys; got architectures={archs!r}"
+    )
+
+
+def load_draft(
+    path,
+    *,
+    target: Target,
+    num_speculative_steps: int | None = None,
+    block_size: int | None = None,
+    max_model_len: int | None = None,
+    greedy_drafts: bool | None = None,
+    dtype: torch.dtype | None = None,
+    fuse: bool = True,
+) -> Draft:
+    """A `Draft` for `target` from a directory written by `save_draft` or a published EAGLE/EAGLE-3 head.
+
+    Loop settings default to what the checkpoint recorded, else (3, 16, the target's max positions, False);
+    float weights are cast to `dtype` (default: the target's); `fuse` as in `load_target`. Errors as in
+    `load_target`.
+    """
+    _check_fuse(fuse)
+    path = _directory(path)
+    config = _read_config(path)
+    tensors = _read_tensors(path, allow_bin=True)
+    kind = _draft_kind(config, tensors, path)
+    rec = config.get("fspec_draft") or {}
+    tc = target.cfg
+    model = ModelConfig.from_hf(config)
+    if model.vocab_size != tc.vocab_size:
+        raise ValueError(
+            f"{path}: config.vocab_size: expected the target's {tc.vocab_size}, got {model.vocab_size}"
+        )
+    ht = rec.get("target_hidden_size", config.get("target_hidden_size", tc.hidden_size))
+    if ht != tc.hidden_size:
+        raise ValueError(f"{path}: target_hidden_size: expected the target's {tc.hidden_size}, got {ht}")
+    layer_ids: tuple[int, ...] = ()
+    if kind == "eagle3":
+        ids = rec.get("target_layer_ids") or config.get("eagle_aux_hidden_state_layer_ids")
+        ids = ids or (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        layer_ids = tuple(ids) if ids else eagle3_layer_ids(tc.num_hidden_layers)
+        if any(not 0 <= i <= tc.num_hidden_layers for i in layer_ids):
+            raise ValueError(
+                f"{path}: target_layer_ids: expected ids in [0, {tc.num_hidden_layers}], got {layer_ids}"
+            )
+
+    def pick(value, name, default):
+        return value if value is not None else rec.get(name, default)
+
+    cfg = DraftConfig(
+        kind=kind,
+        model=model,
+        num_speculative_steps=pick(num_speculative_steps, "num_speculative_steps", 3),
+        draft_vocab_size=config.get("draft_vocab_size", tc.vocab_size) if kind == "eagle3" else 0,
+        target_hidden_size=ht,
+        target_layer_ids=layer_ids,
+        block_size=pick(block_size, "block_size", 16),
+        max_model_len=pick(max_model_len, "max_model_len", tc.max_position_embeddings),
+        greedy_drafts=pick(greedy_drafts, "greedy_drafts", False),
+    )
+    kwargs = {"fc_bias": bool(config.get("bias", True))} if kind == "eagle" else {}
+    template = HEADS[kind].init(cfg, target.params, seed=0, device="meta", **kwargs)
+    keys = draft_key_map(kind, template)
+    unexpected = sorted(set(tensors) - set(keys))
+    if unexpected:
+        raise ValueError(f"{path}: unexpected keys {unexpected[:4]} for a {kind!r} head")
+    key_of = {p[0]: k for k, p in keys.items() if len(p) == 1}
+    # A shareable weight the file does not carry is the target's own Parameter (already in the template).
+    shared = tuple(n for n in _shared_names(template, target) if key_of[n] not in tensors)
+    own = {k: p for k, p in keys.items() if p[0] not in shared}
+    params = _fill(
+        template,
+        own,
+        tensors,
+        where=path,
+        dtype=dtype or target.params["embed"].dtype,
+        device=_device(target),
+    )
+    if fuse:
+        L.fuse_projections_(params)
+    return Draft(cfg=cfg, params=params, shared=shared)
+
+
+def _check_fuse(fuse) -> None:
+    if not isinstance(fuse, bool):
+        raise ValueError(f"fuse: expected True or False, got {fuse!r}")
+
+
+def _device(target: Target) -> torch.device:
+    return target.params["embed"].device

@@ -1,0 +1,285 @@
+"""From prompts to the head's first state: the target's prefill, the first new token, and the draft state.
+
+    pre = fspec.prefill(target, draft, [[1, 2, 3], [4, 5]])
+    state, cache = fspec.propose(draft.params, pre.state, pre.draft_cache, cfg=pre.draft_cfg)
+    state.draft_tokens            # [B, K]: the K drafts after each request's first new token
+
+This is what `fspec.generate` does before its first round, as a function: notebooks and tests that study the
+draft loop on real prompts start from here instead of assembling metadata, caches and the shifted
+(hidden, token) pairs by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from fspec.core.cache import KVCache, table_width
+from fspec.core.config import DraftConfig
+from fspec.core.pytree import tree
+from fspec.core.state import DraftState, validate_draft_state
+from fspec.models.checkpoint import Draft, Target
+from fspec.serve.rounds import prefill_forward
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefill:
+    """The result of `prefill`.
+
+    Attributes:
+        tokens: [B] int64, each request's first new token (the target's sample for position len(prompt),
+            with the engine's salt, so `generate` emits the same one).
+        logits: [B, V] float32, the target's logits at each prompt's last position (p of that token).
+        state: the head's first `DraftState` (step 0: the prompt's (hidden i, token i + 1) pairs, the last
+            pairing the final hidden with the new token), ready for `fspec.propose` / `fspec.draft_step`;
+            None without a head.
+        target_cache, draft_cache: the KV caches holding the prompts (the draft cache is written by propose;
+            None without a head). Both use `block_table`.
+        block_table: [B, M] int32: request b owns the blocks of its row (-1 past them), enough for its
+            prompt plus `room` tokens; M = `fspec.core.cache.table_width` of the longest (a power of two of
+            512 tokens' worth, at most what max_model_len allows).
+        draft_cfg: the head's config with K = num_speculative_steps: pass it to `propose` (None without a
+            head).
+    """
+
+    tokens: torch.Tensor
+    logits: torch.Tensor
+    state: DraftState | None
+    target_cache: KVCache
+    draft_cache: KVCache | None
+    block_table: torch.Tensor
+    draft_cfg: DraftConfig | None
+
+
+def prefill_batch(
+    target: Target,
+    draft: Draft | None,
+    ids: torch.Tensor,
+    lens: Sequence[int],
+    live: Sequence[bool],
+    table: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    tcache: KVCache,
+    *,
+    block_size: int,
+    greedy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, DraftState | None]:
+    """Unvalidated core of `prefill` (the engine calls it): ids [B, Q] (request b's prompt in its first
+    lens[b] columns; rows with live[b] False are padding). Returns (first tokens [B], last-position logits
+    [B, V] float32, the head's first state or None). greedy: every temperature is 0 (the first tokens by
+    argmax, `fspec.serve.rounds.sample_tokens`)."""
+    device = ids.device
+    dcfg = draft.cfg if draft is not None else None
+    return prefill_forward(
+        target.params,
+        draft.params if draft is not None else None,
+        ids,
+        torch.tensor(list(lens), dtype=torch.int64, device=device),
+        torch.tensor(list(live), dtype=torch.bool, device=device),
+        table,
+        temperature,
+        seed,
+        tcache,
+        tcfg=target.cfg,
+        dcfg=dcfg,
+        block_size=block_size,
+        greedy=greedy,
+    )
+
+
+def prefill(
+    target: Target,
+    draft: Draft | None,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    *,
+    temperature: float | Sequence[float] = 0.0,
+    seed: int | Sequence[int] = 0,
+    num_speculative_steps: int | None = None,
+    room: int = 64,
+) -> Prefill:
+    """Run the target over `prompts`, sample each request's first new token, and build the head's first state.
+
+    prompts, temperature, seed: as in `fspec.generate` (same validation and errors). num_speculative_steps:
+    K of the returned state (default: the head's). room: new tokens each request's blocks can hold beyond its
+    prompt (capped at max_model_len); one propose writes K + 1 positions, one verification K + 1 more.
+    Fresh caches on the target's device; nothing is compiled.
+    """
+    if isinstance(room, bool) or not isinstance(room, int) or room < 1:
+        raise ValueError(f"room: expected a positive int (new tokens per request), got {room!r}")
+    k = num_speculative_steps
+    if k is None:
+        k = draft.cfg.num_speculative_steps if isinstance(draft, Draft) else 1
+    ids, temps, seeds, k, draft = _validate(target, draft, prompts, 1, temperature, seed, k)
+    device = target.params["embed"].device
+    bs = draft.cfg.block_size if draft is not None else 16
+    limit = max_model_len(target, draft)
+    blocks = [-(-min(len(p) + room, limit) // bs) for p in ids]
+    # As wide as the requests' blocks need (`table_width`), not max_model_len: attention reads the whole
+    # table where it cannot read lengths (compiled code, the kernels' launch grid).
+    width = table_width(max(blocks) * bs, block_size=bs, max_blocks=max(-(-limit // bs), 1))
+    table = torch.full((len(ids), width), -1, dtype=torch.int32)
+    offset = 0
+    for b, n in enumerate(blocks):
+        table[b, :n] = torch.arange(offset, offset + n, dtype=torch.int32)
+        offset += n
+    table = table.to(device)
+    tcache = KVCache.create(
+        target.cfg, num_blocks=offset, block_size=bs, dtype=target.params["embed"].dtype, device=device
+    )
+    dcache = None
+    if draft is not None:
+        dtype = draft.params["embed"].dtype
+        dcache = KVCache.create(draft.cfg.model, num_blocks=offset, block_size=bs, dtype=dtype, device=device)
+    padded = torch.zeros(len(ids), max(map(len, ids)), dtype=torch.int64)
+    for b, p in enumerate(ids):
+        padded[b, : len(p)] = torch.tensor(p)
+    temp = torch.tensor(temps, dtype=torch.float32, device=device)
+    seed_t = torch.tensor(seeds, dtype=torch.int64, device=device)
+    first, last, state = prefill_batch(
+        target,
+        draft,
+        padded.to(device),
+        [len(p) for p in ids],
+        [True] * len(ids),
+        table,
+        temp,
+        seed_t,
+        tcache,
+        block_size=bs,
+        greedy=device.type != "cuda" and all(t == 0 for t in temps),
+    )
+    if state is not None:
+        validate_draft_state(state, cfg=draft.cfg)
+    return Prefill(
+        tokens=first,
+        logits=last,
+        state=state,
+        target_cache=tcache,
+        draft_cache=dcache,
+        block_table=table,
+        draft_cfg=draft.cfg if draft is not None else None,
+    )
+
+
+# --- the checks at the public boundary: fspec.prefill, fspec.generate (runner.py, engine.py) ----------------
+
+MIN_TEMPERATURE = 1e-6  # smallest positive temperature `generate` accepts (see `_validate`)
+
+
+def max_model_len(target: Target, draft: Draft | None) -> int:
+    """The longest sequence a run may reach: the target's positions, and the head's cache if any."""
+    n = target.cfg.max_position_embeddings
+    return n if draft is None else min(n, draft.cfg.max_model_len)
+
+
+def _validate(target, draft, prompts, max_new_tokens, temperature, seed, k, compile=False, progress=False):
+    if not isinstance(target, Target):
+        raise ValueError(f"target: expected a fspec.Target, got {type(target).__name__}")
+    if draft is not None and not isinstance(draft, Draft):
+        raise ValueError(f"draft: expected a fspec.Draft or None, got {type(draft).__name__}")
+    device = target.params["embed"].device
+    if draft is not None:
+        devices = {x.device for x in tree.tree_leaves(draft.params) if isinstance(x, torch.Tensor)}
+        if devices - {device}:
+            raise ValueError(
+                f"draft: expected parameters on the target's device {device}, got {sorted(map(str, devices))}"
+            )
+        if draft.cfg.kind == "eagle3" and any(
+            i > target.cfg.num_hidden_layers for i in draft.cfg.target_layer_ids
+        ):
+            raise ValueError(
+                f"draft: expected target_layer_ids in [0, {target.cfg.num_hidden_layers}] (target layers; "
+                f"{target.cfg.num_hidden_layers}: the final normed hidden), "
+                f"got {draft.cfg.target_layer_ids}"
+            )
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
+        raise ValueError(f"num_speculative_steps: expected an int in [1, 16], got {k!r}")
+    if draft is not None:
+        if draft.cfg.model.vocab_size != target.cfg.vocab_size:
+            raise ValueError(
+                f"draft: expected a head over the target's vocabulary of {target.cfg.vocab_size}, "
+                f"got {draft.cfg.model.vocab_size}"
+            )
+        if draft.cfg.target_hidden_size != target.cfg.hidden_size:
+            raise ValueError(
+                f"draft: expected target_hidden_size {target.cfg.hidden_size}, "
+                f"got {draft.cfg.target_hidden_size}"
+            )
+        if draft.cfg.num_speculative_steps != k:
+            draft = dataclasses.replace(draft, cfg=dataclasses.replace(draft.cfg, num_speculative_steps=k))
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
+    for name, flag in (("compile", compile), ("progress", progress)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name}: expected a bool, got {flag!r}")
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError(f"prompts: expected a non-empty list of strings or token lists, got {prompts!r:.80}")
+    ids = [_prompt_ids(target, p, i) for i, p in enumerate(prompts)]
+    limit = max_model_len(target, draft)
+    for i, p in enumerate(ids):
+        if len(p) >= limit:
+            raise ValueError(
+                f"prompts[{i}]: expected at most {limit - 1} tokens (max_model_len={limit} minus one new "
+                f"token), got {len(p)}"
+            )
+    temps = _per_request("temperature", temperature, len(ids), float)
+    for i, t in enumerate(temps):
+        if not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature[{i}]: expected a finite value >= 0, got {t!r}")
+        if 0 < t < MIN_TEMPERATURE:
+            # The samplers divide logits by T: at T = 1e-38 a logit of 1000 overflows to inf, the softmax
+            # turns NaN and the kernels return token 0. Below 1e-6 sampling is greedy for sane logits anyway.
+            raise ValueError(
+                f"temperature[{i}]: expected 0 (greedy) or a value >= {MIN_TEMPERATURE} "
+                f"(smaller ones overflow logits / temperature), got {t!r}"
+            )
+    seeds = _per_request("seed", seed, len(ids), int)
+    for i, s in enumerate(seeds):
+        if not -(2**63) <= s < 2**63:
+            raise ValueError(f"seed[{i}]: expected a 64-bit int, got {s!r}")
+    return ids, temps, seeds, k, draft
+
+
+def _prompt_ids(target: Target, prompt, i: int) -> list[int]:
+    if isinstance(prompt, str):
+        if target.tokenizer is None:
+            raise ValueError(f"prompts[{i}]: expected token ids (the target has no tokenizer), got a string")
+        ids = target.tokenizer.encode(prompt).ids
+    elif isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1:
+            raise ValueError(
+                f"prompts[{i}]: expected a 1-D tensor of token ids, got shape {tuple(prompt.shape)}"
+            )
+        ids = prompt.tolist()
+    elif isinstance(prompt, Iterable) and not isinstance(prompt, (bytes, dict)):
+        ids = list(prompt)
+    else:
+        raise ValueError(
+            f"prompts[{i}]: expected a string or a list of token ids, got {type(prompt).__name__}"
+        )
+    if not ids:
+        raise ValueError(f"prompts[{i}]: expected at least one token, got an empty prompt")
+    v = target.cfg.vocab_size
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < v]
+    if bad:
+        raise ValueError(f"prompts[{i}]: expected token ids in [0, {v}), got {bad[:4]}")
+    return ids
+
+
+def _per_request(name: str, value, n: int, kind: type) -> list:
+    if isinstance(value, (list, tuple, torch.Tensor)):
+        values = value.tolist() if isinstance(value, torch.Tensor) else list(value)
+        if len(values) != n:
+            raise ValueError(f"{name}: expected one value or {n} (one per prompt), got {len(values)}")
+    else:
+        values = [value] * n
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
+            raise ValueError(f"{name}[{i}]: expected {'an int' if kind is int else 'a number'}, got {v!r}")
+        out.append(kind(v))
+    return out

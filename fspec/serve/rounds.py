@@ -1,0 +1,291 @@
+"""The device work of one generation round, as pure functions: one CUDA graph per round when compiled.
+
+`spec_round` is a whole speculative round — target forward over [current token, d_1..d_K], rejection
+sampling, and the next K drafts (`propose` from the accepted rows, whose target hidden states the forward just
+produced) — with every piece of metadata derived on the device from (n, live, block table). Nothing leaves
+the device between the target forward and the last draft step: the host reads the accepted tokens once per
+round, afterwards. `decode_step` is the target-only counterpart (one token per request).
+
+Both skip input validation: they are internal, fed by the engine, and run inside compiled graphs.
+Naming convention: p = target distribution, q = draft distribution.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from fspec.compile import jit
+from fspec.core.cache import KVCache
+from fspec.core.config import DraftConfig, ModelConfig
+from fspec.core.metadata import _decode_metadata, _first_step_metadata
+from fspec.core.state import DraftState
+from fspec.draft import _rollout, last_live_rows
+from fspec.kernels.ops import call
+from fspec.kernels.salts import SALT_BONUS
+from fspec.models import llama
+from fspec.models.heads import project_target_hidden
+from fspec.models.heads.eagle3 import _draft_to_target
+
+
+def draft_probs_over_target_vocab(draft_probs: torch.Tensor, params: dict, *, cfg: DraftConfig, vocab: int):
+    """q over the target vocabulary [B, K, V]: EAGLE-3's reduced-vocabulary q scattered through d2t."""
+    if cfg.kind != "eagle3" or cfg.draft_vocab_size == vocab:
+        return draft_probs
+    d2t = params["d2t"]
+    ids = _draft_to_target(torch.arange(d2t.numel(), device=d2t.device), d2t)  # [Vd] target ids
+    b, k, _ = draft_probs.shape
+    return draft_probs.new_zeros(b, k, vocab).index_copy(2, ids, draft_probs)
+
+
+def first_draft_state(
+    input_ids: torch.Tensor,
+    hidden: torch.Tensor,
+    meta,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    *,
+    cfg: DraftConfig,
+) -> DraftState:
+    """A round's first draft state (step 0, fresh draft buffers), without validation."""
+    b, k = temperature.shape[0], cfg.num_speculative_steps
+    vd = 0 if cfg.greedy_drafts else cfg.draft_vocab_size
+    device = input_ids.device
+    return DraftState(
+        input_ids=input_ids,
+        hidden=hidden,
+        attn=meta,
+        step=torch.zeros((), dtype=torch.int64, device=device),
+        draft_tokens=torch.empty((b, k), dtype=torch.int64, device=device),  # the K steps write every column
+        draft_probs=torch.empty((b, k, vd), dtype=torch.float32, device=device),
+        temperature=temperature,
+        seed=seed,
+    )
+
+
+def run_drafts(dparams: dict, state: DraftState, dcache: KVCache, *, cfg: DraftConfig, backend: str = "auto"):
+    """The K draft steps of `propose`, unvalidated: (draft_tokens [B, K], draft_probs [B, K, Vd])."""
+    state, dcache = _rollout(
+        dparams, state, dcache, cfg.num_speculative_steps, cfg=cfg, backend=backend, max_context=None
+    )
+    return state.draft_tokens, state.draft_probs
+
+
+def later_drafts(
+    dparams: dict, state: DraftState, dcache: KVCache, *, cfg: DraftConfig, backend: str = "auto"
+):
+    """Draft steps 2..K from the state after the first step (one row per request): `run_drafts` minus its
+    first step. After prefill the first step is shaped by the prompts; these are not, so they compile once
+    per batch bucket (`compiled_later_drafts`) whatever the prompt lengths."""
+    state, dcache = _rollout(
+        dparams, state, dcache, cfg.num_speculative_steps - 1, cfg=cfg, backend=backend, max_context=None
+    )
+    return state.draft_tokens, state.draft_probs
+
+
+def compiled_later_drafts(dcfg: DraftConfig):
+    """`later_drafts` as one CUDA graph per batch bucket (a new compiled function per call: `fspec.Generator`
+    keeps one per config)."""
+    return jit(functools.partial(later_drafts, cfg=dcfg))
+
+
+def prefill_forward(
+    tparams: dict,
+    dparams: dict | None,
+    ids: torch.Tensor,
+    counts: torch.Tensor,
+    live: torch.Tensor,
+    table: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    tcache: KVCache,
+    *,
+    tcfg: ModelConfig,
+    dcfg: DraftConfig | None,
+    block_size: int,
+    backend: str = "auto",
+    greedy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, DraftState | None]:
+    """The target's prefill of B padded prompts, unvalidated: ids [B, Q] (request b's prompt in its first
+    counts[b] columns), live [B] bool (False: a padding request). Returns (the first new tokens [B], the
+    last prompt position's logits [B, V] float32, the head's first state, or None when dcfg is None).
+    The target cache is donated. greedy (static): every temperature is 0 (`sample_tokens`)."""
+    b, q = ids.shape
+    starts = torch.where(live, torch.zeros_like(counts), torch.full_like(counts, -1))
+    meta = _first_step_metadata(starts, counts, table, num_query=q, block_size=block_size)
+    aux = dcfg.target_layer_ids if dcfg is not None and dcfg.kind == "eagle3" else ()
+    logits, hidden, _ = llama.forward(
+        tparams, ids.reshape(-1), meta, tcache, cfg=tcfg, backend=backend, aux_layer_ids=aux, max_query_len=q
+    )
+    last = logits.index_select(0, last_live_rows(meta)).float()  # [B, V]
+    first = sample_tokens(last, temperature, seed, counts, greedy=greedy)
+    if dcfg is None:
+        return first, last, None
+    # The head's rows are positions 0..n-1, pairing hidden i with token i + 1 (last: the new token).
+    rows = torch.arange(q, device=ids.device)
+    shifted = torch.cat([ids[:, 1:], ids.new_zeros(b, 1)], 1)
+    shifted = torch.where(rows == (counts - 1).clamp(min=0)[:, None], first[:, None], shifted)
+    h = project_target_hidden(dparams, hidden, cfg=dcfg)
+    return first, last, first_draft_state(shifted.reshape(-1), h, meta, temperature, seed, cfg=dcfg)
+
+
+def prefill_round(
+    tparams: dict,
+    dparams: dict | None,
+    ids: torch.Tensor,
+    counts: torch.Tensor,
+    live: torch.Tensor,
+    table: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    tcache: KVCache,
+    dcache: KVCache | None,
+    *,
+    tcfg: ModelConfig,
+    dcfg: DraftConfig | None,
+    block_size: int,
+    backend: str = "auto",
+):
+    """`prefill_forward` and, with a head, its first K drafts: (first tokens [B], draft_tokens [B, K],
+    draft_probs [B, K, Vd]); without one, (first tokens [B],). What `generate` runs before its first round,
+    one CUDA graph per batch and prompt-length bucket when compiled (`compiled_prefill_round`)."""
+    first, _, state = prefill_forward(
+        tparams, dparams, ids, counts, live, table, temperature, seed, tcache,
+        tcfg=tcfg, dcfg=dcfg, block_size=block_size, backend=backend,
+    )  # fmt: skip
+    if state is None:
+        return (first,)
+    return (first, *run_drafts(dparams, state, dcache, cfg=dcfg, backend=backend))
+
+
+def compiled_prefill_round(tcfg: ModelConfig, dcfg: DraftConfig | None, block_size: int):
+    """`prefill_round` as one CUDA graph per batch bucket and prompt-length bucket
+    (`fspec.core.config.size_bucket`)."""
+    return jit(functools.partial(prefill_round, tcfg=tcfg, dcfg=dcfg, block_size=block_size))
+
+
+def spec_round(
+    tparams: dict,
+    dparams: dict,
+    cur: torch.Tensor,
+    n: torch.Tensor,
+    live: torch.Tensor,
+    table: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    tcache: KVCache,
+    dcache: KVCache,
+    *,
+    tcfg: ModelConfig,
+    dcfg: DraftConfig,
+    max_len: int,
+    backend: str = "auto",
+):
+    """One speculative round for B requests.
+
+    cur [B] (current token, at position n [B], not yet in the target cache), live [B] bool, table [B, M],
+    draft_tokens [B, K] / draft_probs [B, K, Vd] (the previous round's proposal). Returns (tokens [B, K+1]
+    (accepted drafts, then the replacement or bonus, then -1), num_accepted [B], the next draft_tokens,
+    the next draft_probs). Both caches are donated.
+    """
+    k, bs = dcfg.num_speculative_steps, dcfg.block_size
+    b = cur.shape[0]
+    # A request whose sequence is full is padding, also when the host has not seen it finish yet (the engine
+    # launches round r + 1 before it reads round r).
+    live = live & (n + 1 < max_len)
+    starts = torch.where(live, n, torch.full_like(n, -1))
+    # 1. Target forward over K + 1 rows per request; rows past max_model_len are padding.
+    meta = _first_step_metadata(starts, (max_len - n).clamp(max=k + 1), table, num_query=k + 1, block_size=bs)
+    ids = torch.cat([cur[:, None], draft_tokens.clamp(min=0)], 1).reshape(-1)  # [B·(K+1)]
+    aux = dcfg.target_layer_ids if dcfg.kind == "eagle3" else ()
+    logits, hidden, _ = llama.forward(
+        tparams, ids, meta, tcache, cfg=tcfg, backend=backend, aux_layer_ids=aux, max_query_len=k + 1
+    )
+    # 2. Lossless verification.
+    q = None
+    if not dcfg.greedy_drafts:
+        q = draft_probs_over_target_vocab(draft_probs, dparams, cfg=dcfg, vocab=tcfg.vocab_size)
+    tokens, accepted = call(
+        "rejection_sample", logits.view(b, k + 1, -1), draft_tokens.clamp(min=0), q, temperature, seed, n + 1
+    )
+    # 3. The next proposal: the head's first step pairs the target hidden of positions n..n+a with the
+    #    emitted tokens at n+1..n+a+1 (a = accepted), then K - 1 decode steps.
+    meta_d = _first_step_metadata(starts, accepted + 1, table, num_query=k + 1, block_size=bs)
+    h = project_target_hidden(dparams, hidden, cfg=dcfg)
+    state = first_draft_state(tokens.clamp(min=0).reshape(-1), h, meta_d, temperature, seed, cfg=dcfg)
+    next_tokens, next_probs = run_drafts(dparams, state, dcache, cfg=dcfg, backend=backend)
+    return tokens, accepted, next_tokens, next_probs
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """[N] int64 argmax of logits [N, V] by the samplers' temperature-0 rules: NaN counts as -inf, ties go to
+    the smallest id (torch.argmax returns the first maximum; an all -inf row gives 0): `gumbel_sample`'s
+    tokens at temperature 0, without its noise."""
+    x = logits.float()
+    return torch.where(torch.isnan(x), float("-inf"), x).argmax(dim=-1)
+
+
+def sample_tokens(logits, temperature, seed, positions, *, greedy: bool) -> torch.Tensor:
+    """The engine's token for each row of logits [N, V] (salt SALT_BONUS): `gumbel_sample`, or with `greedy`
+    (static: the caller knows every temperature is 0) `greedy_tokens`, the same tokens. On the CPU the op
+    runs its PyTorch reference, which draws Philox noise for every row whatever the temperature (branch-free
+    for compiled code): 5 ms per call at V = 49152 on one thread, 6% of a SmolLM2-135M decode step."""
+    if greedy:
+        return greedy_tokens(logits)
+    return call("gumbel_sample", logits, temperature, seed, positions, SALT_BONUS)
+
+
+def decode_step(
+    tparams: dict,
+    cur: torch.Tensor,
+    n: torch.Tensor,
+    live: torch.Tensor,
+    table: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    tcache: KVCache,
+    *,
+    tcfg: ModelConfig,
+    block_size: int,
+    max_len: int,
+    backend: str = "auto",
+    greedy: bool = False,
+) -> torch.Tensor:
+    """Target-only decoding of one token per request: the token for position n + 1, [B] int64. greedy
+    (static): every temperature is 0 (`sample_tokens`)."""
+    live = live & (n + 1 < max_len)
+    pos = torch.where(live, n, torch.full_like(n, -1))
+    meta = _decode_metadata(pos, table, block_size=block_size)
+    logits, _, _ = llama.forward(tparams, cur, meta, tcache, cfg=tcfg, backend=backend, max_query_len=1)
+    return sample_tokens(logits, temperature, seed, n + 1, greedy=greedy)
+
+
+def decode_round(tparams: dict, cur: torch.Tensor, n: torch.Tensor, *inputs, **options) -> torch.Tensor:
+    """One round of target-only decoding with its bookkeeping on the device: `decode_step(tparams, cur, n,
+    *inputs, **options)`, then the new token becomes `cur` and `n` moves one on, both written in place
+    (donated, like the cache, so a compiled round reads and writes them where they lie and a loop of rounds
+    needs no launch between graphs). Returns [B, 2] int64 (token, 0): a round's (tokens, accepted) as the
+    host reads them."""
+    new = decode_step(tparams, cur, n, *inputs, **options)
+    cur.copy_(new)
+    n.add_(1)
+    return torch.stack([new, torch.zeros_like(new)], 1)
+
+
+def compiled_spec_round(tcfg: ModelConfig, dcfg: DraftConfig, max_len: int):
+    """`spec_round` as one CUDA graph per batch bucket (torch.compile, reduce-overhead, fullgraph)."""
+    return jit(functools.partial(spec_round, tcfg=tcfg, dcfg=dcfg, max_len=max_len))
+
+
+def compiled_decode_step(tcfg: ModelConfig, block_size: int, max_len: int):
+    """`decode_step` as one CUDA graph per batch bucket."""
+    return jit(functools.partial(decode_step, tcfg=tcfg, block_size=block_size, max_len=max_len))
+
+
+def compiled_decode_round(tcfg: ModelConfig, block_size: int, max_len: int):
+    """`decode_round` as one CUDA graph per batch bucket; `cur` and `n` must have static addresses (the graph
+    writes them in place)."""
+    return jit(functools.partial(decode_round, tcfg=tcfg, block_size=block_size, max_len=max_len))

