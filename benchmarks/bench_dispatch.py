@@ -1,5 +1,5 @@
 """Host time of an eager call to each fspec op: through the dispatcher (`torch.ops.fspec.*`) and as fspec
-calls it (`fspec.kernels.dispatch.call`, the implementation directly when nothing traces).
+calls it (the typed function `fspec.kernels.ops.<name>`, the implementation directly when nothing traces).
 
     python benchmarks/bench_dispatch.py [--device cuda|cpu] [--out benchmarks/results/dispatch.json]
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import results_io as RIO
 import torch
 
-from fspec.kernels.ops import call
+from fspec.kernels import ops as kops
 
 
 def cases(dev: str, v: int) -> dict[str, tuple]:
@@ -96,10 +96,10 @@ def main(argv=None) -> None:
     rows = []
     for name, (args, kwargs) in cases(a.device, a.vocab).items():
         op = getattr(torch.ops.fspec, name)
-        if not equal(op(*args, **kwargs), call(name, *args, **kwargs)):
+        if not equal(op(*args, **kwargs), getattr(kops, name)(*args, **kwargs)):
             raise SystemExit(f"{name}: the direct call's result differs from the op's")
         via_op = per_call_us(functools.partial(op, *args, **kwargs), a.device, a.calls)
-        direct = per_call_us(functools.partial(call, name, *args, **kwargs), a.device, a.calls)
+        direct = per_call_us(functools.partial(getattr(kops, name), *args, **kwargs), a.device, a.calls)
         rows.append(
             {
                 "op": name,

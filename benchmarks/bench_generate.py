@@ -75,7 +75,7 @@ from fspec.core.state import init_draft_state
 from fspec.draft import propose
 from fspec.models import layers as L
 from fspec.models import llama
-from fspec.models.heads import project_target_hidden
+from fspec.models.heads import lookup, project_target_hidden
 from fspec.serve import rounds, runner
 from fspec.serve.engine import Stats
 
@@ -614,7 +614,7 @@ def piece_times(target, draft, b: int, s: Setup) -> dict:
     meta = first_step_metadata(starts, torch.full_like(starts, q), table, num_query=q, block_size=run.bs)
     gen = torch.Generator().manual_seed(7)
     ids = torch.randint(0, target.cfg.vocab_size, (bucket * q,), generator=gen).to(dev)
-    aux = draft.cfg.target_layer_ids if draft.cfg.kind == "eagle3" else ()
+    aux = lookup(draft.cfg.kind).aux_layer_ids(draft.cfg)
     if s.compile:
         fwd = _target_piece(target.cfg, aux, q)
 

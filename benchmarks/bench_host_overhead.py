@@ -17,9 +17,9 @@ one-allocation scratch of four tensors, `launch_block` / `launch_finish` each Tr
 (`kernel[grid](...)` with ready arguments; older results have `launch_reduce` / `launch_probs`, the two
 launches `launch_finish` replaced), `launch_block_compiled` the first of them through the compiled kernel's C
 launcher alone (CUDA only; the difference is what `JITFunction.run` adds per launch), `launcher` the whole
-launcher (kernels/gumbel.py), `call` through fspec.kernels.dispatch.call (what fspec's code runs), `op`
-through torch.ops.fspec (the dispatcher), `validate` the public function's input checks alone (one device
-sync), `public` the public function (validation + launcher).
+launcher (kernels/gumbel.py), `call` through the typed function fspec.kernels.ops.gumbel_sample_into (what
+fspec's code runs), `op` through torch.ops.fspec (the dispatcher), `validate` the public function's input
+checks alone (one device sync), `public` the public function (validation + launcher).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from triton import knobs  # noqa: E402
 
 import fspec  # noqa: E402
 from fspec.kernels import gumbel, pdl  # noqa: E402
-from fspec.kernels.dispatch import call  # noqa: E402
+from fspec.kernels import ops as kops  # noqa: E402
 from fspec.ops.sampling import _validate_gumbel  # noqa: E402
 
 K = 5
@@ -138,7 +138,7 @@ def pieces(b: int, v: int, device: str, gen: torch.Generator) -> dict:
         "launch_finish": launch_finish,
         **direct,
         "launcher": lambda: gumbel.gumbel_sample(logits, temp, seed, pos, **into),
-        "call": lambda: call("gumbel_sample_into", logits, temp, seed, pos, 0, tokens_out, probs_out, col),
+        "call": lambda: kops.gumbel_sample_into(logits, temp, seed, pos, 0, tokens_out, probs_out, col),
         "op": lambda: torch.ops.fspec.gumbel_sample_into(
             logits, temp, seed, pos, 0, tokens_out, probs_out, col
         ),

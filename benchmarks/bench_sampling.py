@@ -34,7 +34,7 @@ from results_io import copy_bandwidth_tbps
 import fspec
 from fspec.core.config import env_switches
 from fspec.kernels import gumbel, rejection
-from fspec.kernels.ops import call
+from fspec.kernels import ops as kops
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "sampling.json"
 K = 5  # draft tokens per request for the `_into` and rejection rows
@@ -119,7 +119,7 @@ def bench_gumbel(
     eager = {  # (public function with its validation, the launch alone as fspec's code calls it)
         "gumbel_sample": (
             lambda: fspec.gumbel_sample(logits, temperature, seed, positions, salt=0),
-            lambda: call("gumbel_sample", logits, temperature, seed, positions, 0),
+            lambda: kops.gumbel_sample(logits, temperature, seed, positions, 0),
         ),
         "gumbel_sample_into": (
             lambda: fspec.gumbel_sample(
@@ -132,8 +132,8 @@ def bench_gumbel(
                 out_probs=out_probs,
                 col=col,
             ),
-            lambda: call(
-                "gumbel_sample_into", logits, temperature, seed, positions, 0, out_tokens, out_probs, col
+            lambda: kops.gumbel_sample_into(
+                logits, temperature, seed, positions, 0, out_tokens, out_probs, col
             ),
         ),
     }
@@ -204,7 +204,7 @@ def bench_rejection(
     }
     if baselines:
         public = lambda: fspec.rejection_sample(target, drafts, q, temperature, seed, positions)
-        launch = lambda: call("rejection_sample", target, drafts, q, temperature, seed, positions)
+        launch = lambda: kops.rejection_sample(target, drafts, q, temperature, seed, positions)
         row.update(
             fspec_us=_time_us(public, rep),
             fspec_launch_us=_time_us(launch, rep),

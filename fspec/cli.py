@@ -18,7 +18,7 @@ def _demo(args: argparse.Namespace) -> int:
     from fspec.train import prompts as P
 
     # One thread by default: torch's two threads on a busy 2-core machine scattered the speed-up from 0.34x
-    # to 8.68x across runs; one thread gave a stable 1.5x (measured on the toy model, DESIGN-NOTES.md).
+    # to 8.68x across runs; one thread gave a stable 1.5x (measured on the toy model).
     torch.set_num_threads(args.threads)
     began = time.perf_counter()
     target, draft = fspec.load_default()

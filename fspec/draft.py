@@ -30,9 +30,9 @@ from fspec.core.config import DraftConfig
 from fspec.core.metadata import decode_after, decode_rollout
 from fspec.core.pytree import replace
 from fspec.core.state import AttnMetadata, DraftState, check_positive_int, validate_draft_state
-from fspec.kernels.ops import call
+from fspec.kernels import ops as kops
 from fspec.kernels.salts import SALT_DRAFT
-from fspec.models.heads import _head_forward, check_head_params
+from fspec.models.heads import _head_forward, check_head_params, lookup
 from fspec.models.heads.eagle3 import _draft_to_target
 
 
@@ -87,7 +87,8 @@ def _step(
         rows_only=True,  # after the attention only each request's last live row is computed
     )  # [B, Vd], [B, H]
     # 4. sample into column `step`: the column comes from the tensor, never from a Python int.
-    d2t = params["d2t"] if cfg.kind == "eagle3" else None  # reduced draft vocabulary: emit TARGET ids
+    # a reduced draft vocabulary (EAGLE-3): emit TARGET ids
+    d2t = params["d2t"] if lookup(cfg.kind).reduced_vocab else None
     if cfg.greedy_drafts:
         tokens = logits.float().nan_to_num(nan=float("-inf")).argmax(-1)  # q is one-hot: nothing to store
         if d2t is not None:
@@ -98,8 +99,7 @@ def _step(
         # the sampling kernels write the (mapped) ids into column `step` themselves and return step + 1; the
         # sampled token's position (seq_lens + 1, the Philox counter) is added in the kernel: no launch of
         # its own for either on a step's dependent chain (the state was validated: the op is called as is)
-        tokens, step = call(
-            "gumbel_sample_into",
+        tokens, step = kops.gumbel_sample_into(
             logits,
             state.temperature,
             state.seed,

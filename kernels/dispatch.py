@@ -32,7 +32,6 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from triton.runtime.interpreter import InterpretedFunction
 
-_TYPED: dict[str, Callable] = {}  # TRANSITION
 _PLAIN = (Tensor, torch.nn.Parameter)
 
 
@@ -70,7 +69,6 @@ def register(qualname: str, *, mutates_args: Iterable[str]) -> Callable:
 
         typed.op, typed.impl = op, fn
         typed.register_fake, typed.register_vmap = op.register_fake, op.register_vmap
-        _TYPED[name] = typed  # TRANSITION: removed with `call`
         return typed
 
     return wrap
@@ -87,6 +85,3 @@ def direct(args: Iterable[object]) -> bool:
             return False
     return True
 
-
-def call(name: str, *args, **kwargs):  # TRANSITION: callers move to the typed functions
-    return _TYPED[name](*args, **kwargs)

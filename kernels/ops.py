@@ -31,12 +31,19 @@ kernel writes; callers pass whole buffers plus the column tensor, never views (p
 import torch
 from torch import Tensor
 
-from . import attention_ops, gumbel, rejection  # noqa: F401  (attention_ops registers its ops)
+from . import gumbel, rejection
 from . import rope_cos_sin as _rcs
 from . import skinny_linear as _sl
 from . import step_metadata as _sm
 from . import value_flags as _vf
-from .dispatch import call, kernels_interpreted, register  # noqa: F401  (re-exported)
+from .attention_ops import (  # noqa: F401  (the attention ops, re-exported: every op is `ops.<name>`)
+    kv_write,
+    paged_attention,
+    qkv_rope_write,
+    rope_kv_write,
+    rope_pos_kv_write,
+)
+from .dispatch import kernels_interpreted, register  # noqa: F401  (re-exported)
 from .dispatch import use_triton as _use_triton
 
 # ----------------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ with the same roundings (the product rounded to x's dtype, RoPE in float32 with 
 
 Why: in the H200's one-row decode layer the chain from the q/k/v product's last load to the attention's first
 is latency, not bytes; the cache-write launch between them is ~1.9 µs of it (RoPE, a wait, an L2 round trip
-for q/k/v). Skipping that launch outright (a timing-only experiment, DESIGN-NOTES.md) took target-only
+for q/k/v). Skipping that launch outright (a timing-only experiment, docs/ops-and-kernels.md) took target-only
 decoding from 1139 to 1175 tokens/s; this kernel measured 1136-1148 -> 1156-1176 (runs t, u of table
 `switches`: a layer 45.0 -> 43.4 µs). The product's programs do that work in registers before they exit:
 each owns BLOCK_N / 2 rotate-half pairs (d, d + D/2) of one head (`_skinny_gemv_kernel`, ROPE_HEAD_DIM), so a

@@ -92,10 +92,10 @@ def default_config(n: int, k: int, *, one_row: bool = False) -> SkinnyConfig:
     head). Up to N = 2048 the whole reduction is one tile where it fits in registers (`one_tile`: a 1B o
     projection, 16 x 2048 at eight warps; deeper ones keep the loop): alone it measured no faster (3.6
     against 3.3 us), but in place, launched while the attention before it still runs (`early_release`),
-    its every weight load is in flight before its wait (target-only decoding +0.8%, DESIGN-NOTES.md).
+    its every weight load is in flight before its wait (target-only decoding +0.8%, docs/ops-and-kernels.md).
     The split reduction (`split_k`) won no shape of the sweep: it stays off. Several rows keep the
     tile kernel: `_skinny_rows_kernel` (2..FMA_MAX_ROWS rows on the CUDA cores, an explicit `fma` config)
-    measured slower than cuBLAS for a first draft step's K + 1 rows (DESIGN-NOTES.md)."""
+    measured slower than cuBLAS for a first draft step's K + 1 rows (docs/ops-and-kernels.md)."""
     kmax = max(16, triton.next_power_of_2(k))
     if one_row:
         block_k, warps = (

@@ -9,7 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+# The tests that run a script in a subprocess are `slow` (run them before a GPU run:
+# `python -m pytest -q -m slow tests/test_benchmarks.py`): the fspec code they drive has its own tests. The
+# others read the scripts' helpers and committed results in-process, and stay in the default run.
 
 
 def _run(script: str, *args: str, out: Path) -> dict:
@@ -19,6 +24,7 @@ def _run(script: str, *args: str, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_ttt_memory_smoke_counts_less_for_each_lean_variant(tmp_path):
     d = _run("bench_ttt_memory.py", "--smoke", out=tmp_path / "ttt.json")
     (row,) = d["rows"]
@@ -27,12 +33,14 @@ def test_ttt_memory_smoke_counts_less_for_each_lean_variant(tmp_path):
     assert all(row[f"{n}_cpu"]["s_per_step"] > 0 for n in ("dense", "fused_ce"))
 
 
+@pytest.mark.slow
 def test_distill_scaling_smoke_two_gloo_processes_match_one(tmp_path):
     d = _run("bench_distill_scaling.py", "--cpu-smoke", out=tmp_path / "scaling.json")
     assert d["equality"]["relative_distance"] < 1e-4 and d["equality"]["loss_1"] == d["equality"]["loss_2"]
     assert d["throughput"]["1"]["tokens_per_s"] > 0 and d["throughput"]["2"]["tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_generate_smoke_forced_row_accepts_everything(tmp_path):
     prof = tmp_path / "profile.txt"
     d = _run(
@@ -54,6 +62,7 @@ def test_generate_smoke_forced_row_accepts_everything(tmp_path):
     assert launched[next(name for name in rows if "forced" in name)] == -(-(n - 1) // (k + 1))
 
 
+@pytest.mark.slow
 def test_call_overhead_smoke_times_every_case_and_gc_setting(tmp_path):
     d = _run("bench_call_overhead.py", "--cpu-smoke", "--calls", "2", out=tmp_path / "co.json")
     assert [(r["case"], r["gc"]) for r in d["rows"]] == [
@@ -64,6 +73,7 @@ def test_call_overhead_smoke_times_every_case_and_gc_setting(tmp_path):
     assert d["phases_s"]["forced"]["rounds_launched"] < d["phases_s"]["target"]["rounds_launched"]
 
 
+@pytest.mark.slow
 def test_acceptance_scores_a_built_model_on_a_cut_grid(tmp_path):
     """--model / --ks / --trained-only (how gpu_run.sh's heads stage scores builds): only those rows, and
     no theory columns without the K = 1 and K = 7 runs they need."""
@@ -82,6 +92,7 @@ def test_acceptance_scores_a_built_model_on_a_cut_grid(tmp_path):
     assert "fspec/assets/toy" in d["model"]
 
 
+@pytest.mark.slow
 def test_skinny_linear_smoke_agrees_with_cublas_path_on_every_row(tmp_path):
     """The interpreter run covers every shape x row count and the kernel equals F.linear on each."""
     d = _run("bench_skinny_linear.py", "--cpu-smoke", "--rows", "1", "6", out=tmp_path / "sk.json")
@@ -89,6 +100,7 @@ def test_skinny_linear_smoke_agrees_with_cublas_path_on_every_row(tmp_path):
     assert all(r["max_abs_diff_vs_cublas"] < 1e-4 and r["skinny_us"] > 0 for r in d["rows"])
 
 
+@pytest.mark.slow
 def test_skinny_linear_dependent_smoke_times_calls_after_a_kernel_they_depend_on(tmp_path):
     """--dependent: every call runs after x is rewritten, that kernel's own time subtracted; the file says
     so, and the results still equal F.linear's."""
@@ -154,6 +166,7 @@ def test_back_to_back_time_is_the_median_window_and_every_window_is_kept(monkeyp
     assert per_call == 105.0 and host >= 0
 
 
+@pytest.mark.slow
 def test_dispatch_smoke_times_every_op_both_ways_with_equal_results(tmp_path):
     d = _run(
         "bench_dispatch.py", "--device", "cpu", "--calls", "2", "--vocab", "300", out=tmp_path / "d.json"
@@ -181,6 +194,7 @@ def test_switches_table_is_rebuilt_from_its_committed_sources():
         assert row["1b_back_to_back_over_floor"] == round(row["1b_back_to_back_us"] / row["1b_floor_us"], 3)
 
 
+@pytest.mark.slow
 def test_skinny_linear_fusions_smoke_times_each_fused_call(tmp_path):
     """--fusions: one row per fused call of the decode layer, timed fused, plain skinny and cuBLAS."""
     d = _run("bench_skinny_linear.py", "--cpu-smoke", "--fusions", out=tmp_path / "skf.json")
@@ -191,6 +205,7 @@ def test_skinny_linear_fusions_smoke_times_each_fused_call(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_host_overhead_smoke_times_every_piece_of_an_eager_sampling_call(tmp_path):
     """Every piece of an eager gumbel_sample_into (allocations, each launch, launcher, dispatch, validation,
     public function) gets a host time per call and one with the drain, on every shape."""

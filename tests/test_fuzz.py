@@ -173,6 +173,9 @@ def test_greedy_speculation_always_equals_target_only_greedy_decoding(prompts, k
         assert all(t not in eos for t in toks[:-1]), "a request ran past an EOS token"
 
 
+# slow: the same claim, for fixed requests, is tests/test_reliability.py's
+# test_same_seeds_give_the_same_tokens_across_runs_and_batch_compositions (speculative and target-only)
+@pytest.mark.slow
 @pytest.mark.parametrize("speculative", [True, False])
 @settings(FUZZ, max_examples=40)
 @given(

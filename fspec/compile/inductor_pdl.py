@@ -6,7 +6,8 @@ read or wrote), `gdc_launch_dependents` after the last load. A kernel that loads
 touched and stores only to buffers it did not touch (a fill, say) gets no wait at all: it may be scheduled
 when its predecessor triggers and finish before that predecessor does, and the kernel after it, which waits
 only on its own predecessor, can then read the first one's output while it is still being written. PDL chains
-are only transitive when every kernel in them waits before it finishes (kernels/pdl.py, DESIGN-NOTES.md).
+are only transitive when every kernel in them waits before it finishes (kernels/pdl.py;
+docs/draft-and-compile.md).
 
 `always_wait()` makes Inductor's choice "wait": each PDL-launched Inductor kernel then waits for the kernel
 ahead of it before its first load or store, as fspec's own kernels do, and keeps the early launch (which is

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from fspec.core.state import AttnMetadata, check_positive_int
-from fspec.kernels.ops import call
+from fspec.kernels import ops as kops
 from fspec.kernels.step_metadata import MODE_ADVANCE, MODE_AFTER, MODE_DECODE, MODE_FIRST
 from fspec.kernels.step_metadata import slot_mapping_ref as _slot_mapping  # the one slot algebra
 
@@ -38,8 +38,8 @@ def _from_kernel(
     (three ~1 µs kernels per layer of a 1B decode step on an H200, read off its generated code). Materialised
     through opaque copies they cost four small kernels and four copies per step; one kernel writes all four
     (kernels/step_metadata.py)."""
-    positions, query_start_loc, seq_lens, slots = call(
-        "step_metadata", start, count, block_table, num_query, block_size, max_model_len, mode
+    positions, query_start_loc, seq_lens, slots = kops.step_metadata(
+        start, count, block_table, num_query, block_size, max_model_len, mode
     )
     return AttnMetadata(
         positions=positions,
@@ -269,7 +269,7 @@ def decode_rollout(
         check_positive_int("steps", steps)
     b = meta.seq_lens.shape[0]
     args = (meta.seq_lens, None, meta.block_table, 1, block_size, max_model_len, MODE_AFTER, steps)
-    positions, query_start_loc, seq_lens, slots = call("step_metadata", *args)
+    positions, query_start_loc, seq_lens, slots = kops.step_metadata(*args)
     return [
         AttnMetadata(
             positions=positions[s * b : (s + 1) * b],

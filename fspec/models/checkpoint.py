@@ -22,6 +22,9 @@ The embedding (``embed_tokens.weight``) and, for EAGLE-1/MTP, the lm_head (``lm_
 ``shared_head.head.weight``) are the target's and are not saved; a checkpoint that carries its own copy loads
 it as the head's own. config.json records the kind under "fspec_draft"; without it (published heads) the kind
 is read from the architecture or the weight names.
+
+What differs per kind (key names, the config.json fields, how a published head is recognised) is the kind's
+`HeadKind` (`fspec.models.heads.base`); this module branches on no kind name.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from fspec.core.config import DraftConfig, ModelConfig
 from fspec.models import layers as L
 from fspec.models import llama
 from fspec.models.gguf import read_gguf
-from fspec.models.heads import HEADS, eagle3_layer_ids
+from fspec.models.heads import HeadKind, head_kind, kinds, lookup, names
 
 SHAREABLE = ("embed", "lm_head")  # draft params that default to the target's Parameter objects
 
@@ -78,45 +81,9 @@ def target_key_map(params: dict) -> dict[str, tuple]:
     return keys
 
 
-_DRAFT_TOP = {
-    "eagle": {
-        "embed": "embed_tokens.weight",
-        "fc": "fc.weight",
-        "fc_bias": "fc.bias",
-        "lm_head": "lm_head.weight",
-    },
-    "eagle3": {
-        "embed": "embed_tokens.weight",
-        "fc": "fc.weight",
-        "norm": "norm.weight",
-        "lm_head": "lm_head.weight",
-        "d2t": "d2t",
-        "t2d": "t2d",
-    },
-    "mtp": {
-        "embed": "embed_tokens.weight",
-        "enorm": "enorm.weight",
-        "hnorm": "hnorm.weight",
-        "eh_proj": "eh_proj.weight",
-        "final_norm": "shared_head.norm.weight",
-        "lm_head": "shared_head.head.weight",
-    },
-}
-_LAYER_PREFIX = {"eagle3": "midlayer.", "mtp": ""}
-
-
 def draft_key_map(kind: str, params: dict) -> dict[str, tuple]:
-    """Published-layout key -> path into the head's `params`."""
-    keys = {}
-    for name, value in params.items():
-        if name == "layers":
-            for i, layer in enumerate(value):
-                keys.update({f"layers.{i}.{L.LAYER_KEYS[n]}": ("layers", i, n) for n in layer})
-        elif name == "layer":
-            keys.update({_LAYER_PREFIX[kind] + L.LAYER_KEYS[n]: ("layer", n) for n in value})
-        else:
-            keys[_DRAFT_TOP[kind][name]] = (name,)
-    return keys
+    """Published-layout key -> path into the head's `params` (`HeadKind.key_map` of head kind `kind`)."""
+    return lookup(kind).key_map(params)
 
 
 def _get(tree, path: tuple):
@@ -392,23 +359,6 @@ def _positive(name: str, value, default: int) -> int:
     return value
 
 
-def _layer_ids(kind: str, ids, num_layers: int) -> tuple[int, ...]:
-    if kind != "eagle3":
-        if ids:
-            raise ValueError(f"target_layer_ids: expected None for kind={kind!r}, got {ids!r}")
-        return ()
-    if ids is None:
-        return eagle3_layer_ids(num_layers)
-    ids = tuple(ids)
-    if len(ids) != 3 or any(
-        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= num_layers for i in ids
-    ):
-        raise ValueError(
-            f"target_layer_ids: expected three target layer ids in [0, {num_layers}], got {ids!r}"
-        )
-    return ids
-
-
 def init_draft(
     target: Target,
     *,
@@ -432,8 +382,7 @@ def init_draft(
     draft_vocab_size (EAGLE-3 only; default V) with draft_ids, the target ids of the draft vocabulary
     (default 0..Vd-1). max_model_len defaults to the target's max_position_embeddings.
     """
-    if kind not in HEADS:
-        raise ValueError(f"kind: expected one of {tuple(HEADS)}, got {kind!r}")
+    hk = lookup(kind)
     tc = target.cfg
     head = dataclasses.replace(
         tc,
@@ -450,13 +399,14 @@ def init_draft(
         num_speculative_steps=num_speculative_steps,
         draft_vocab_size=draft_vocab_size or 0,
         target_hidden_size=tc.hidden_size,
-        target_layer_ids=_layer_ids(kind, target_layer_ids, tc.num_hidden_layers),
+        target_layer_ids=hk.target_layer_ids(target_layer_ids, tc.num_hidden_layers),
         block_size=block_size,
         max_model_len=max_model_len or tc.max_position_embeddings,
         greedy_drafts=greedy_drafts,
     )
-    kwargs = {"draft_ids": draft_ids} if kind == "eagle3" else {}
-    params = HEADS[kind].init(cfg, target.params, seed=seed, **kwargs)
+    hk.check_config(cfg)
+    kwargs = {"draft_ids": draft_ids} if hk.reduced_vocab else {}
+    params = hk.init(cfg, target.params, seed=seed, **kwargs)
     return Draft(cfg=cfg, params=params, shared=_shared_names(params, target))
 
 
@@ -466,21 +416,14 @@ def save_draft(draft: Draft, path) -> None:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = draft.cfg
+    hk = head_kind(cfg)
     params = L.unfuse_projections(draft.params, cfg.model)
-    keys = draft_key_map(cfg.kind, params)
+    keys = hk.key_map(params)
     tensors = {k: _get(params, p) for k, p in keys.items() if p[0] not in draft.shared}
     _write_tensors(tensors, path, max_shard_bytes=None)
     config = cfg.model.to_hf()
-    if cfg.kind == "eagle":
-        config.update(architectures=["LlamaForCausalLM"], bias="fc_bias" in params)
-    elif cfg.kind == "eagle3":
-        config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=cfg.draft_vocab_size)
-        config["eagle_aux_hidden_state_layer_ids"] = list(cfg.target_layer_ids)  # the key vLLM reads
-        if cfg.target_hidden_size != cfg.model.hidden_size:
-            config["target_hidden_size"] = cfg.target_hidden_size
-    else:
-        config["architectures"] = ["FspecMTPHead"]
-    config["torch_dtype"] = _DTYPE_NAMES.get(params["fc" if "fc" in params else "eh_proj"].dtype, "float32")
+    config.update(hk.hf_config(cfg, params))
+    config["torch_dtype"] = _DTYPE_NAMES.get(params[hk.dtype_key].dtype, "float32")
     config["fspec_draft"] = {
         "kind": cfg.kind,
         "target_hidden_size": cfg.target_hidden_size,
@@ -493,28 +436,22 @@ def save_draft(draft: Draft, path) -> None:
     (path / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def _draft_kind(config: dict, tensors: dict, path: Path) -> str:
+def _draft_kind(config: dict, tensors: dict, path: Path) -> HeadKind:
+    """The kind config.json records under "fspec_draft", else the first kind that recognises the checkpoint
+    (`HeadKind.recognizes`, in `recognize_order`)."""
     recorded = (config.get("fspec_draft") or {}).get("kind")
     if recorded is not None:
-        if recorded not in HEADS:
-            raise ValueError(
-                f"{path}: config.fspec_draft.kind: expected one of {tuple(HEADS)}, got {recorded!r}"
-            )
-        return recorded
-    archs = config.get("architectures") or []
-    if (
-        any("Eagle3" in a for a in archs)
-        or "draft_vocab_size" in config
-        or any(k.startswith("midlayer.") for k in tensors)
-    ):
-        return "eagle3"
-    if "eh_proj.weight" in tensors:
-        return "mtp"
-    if "fc.weight" in tensors:
-        return "eagle"
+        if recorded not in names():
+            raise ValueError(f"{path}: config.fspec_draft.kind: expected one of {names()}, got {recorded!r}")
+        return lookup(recorded)
+    candidates = sorted((k for k in kinds() if k.recognizes is not None), key=lambda k: k.recognize_order)
+    for kind in candidates:
+        if kind.recognizes(config, tensors):
+            return kind
+    marks = ", ".join(f"{k.recognized_by} ({k.name})" for k in candidates)
     raise ValueError(
-        f"{path}: cannot tell the draft kind: expected config.fspec_draft.kind, an Eagle3 architecture, or "
-        f"'midlayer.*', 'eh_proj.weight' or 'fc.weight' keys; got architectures={archs!r}"
+        f"{path}: cannot tell the draft kind: expected config.fspec_draft.kind, or {marks}; "
+        f"got architectures={config.get('architectures') or []!r}"
     )
 
 
@@ -539,7 +476,7 @@ def load_draft(
     path = _directory(path)
     config = _read_config(path)
     tensors = _read_tensors(path, allow_bin=True)
-    kind = _draft_kind(config, tensors, path)
+    hk = _draft_kind(config, tensors, path)
     rec = config.get("fspec_draft") or {}
     tc = target.cfg
     model = ModelConfig.from_hf(config)
@@ -550,36 +487,27 @@ def load_draft(
     ht = rec.get("target_hidden_size", config.get("target_hidden_size", tc.hidden_size))
     if ht != tc.hidden_size:
         raise ValueError(f"{path}: target_hidden_size: expected the target's {tc.hidden_size}, got {ht}")
-    layer_ids: tuple[int, ...] = ()
-    if kind == "eagle3":
-        ids = rec.get("target_layer_ids") or config.get("eagle_aux_hidden_state_layer_ids")
-        ids = ids or (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        layer_ids = tuple(ids) if ids else eagle3_layer_ids(tc.num_hidden_layers)
-        if any(not 0 <= i <= tc.num_hidden_layers for i in layer_ids):
-            raise ValueError(
-                f"{path}: target_layer_ids: expected ids in [0, {tc.num_hidden_layers}], got {layer_ids}"
-            )
+    fields = hk.read_hf_config(config, rec, tc, path)  # the kind's own (EAGLE-3: layer ids, Vd)
 
     def pick(value, name, default):
         return value if value is not None else rec.get(name, default)
 
     cfg = DraftConfig(
-        kind=kind,
+        kind=hk.name,
         model=model,
         num_speculative_steps=pick(num_speculative_steps, "num_speculative_steps", 3),
-        draft_vocab_size=config.get("draft_vocab_size", tc.vocab_size) if kind == "eagle3" else 0,
         target_hidden_size=ht,
-        target_layer_ids=layer_ids,
         block_size=pick(block_size, "block_size", 16),
         max_model_len=pick(max_model_len, "max_model_len", tc.max_position_embeddings),
         greedy_drafts=pick(greedy_drafts, "greedy_drafts", False),
+        **fields,
     )
-    kwargs = {"fc_bias": bool(config.get("bias", True))} if kind == "eagle" else {}
-    template = HEADS[kind].init(cfg, target.params, seed=0, device="meta", **kwargs)
-    keys = draft_key_map(kind, template)
+    hk.check_config(cfg)
+    template = hk.init(cfg, target.params, seed=0, device="meta", **hk.init_kwargs(config))
+    keys = hk.key_map(template)
     unexpected = sorted(set(tensors) - set(keys))
     if unexpected:
-        raise ValueError(f"{path}: unexpected keys {unexpected[:4]} for a {kind!r} head")
+        raise ValueError(f"{path}: unexpected keys {unexpected[:4]} for a {hk.name!r} head")
     key_of = {p[0]: k for k, p in keys.items() if len(p) == 1}
     # A shareable weight the file does not carry is the target's own Parameter (already in the template).
     shared = tuple(n for n in _shared_names(template, target) if key_of[n] not in tensors)

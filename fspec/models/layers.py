@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from fspec.core.config import ModelConfig
-from fspec.kernels.ops import call
+from fspec.kernels import ops as kops
 from fspec.kernels.rope_cos_sin import inv_freq
 from fspec.ops.attention import Attend
 
@@ -64,7 +64,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     """F.linear(x, w, b), through `fspec::skinny_linear` where `use_skinny_linear` says so."""
     if not use_skinny_linear(x, w):
         return F.linear(x, w, b)
-    y = call("skinny_linear", x.reshape(-1, x.shape[-1]), w)
+    y = kops.skinny_linear(x.reshape(-1, x.shape[-1]), w)
     y = y.reshape(*x.shape[:-1], w.shape[0])
     return y if b is None else y + b
 
@@ -107,7 +107,7 @@ def rope_cos_sin(
     computes them (traced inline they were one Inductor kernel per forward: per draft step of a compiled
     propose, ~1 us of a 1B-shaped head's step on the H200, benchmarks/results/timelines/)."""
     head_dim, rope_type, rope = rope_key(cfg)
-    return call("rope_tables", positions, dtype, head_dim, rope_type, list(rope))
+    return kops.rope_tables(positions, dtype, head_dim, rope_type, list(rope))
 
 
 def bias_layout(cfg: ModelConfig) -> tuple[bool, bool]:
@@ -344,7 +344,7 @@ def fused_decoder_layer(
     out = _qkv_rope_attention(p, x, p["input_norm"], attend, cfg=cfg, layer=layer, cos=cos)
     if out is not None:  # q/k/v, RoPE and the cache write in one launch, then the attention
         return _fused_after_attention(p, out, x, cfg=cfg)
-    qkv = call("skinny_linear", rows, p["qkv"], p["input_norm"], eps, False, None)
+    qkv = kops.skinny_linear(rows, p["qkv"], p["input_norm"], eps, False, None)
     q, k, v = (rearrange(t, "t (n d) -> t n d", d=cfg.head_dim) for t in qkv.split(qkv_sizes(cfg), dim=-1))
     shape = lambda t: t.reshape(*lead, *t.shape[1:])  # noqa: E731
     out = rearrange(attend(shape(q), shape(k), shape(v), layer, cos, sin), "... n d -> ... (n d)")
@@ -381,9 +381,9 @@ def _fused_after_attention(
     """residual + o(out), then + down(silu(gate) * up of rms_norm(h)): three `skinny_linear` launches."""
     lead, hidden = residual.shape[:-1], residual.shape[-1]
     rows, eps = residual.reshape(-1, hidden), cfg.rms_norm_eps
-    h = call("skinny_linear", out.reshape(rows.shape[0], -1), p["o"], None, eps, False, rows)
-    act = call("skinny_linear", h, p["gate_up"], p["post_norm"], eps, True, None)  # silu(gate) * up
-    return call("skinny_linear", act, p["down"], None, eps, False, h).reshape(*lead, hidden)
+    h = kops.skinny_linear(out.reshape(rows.shape[0], -1), p["o"], None, eps, False, rows)
+    act = kops.skinny_linear(h, p["gate_up"], p["post_norm"], eps, True, None)  # silu(gate) * up
+    return kops.skinny_linear(act, p["down"], None, eps, False, h).reshape(*lead, hidden)
 
 
 # --- initialization ---------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from einops import rearrange
 from fspec.core.cache import CONTEXT_QUANTUM, DECODE_CONTEXT_QUANTUM, KVCache
 from fspec.core.metadata import token_requests
 from fspec.core.state import AttnMetadata, _expect, check_positive_int, validate_attn_metadata
-from fspec.kernels.ops import call
+from fspec.kernels import ops as kops
 
 BACKENDS = ("auto", "paged", "reference", "dense")
 
@@ -209,13 +209,13 @@ def _paged_qkv_rope(
     if x.shape[0] != 1 or cache.k.dtype != x.dtype:
         return None
     d, nkv = cache.k.shape[-1], cache.k.shape[-2]
-    qkv = call(
-        "qkv_rope_write", x, w, norm_weight, eps, meta.positions, cache.k, cache.v, meta.slot_mapping,
+    qkv = kops.qkv_rope_write(
+        x, w, norm_weight, eps, meta.positions, cache.k, cache.v, meta.slot_mapping,
         table_dtype, rope_params[0], list(rope_params[1]), layer=layer,
     )  # fmt: skip
     q = qkv[:, : qkv.shape[1] - 2 * nkv * d].view(1, -1, d)
-    return call(
-        "paged_attention", q, cache.k, cache.v, meta.block_table, meta.seq_lens, meta.positions,
+    return kops.paged_attention(
+        q, cache.k, cache.v, meta.block_table, meta.seq_lens, meta.positions,
         meta.query_start_loc, scale=d**-0.5, num_query=1, layer=layer, early_kv=True, early_release=True,
     )  # fmt: skip
 
@@ -240,13 +240,12 @@ def _paged_kernels(
     and positions on the device; keys past seq_lens are never read."""
     num_query = q.shape[0] if max_query_len is None else max_query_len
     if rope is not None and rope_params is not None:
-        q_cache = call(
-            "rope_pos_kv_write", q, k, v, meta.positions, cache.k, cache.v, meta.slot_mapping, rope[0].dtype,
+        q_cache = kops.rope_pos_kv_write(
+            q, k, v, meta.positions, cache.k, cache.v, meta.slot_mapping, rope[0].dtype,
             rope_params[0], list(rope_params[1]), layer=layer,
         )  # fmt: skip
     elif rope is None:
-        call(
-            "kv_write",
+        kops.kv_write(
             k.to(cache.k.dtype),
             v.to(cache.v.dtype),
             cache.k,
@@ -256,11 +255,10 @@ def _paged_kernels(
         )
         q_cache = q.to(cache.k.dtype)
     else:  # RoPE of q and k in the write's launch; q comes back rotated, in the cache's dtype
-        q_cache = call(
-            "rope_kv_write", q, k, v, *rope, cache.k, cache.v, meta.slot_mapping, layer=layer
+        q_cache = kops.rope_kv_write(
+            q, k, v, *rope, cache.k, cache.v, meta.slot_mapping, layer=layer
         )  # [T, N, D]
-    return call(
-        "paged_attention",
+    return kops.paged_attention(
         q_cache,
         cache.k,
         cache.v,

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from fspec.kernels.ops import call
+from fspec.kernels import ops as kops
 from fspec.kernels.philox import MAX_VOCAB
 from fspec.kernels.salts import MAX_SALT, SALT_ACCEPT, SALT_BONUS, SALT_DRAFT, SALT_RESIDUAL
 from fspec.kernels.value_flags import (
@@ -150,7 +150,7 @@ def _validate_gumbel(
     if out_tokens is None:
         if d2t is not None:
             raise argument_error("d2t", "None unless out_tokens, out_probs and col are given", "a tensor")
-        flags = call("value_flags", logits, temperature, positions, 0, None, 0, None, None, None)
+        flags = kops.value_flags(logits, temperature, positions, 0, None, 0, None, None, None)
         raise_flagged(int(flags), *checks)
         return
     if d2t is not None:
@@ -175,7 +175,7 @@ def _validate_gumbel(
         if not 0 <= int(col) < k:
             raise argument_error("col", f"a value in [0, {k}) (columns of out_tokens)", int(col))
 
-    flags = call("value_flags", logits, temperature, positions, 0, col, k, None, None, d2t)
+    flags = kops.value_flags(logits, temperature, positions, 0, col, k, None, None, d2t)
     raise_flagged(int(flags), *checks, (FLAG_COL, check_col))
 
 
@@ -223,6 +223,6 @@ def gumbel_sample(
         _validate_gumbel(logits, temperature, seed, positions, salt, out_tokens, out_probs, col, d2t)
     temperature, seed, positions = unit_stride(temperature, seed, positions)
     if out_tokens is None:
-        return call("gumbel_sample", logits, temperature, seed, positions, salt)
+        return kops.gumbel_sample(logits, temperature, seed, positions, salt)
     args = (logits, temperature, seed, positions, salt, out_tokens, out_probs, col)
-    return call("gumbel_sample_into", *args, d2t)[0]
+    return kops.gumbel_sample_into(*args, d2t)[0]

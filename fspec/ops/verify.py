@@ -19,7 +19,7 @@ the draft's noise for the residual biases the output (vLLM issue #47386); tests/
 import torch
 from torch import Tensor
 
-from fspec.kernels.ops import call
+from fspec.kernels import ops as kops
 from fspec.kernels.philox import MAX_VOCAB
 from fspec.kernels.value_flags import (
     FLAG_DRAFTS,
@@ -79,8 +79,8 @@ def _validate_rejection(target_logits, draft_tokens, draft_probs, temperature, s
                 "draft_tokens", f"token ids in [0, {v})", f"{draft_tokens[bad][:4].tolist()}"
             )
 
-    flags = call(
-        "value_flags", target_logits, temperature, positions, k, None, 0, draft_tokens, draft_probs, None
+    flags = kops.value_flags(
+        target_logits, temperature, positions, k, None, 0, draft_tokens, draft_probs, None
     )
     raise_flagged(
         int(flags),
@@ -127,4 +127,4 @@ def rejection_sample(
     if not torch.compiler.is_compiling():
         _validate_rejection(target_logits, draft_tokens, draft_probs, temperature, seed, positions)
     temperature, seed, positions = unit_stride(temperature, seed, positions)
-    return call("rejection_sample", target_logits, draft_tokens, draft_probs, temperature, seed, positions)
+    return kops.rejection_sample(target_logits, draft_tokens, draft_probs, temperature, seed, positions)

@@ -22,6 +22,7 @@ from fspec.core.config import DraftConfig
 from fspec.core.pytree import tree
 from fspec.core.state import DraftState, validate_draft_state
 from fspec.models.checkpoint import Draft, Target
+from fspec.models.heads import head_kind
 from fspec.serve.rounds import prefill_forward
 
 
@@ -188,9 +189,7 @@ def _validate(target, draft, prompts, max_new_tokens, temperature, seed, k, comp
             raise ValueError(
                 f"draft: expected parameters on the target's device {device}, got {sorted(map(str, devices))}"
             )
-        if draft.cfg.kind == "eagle3" and any(
-            i > target.cfg.num_hidden_layers for i in draft.cfg.target_layer_ids
-        ):
+        if any(i > target.cfg.num_hidden_layers for i in head_kind(draft.cfg).aux_layer_ids(draft.cfg)):
             raise ValueError(
                 f"draft: expected target_layer_ids in [0, {target.cfg.num_hidden_layers}] (target layers; "
                 f"{target.cfg.num_hidden_layers}: the final normed hidden), "

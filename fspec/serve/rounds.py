@@ -22,16 +22,16 @@ from fspec.core.config import DraftConfig, ModelConfig
 from fspec.core.metadata import _decode_metadata, _first_step_metadata
 from fspec.core.state import DraftState
 from fspec.draft import _rollout, last_live_rows
-from fspec.kernels.ops import call
+from fspec.kernels import ops as kops
 from fspec.kernels.salts import SALT_BONUS
 from fspec.models import llama
-from fspec.models.heads import project_target_hidden
+from fspec.models.heads import lookup, project_target_hidden
 from fspec.models.heads.eagle3 import _draft_to_target
 
 
 def draft_probs_over_target_vocab(draft_probs: torch.Tensor, params: dict, *, cfg: DraftConfig, vocab: int):
     """q over the target vocabulary [B, K, V]: EAGLE-3's reduced-vocabulary q scattered through d2t."""
-    if cfg.kind != "eagle3" or cfg.draft_vocab_size == vocab:
+    if not lookup(cfg.kind).reduced_vocab or cfg.draft_vocab_size == vocab:
         return draft_probs
     d2t = params["d2t"]
     ids = _draft_to_target(torch.arange(d2t.numel(), device=d2t.device), d2t)  # [Vd] target ids
@@ -114,7 +114,7 @@ def prefill_forward(
     b, q = ids.shape
     starts = torch.where(live, torch.zeros_like(counts), torch.full_like(counts, -1))
     meta = _first_step_metadata(starts, counts, table, num_query=q, block_size=block_size)
-    aux = dcfg.target_layer_ids if dcfg is not None and dcfg.kind == "eagle3" else ()
+    aux = lookup(dcfg.kind).aux_layer_ids(dcfg) if dcfg is not None else ()
     logits, hidden, _ = llama.forward(
         tparams, ids.reshape(-1), meta, tcache, cfg=tcfg, backend=backend, aux_layer_ids=aux, max_query_len=q
     )
@@ -200,7 +200,7 @@ def spec_round(
     # 1. Target forward over K + 1 rows per request; rows past max_model_len are padding.
     meta = _first_step_metadata(starts, (max_len - n).clamp(max=k + 1), table, num_query=k + 1, block_size=bs)
     ids = torch.cat([cur[:, None], draft_tokens.clamp(min=0)], 1).reshape(-1)  # [B·(K+1)]
-    aux = dcfg.target_layer_ids if dcfg.kind == "eagle3" else ()
+    aux = lookup(dcfg.kind).aux_layer_ids(dcfg)
     logits, hidden, _ = llama.forward(
         tparams, ids, meta, tcache, cfg=tcfg, backend=backend, aux_layer_ids=aux, max_query_len=k + 1
     )
@@ -208,8 +208,8 @@ def spec_round(
     q = None
     if not dcfg.greedy_drafts:
         q = draft_probs_over_target_vocab(draft_probs, dparams, cfg=dcfg, vocab=tcfg.vocab_size)
-    tokens, accepted = call(
-        "rejection_sample", logits.view(b, k + 1, -1), draft_tokens.clamp(min=0), q, temperature, seed, n + 1
+    tokens, accepted = kops.rejection_sample(
+        logits.view(b, k + 1, -1), draft_tokens.clamp(min=0), q, temperature, seed, n + 1
     )
     # 3. The next proposal: the head's first step pairs the target hidden of positions n..n+a with the
     #    emitted tokens at n+1..n+a+1 (a = accepted), then K - 1 decode steps.
@@ -235,7 +235,7 @@ def sample_tokens(logits, temperature, seed, positions, *, greedy: bool) -> torc
     for compiled code): 5 ms per call at V = 49152 on one thread, 6% of a SmolLM2-135M decode step."""
     if greedy:
         return greedy_tokens(logits)
-    return call("gumbel_sample", logits, temperature, seed, positions, SALT_BONUS)
+    return kops.gumbel_sample(logits, temperature, seed, positions, SALT_BONUS)
 
 
 def decode_step(

@@ -54,7 +54,7 @@ from fspec.core.pytree import tree
 from fspec.models import layers as L
 from fspec.models import llama
 from fspec.models.checkpoint import Draft, Target, init_draft, load_draft, load_target, save_draft
-from fspec.models.heads import eagle3_layer_ids
+from fspec.models.heads import head_kind, lookup, names
 from fspec.train import data
 from fspec.train.data import sample_windows
 from fspec.train.ttt import (
@@ -92,7 +92,7 @@ def new_draft(
     **kw,
 ) -> Draft:
     """`init_draft` whose EAGLE-3 draft vocabulary is the `draft_vocab_size` most frequent ids of `tokens`."""
-    if kind == "eagle3" and draft_vocab_size and draft_vocab_size < target.cfg.vocab_size:
+    if lookup(kind).reduced_vocab and draft_vocab_size and draft_vocab_size < target.cfg.vocab_size:
         if tokens is None:
             raise ValueError("tokens: expected a token stream to pick the draft vocabulary from, got None")
         kw["draft_ids"] = frequent_tokens(tokens, vocab_size=target.cfg.vocab_size, k=draft_vocab_size)
@@ -211,19 +211,20 @@ def offline_batches(
         raise FileNotFoundError(f"path: expected a precomputed store with meta.json, got {str(path)!r}")
     meta = json.loads((path / "meta.json").read_text())
     dc = draft.cfg
+    reads_aux = head_kind(dc).reads_aux_layers
     if meta["target_hidden_size"] != target.cfg.hidden_size or meta["seq_len"] != cfg.seq_len:
         raise ValueError(
             f"path: store has target_hidden_size={meta['target_hidden_size']}, seq_len={meta['seq_len']}; "
             f"expected {target.cfg.hidden_size}, {cfg.seq_len}"
         )
-    if dc.kind == "eagle3" and tuple(meta["aux_layer_ids"]) != dc.target_layer_ids:
+    if reads_aux and tuple(meta["aux_layer_ids"]) != dc.target_layer_ids:
         raise ValueError(
             f"path: store has aux_layer_ids={meta['aux_layer_ids']}, "
             f"the head reads {list(dc.target_layer_ids)}"
         )
     ids_all = np.load(path / "input_ids.npy", mmap_mode="r")
     last_all = np.load(path / "last.npy", mmap_mode="r")
-    aux_all = np.load(path / "aux.npy", mmap_mode="r") if dc.kind == "eagle3" else None
+    aux_all = np.load(path / "aux.npy", mmap_mode="r") if reads_aux else None
     rows = _rows(cfg.batch_size, rank, world)
     device = target.params["embed"].device
     lm_rows = llama.lm_head(target.params).detach().index_select(0, vocab_ids(draft))  # [Vd, Ht]
@@ -424,7 +425,7 @@ def check_batch(batch: object, draft: Draft, *, values: bool = True) -> None:
         )
         raise ValueError(f"batch['input_ids']: expected a [B, S] int64 tensor on {device}, got {got}")
     b, s = ids.shape
-    hin = cfg.target_hidden_size * (len(cfg.target_layer_ids) if cfg.kind == "eagle3" else 1)
+    hin = head_kind(cfg).input_hidden_size(cfg)
     for key, width in (("hidden", hin), ("target_logits", cfg.draft_vocab_size)):
         x = batch[key]
         if (
@@ -495,7 +496,7 @@ def _tokens(args, target: Target) -> torch.Tensor:
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="HF directory of the frozen target")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--kind", default="eagle3", choices=("eagle", "eagle3", "mtp"))
+    p.add_argument("--kind", default="eagle3", choices=names())
     p.add_argument("--tokens", help="1-D token file (.npy or torch.save); default: the stdlib's train split")
     p.add_argument("--max-files", type=int, default=0, help="use only the first N stdlib files (0 = all)")
     p.add_argument("--seq-len", type=int, default=512)
@@ -558,7 +559,7 @@ def _train(args) -> int:
 def _precompute(args) -> int:
     device = _setup_device(args.device)
     target = load_target(args.target, device=device)
-    ids = eagle3_layer_ids(target.cfg.num_hidden_layers) if args.kind == "eagle3" else ()
+    ids = lookup(args.kind).target_layer_ids(None, target.cfg.num_hidden_layers)  # the kind's default layers
     meta = precompute(
         target,
         _tokens(args, target),

@@ -42,7 +42,14 @@ from fspec.core.config import DraftConfig
 from fspec.core.pytree import tree
 from fspec.models import llama
 from fspec.models.checkpoint import Draft, Target
-from fspec.models.heads import head_hidden, head_logits, head_pre_logits, project_target_hidden
+from fspec.models.heads import (
+    head_hidden,
+    head_kind,
+    head_logits,
+    head_pre_logits,
+    lookup,
+    project_target_hidden,
+)
 from fspec.models.heads.eagle3 import _draft_to_target
 from fspec.models.llama import TargetHidden
 from fspec.ops.attention import Attend, autocast_enabled, autocast_off, dense_attention, rope_qk
@@ -169,7 +176,7 @@ def ttt_attend(kv: dict, step: int) -> Attend:
 
 def vocab_ids(draft: Draft) -> torch.Tensor:
     """[Vd] int64: the target ids of the head's output vocabulary (EAGLE-3: through d2t; others: all V)."""
-    if draft.cfg.kind == "eagle3":
+    if head_kind(draft.cfg).reduced_vocab:
         d2t = draft.params["d2t"]
         return torch.arange(d2t.numel(), device=d2t.device) + d2t
     return torch.arange(draft.cfg.model.vocab_size, device=draft.params["embed"].device)
@@ -189,7 +196,7 @@ def target_batch(target: Target, draft: Draft, input_ids: torch.Tensor, *, autoc
             logits = logits.index_select(-1, vocab_ids(draft))  # [B, S, Vd]
     return {
         "input_ids": input_ids,
-        "hidden": hidden.aux if cfg.kind == "eagle3" else hidden.last,
+        "hidden": hidden.aux if head_kind(cfg).reads_aux_layers else hidden.last,
         "target_logits": logits,
     }
 
@@ -197,9 +204,9 @@ def target_batch(target: Target, draft: Draft, input_ids: torch.Tensor, *, autoc
 def as_target_hidden(hidden: torch.Tensor, *, cfg: DraftConfig) -> TargetHidden:
     """The batch's stored hidden as the `TargetHidden` field the head reads (aux for EAGLE-3, else last)."""
     empty = hidden[..., :0]
-    return (
-        TargetHidden(last=empty, aux=hidden) if cfg.kind == "eagle3" else TargetHidden(last=hidden, aux=empty)
-    )
+    if lookup(cfg.kind).reads_aux_layers:
+        return TargetHidden(last=empty, aux=hidden)
+    return TargetHidden(last=hidden, aux=empty)
 
 
 def _unroll(params: dict, batch: dict, *, cfg: DraftConfig, ttt_steps: int, feed: str, score) -> None:
@@ -216,7 +223,7 @@ def _unroll(params: dict, batch: dict, *, cfg: DraftConfig, ttt_steps: int, feed
         out = head_hidden(params, tokens, hidden, positions + j, ttt_attend(kv, j), cfg=cfg)  # [B, S, H]
         pred = score(j, out)
         if feed == "prediction":
-            tokens = _draft_to_target(pred, params["d2t"]) if cfg.kind == "eagle3" else pred
+            tokens = _draft_to_target(pred, params["d2t"]) if lookup(cfg.kind).reduced_vocab else pred
         else:  # the data's token after the one this step read: position i + (j + 1) + 1
             tokens = torch.cat((ids[:, j + 2 :], pad[:, : j + 2]), 1)
         hidden = out

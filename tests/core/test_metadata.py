@@ -158,7 +158,8 @@ def test_unallocated_blocks_never_yield_a_slot():
 
 
 def test_metadata_builders_keep_dtypes_and_shapes():
-    """Every builder emits the dtypes of DESIGN.md §3 and advance preserves every leaf's shape and dtype."""
+    """Every builder emits the dtypes the state's docstrings give (core/state.py)
+    and advance preserves every leaf's shape and dtype."""
     table = torch.arange(8, dtype=torch.int32).view(2, 4)
     meta = fspec.decode_metadata(torch.tensor([3, 5]), table, block_size=4)
     assert [x.dtype for x in fspec.tree.tree_leaves(meta)] == [

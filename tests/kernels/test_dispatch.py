@@ -6,22 +6,21 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fspec.kernels import dispatch, gumbel
-from fspec.kernels.ops import call
+from fspec.kernels import dispatch, gumbel, ops
 
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """Calls that reached gumbel_sample's implementation through `call`'s direct path (the op calls its
-    function without looking it up in dispatch._IMPLS)."""
+    """Calls that reached gumbel_sample's implementation through the typed function's direct path (the op
+    itself calls the function it was registered with, not `ops.gumbel_sample.impl`)."""
     seen = []
-    impl = dispatch._IMPLS["gumbel_sample"]
+    impl = ops.gumbel_sample.impl
 
     def spy(*args, **kwargs):
         seen.append(args[0])
         return impl(*args, **kwargs)
 
-    monkeypatch.setitem(dispatch._IMPLS, "gumbel_sample", spy)
+    monkeypatch.setattr(ops.gumbel_sample, "impl", spy)
     return seen
 
 
@@ -32,20 +31,20 @@ def _args(requires_grad: bool = False):
 
 def test_eager_call_with_plain_tensors_skips_the_dispatcher_and_equals_the_op(recorded):
     args = _args()
-    got = call("gumbel_sample", *args)
+    got = ops.gumbel_sample(*args)
     assert len(recorded) == 1 and recorded[0] is args[0]
     assert torch.equal(got, torch.ops.fspec.gumbel_sample(*args))
     assert torch.equal(got, gumbel.gumbel_sample_ref(*args[:4], salt=0))
 
 
 def test_inputs_that_require_grad_go_through_the_op(recorded):
-    call("gumbel_sample", *_args(requires_grad=True))
+    ops.gumbel_sample(*_args(requires_grad=True))
     assert recorded == []
 
 
 def test_traced_calls_go_through_the_op(recorded):
     args = _args()
-    fn = torch.compile(lambda *a: call("gumbel_sample", *a), fullgraph=True, backend="eager")
+    fn = torch.compile(lambda *a: ops.gumbel_sample(*a), fullgraph=True, backend="eager")
     got = fn(*args)
     assert recorded == []
     assert torch.equal(got, gumbel.gumbel_sample_ref(*args[:4], salt=0))
@@ -54,7 +53,7 @@ def test_traced_calls_go_through_the_op(recorded):
 def test_fake_tensors_and_dispatch_modes_see_the_op(recorded):
     with FakeTensorMode() as mode:
         fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in _args()]
-        out = call("gumbel_sample", *fake)
+        out = ops.gumbel_sample(*fake)
     assert out.shape == (3,) and out.dtype == torch.int64 and recorded == []
 
     class Ops(TorchDispatchMode):
@@ -67,10 +66,20 @@ def test_fake_tensors_and_dispatch_modes_see_the_op(recorded):
             return func(*args, **(kwargs or {}))
 
     with Ops() as ops_seen:
-        call("gumbel_sample", *_args())
+        ops.gumbel_sample(*_args())
     assert recorded == [] and "fspec.gumbel_sample.default" in ops_seen.names
 
 
 def test_register_refuses_other_namespaces():
     with pytest.raises(ValueError, match="qualname: expected an op of the 'fspec' namespace"):
         dispatch.register("other::op", mutates_args=())
+
+
+def test_the_typed_function_reads_like_the_implementation():
+    """A reader (or an IDE, or inspect) following a call lands on the implementation's signature and docs."""
+    import inspect
+
+    assert ops.gumbel_sample.__name__ == "gumbel_sample"
+    assert ops.gumbel_sample.__doc__ == ops.gumbel_sample.impl.__doc__
+    assert inspect.signature(ops.gumbel_sample) == inspect.signature(ops.gumbel_sample.impl)
+    assert ops.gumbel_sample.op is not None and ops.kv_write.op is not None

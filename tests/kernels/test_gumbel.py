@@ -361,7 +361,8 @@ def _hard_rows(v: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor
     return logits, t
 
 
-@pytest.mark.parametrize("cap", [2, 8])
+# slow at 2 (six chunks, ~9 s interpreted): 8 runs the same chunk loop, over two chunks, the last one partial
+@pytest.mark.parametrize("cap", [pytest.param(2, marks=pytest.mark.slow), 8])
 def test_row_reductions_over_many_blocks_load_a_chunk_at_a_time(monkeypatch, cap):
     """MAX_REDUCE_BLOCKS lowered to 2 or 8 of the 12 vocabulary blocks (V = 187, block 16): the per-row
     reductions of the tokens-only and the column launches loop over chunks, the last one partial at 8

@@ -68,7 +68,18 @@ def _both(a: dict) -> tuple[int, int]:
     return got, want
 
 
-@pytest.mark.parametrize("b, s, v, k", [(1, 1, 7, 1), (3, 1, 1031, 4), (5, 4, 130, 3), (37, 1, 65, 2)])
+# slow: the two large interpreted shapes (~16 s each). The default run keeps one vocabulary block with d2t,
+# several blocks over K + 1 slots (5, 4, 130, 3), and d2t over several blocks in
+# test_drafts_in_chunks_and_vocabulary_blocks_within_grid_axis_1.
+@pytest.mark.parametrize(
+    "b, s, v, k",
+    [
+        (1, 1, 7, 1),
+        pytest.param(3, 1, 1031, 4, marks=pytest.mark.slow),
+        (5, 4, 130, 3),
+        pytest.param(37, 1, 65, 2, marks=pytest.mark.slow),
+    ],
+)
 def test_kernel_equals_reference_bit_for_bit(b, s, v, k):
     """Clean inputs give 0; each bad value, planted alone in the first, a middle and the last request (and
     the last vocabulary block), sets exactly its bit in both; all planted at once set all of them."""

@@ -128,7 +128,8 @@ def test_acceptance_rate_equals_sum_of_min_p_q():
 
 
 def _vllm_case(n: int):
-    """DESIGN.md section 4: target p = (.1, .45, .45), draft q = (.6, .3, .1), one sampled draft."""
+    """A worked example of lossless verification: target p = (.1, .45, .45), draft q = (.6, .3, .1),
+    one sampled draft."""
     p, q = torch.tensor([0.1, 0.45, 0.45]), torch.tensor([0.6, 0.3, 0.1])
     seeds, positions, t = torch.arange(n) * 1000003 + 17, torch.full((n,), 5), torch.ones(n)
     drafts = gumbel_sample_ref(q.log().expand(n, 3), t, seeds, positions, salt=SALT_DRAFT)

@@ -30,6 +30,9 @@ def test_training_prompts_never_overlap_a_held_out_set():
     assert len(code) >= 2000, "the standard library's docstrings give a few thousand code requests"
 
 
+# slow: three walks of the standard library (~7 s each); train_prompts itself runs in the default run
+# (test_training_prompts_never_overlap_a_held_out_set, the argument checks below, the --tiny recipe)
+@pytest.mark.slow
 def test_training_prompts_are_a_pure_function_of_their_arguments():
     """Same seed, same list; another seed shuffles differently; counts are honoured."""
     a, b = P.train_prompts(n_code=50, n_chat=40), P.train_prompts(n_code=50, n_chat=40)
@@ -37,6 +40,9 @@ def test_training_prompts_are_a_pure_function_of_their_arguments():
     assert P.train_prompts(n_code=50, n_chat=40, seed=1) != a
 
 
+# slow: four walks of the standard library; its code path (CODE_TEMPLATES sampled per function) runs with
+# one phrasing in the default run
+@pytest.mark.slow
 def test_code_phrasings_ask_for_each_function_in_distinct_templates():
     """Two phrasings give two different requests per documented function: twice the code prompts, and every
     function named in two distinct sentences."""

@@ -1,8 +1,14 @@
 """The draft heads: one module per kind, and the dispatch over them.
 
 `eagle` (EAGLE-1), `eagle3` and `mtp` are the draft heads, all with the same functions (see
-`fspec.models.heads.eagle`); `fspec.models.llama` is the target they read. The dispatchers below pick a head
-module by `cfg.kind` (a static string, so the choice is made at trace time).
+`fspec.models.heads.eagle`); `fspec.models.llama` is the target they read. Each head module registers a
+`HeadKind` describing itself (`fspec.models.heads.base`); importing this package imports every head module,
+so the registry is complete. The dispatchers below pick the kind by `lookup(cfg.kind)` (a static string, so
+the choice is made at trace time); the validating ones (head_init, project_target_hidden, head_forward,
+head_forward_dense, check_head_params) also check `cfg` against the kind's rules in eager calls (`head_kind`).
+
+Adding a head kind: a module here that ends with ``KIND = register(HeadKind(...))``, and its name in the
+import line below.
 """
 
 from __future__ import annotations
@@ -16,47 +22,58 @@ from fspec.core.config import DraftConfig
 from fspec.core.pytree import tree
 from fspec.core.state import AttnMetadata, _expect, check_positive_int, validate_attn_metadata
 from fspec.models import llama
-from fspec.models.heads import eagle, eagle3, mtp
+from fspec.models.heads import eagle, eagle3, mtp  # every head module: importing one registers its kind
+from fspec.models.heads.base import HeadKind, kinds, lookup, names, register
 from fspec.models.heads.eagle3 import draft_to_target, vocab_maps
 from fspec.models.layers import fuse_projections, rope_key, unfuse_projections
 from fspec.models.llama import TargetHidden, eagle3_layer_ids
 from fspec.ops.attention import BACKENDS, Attend, bind, causal, resolve_backend
 
-# Top-level keys of each head kind's params (see the head modules' docstrings).
-HEAD_KEYS = {
-    "eagle": ("embed", "fc", "layers", "lm_head"),
-    "eagle3": ("embed", "fc", "layer", "norm", "lm_head", "d2t", "t2d"),
-    "mtp": ("embed", "enorm", "hnorm", "eh_proj", "layer", "final_norm", "lm_head"),
-}
+# The built-in head modules by kind name, and the top-level keys of their params (`HeadKind.param_keys`), for
+# callers that want a module (`head_module`); fspec itself reads the registry (`lookup`), which also holds
+# kinds registered anywhere else.
+_MODULES = (eagle, eagle3, mtp)
+HEADS: dict[str, ModuleType] = {m.KIND.name: m for m in _MODULES}
+HEAD_KEYS = {m.KIND.name: m.KIND.param_keys for m in _MODULES}
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
-HEADS: dict[str, ModuleType] = {"eagle": eagle, "eagle3": eagle3, "mtp": mtp}
 
 
 def head_module(kind: str) -> ModuleType:
-    """The module implementing draft head `kind` ("eagle", "eagle3" or "mtp")."""
+    """The module implementing draft head `kind` (one of `HEADS`: "eagle", "eagle3" or "mtp")."""
     if kind not in HEADS:
         raise ValueError(f"kind: expected one of {tuple(HEADS)}, got {kind!r}")
     return HEADS[kind]
 
 
+def head_kind(cfg: DraftConfig) -> HeadKind:
+    """`lookup(cfg.kind)`; eager calls also check `cfg` against the kind's rules (`HeadKind.check_config`):
+    where a DraftConfig meets a head. ValueError naming `kind` or the offending DraftConfig field."""
+    kind = lookup(cfg.kind)
+    if not torch.compiler.is_compiling():
+        kind.check_config(cfg)
+    return kind
+
+
 def head_init(cfg: DraftConfig, target_params: dict, *, seed: int, **kwargs) -> dict:
     """Fresh parameters of the head `cfg.kind` for the target's parameters."""
-    return head_module(cfg.kind).init(cfg, target_params, seed=seed, **kwargs)
+    _check_cfg(cfg)
+    return head_kind(cfg).init(cfg, target_params, seed=seed, **kwargs)
 
 
 def project_target_hidden(params: dict, target_hidden: TargetHidden, *, cfg: DraftConfig) -> torch.Tensor:
     """[T, H]: the first draft step's hidden input from the target's hidden states (EAGLE-3: fc(aux))."""
     if not torch.compiler.is_compiling():
         _check_cfg(cfg)
+    kind = head_kind(cfg)
+    if not torch.compiler.is_compiling():
         if not isinstance(target_hidden, TargetHidden):
             raise ValueError(f"target_hidden: expected a TargetHidden, got {type(target_hidden).__name__}")
-        if cfg.kind != "eagle3" and target_hidden.last.shape[-1] != cfg.target_hidden_size:
+        if not kind.reads_aux_layers and target_hidden.last.shape[-1] != cfg.target_hidden_size:
             raise ValueError(
                 f"target_hidden.last: expected last dim Ht = {cfg.target_hidden_size}, "
                 f"got {target_hidden.last.shape[-1]}"
             )
-    return head_module(cfg.kind).project_target_hidden(params, target_hidden, cfg=cfg)
+    return kind.project_target_hidden(params, target_hidden, cfg=cfg)
 
 
 def head_hidden(
@@ -73,18 +90,18 @@ def head_hidden(
     `positions` [...], with attention supplied as `attend(q, k, v, layer, cos, sin)` (RoPE is the attend's;
     distillation passes its own training-time-test mask). Differentiable; no cache. With rows [R] (tokens
     laid out [T]): only those rows' outputs, [R, H], every row's K/V still attended and cached."""
-    return head_module(cfg.kind)._hidden(params, input_ids, hidden, positions, attend, cfg=cfg, rows=rows)
+    return lookup(cfg.kind).hidden(params, input_ids, hidden, positions, attend, cfg=cfg, rows=rows)
 
 
 def head_logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
     """[..., Vd] logits of head `cfg.kind` for its output hidden `out` [..., H] (EAGLE-3: draft vocab)."""
-    return head_module(cfg.kind).logits(params, out, cfg=cfg)
+    return lookup(cfg.kind).logits(params, out, cfg=cfg)
 
 
 def head_pre_logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
     """[..., H]: what head `cfg.kind`'s lm_head multiplies (its final norm of `out`, if it has one);
     `head_logits` = linear(head_pre_logits(...), params["lm_head"])."""
-    return head_module(cfg.kind).pre_logits(params, out, cfg=cfg)
+    return lookup(cfg.kind).pre_logits(params, out, cfg=cfg)
 
 
 def head_forward(
@@ -203,15 +220,17 @@ def _is_batched(x: torch.Tensor) -> bool:
 def check_head_params(
     params: object, *, cfg: DraftConfig, device: torch.device, name: str = "params"
 ) -> None:
-    """ValueError naming `name` unless `params` is a `cfg.kind` head's dict with every tensor on `device`."""
+    """ValueError naming `name` unless `params` is a `cfg.kind` head's dict with every tensor on `device`
+    (and naming `kind` or the DraftConfig field unless `cfg` is a valid config of its kind)."""
+    keys = head_kind(cfg).param_keys
     if not isinstance(params, dict):
         raise ValueError(
             f"{name}: expected a dict of a {cfg.kind!r} head's parameters, got {type(params).__name__}"
         )
-    missing = [k for k in HEAD_KEYS[cfg.kind] if k not in params]
+    missing = [k for k in keys if k not in params]
     if missing:
         raise ValueError(
-            f"{name}: expected a {cfg.kind!r} head's keys {HEAD_KEYS[cfg.kind]}, missing {missing} "
+            f"{name}: expected a {cfg.kind!r} head's keys {keys}, missing {missing} "
             f"(got keys {sorted(params)})"
         )
     want = (cfg.model.vocab_size, cfg.model.hidden_size)
@@ -262,6 +281,7 @@ def _check_head_forward(params, input_ids, hidden, meta, cache, cfg, backend, ma
 
 __all__ = [
     "HEADS",
+    "HeadKind",
     "TargetHidden",
     "draft_to_target",
     "eagle",
@@ -272,12 +292,17 @@ __all__ = [
     "head_forward_dense",
     "head_hidden",
     "head_init",
+    "head_kind",
     "head_logits",
     "head_pre_logits",
     "head_module",
+    "kinds",
     "llama",
+    "lookup",
     "mtp",
+    "names",
     "project_target_hidden",
+    "register",
     "unfuse_projections",
     "vocab_maps",
 ]

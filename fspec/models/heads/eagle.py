@@ -5,11 +5,13 @@ Every head module (`eagle`, `eagle3`, `mtp`) has the same functions:
     init(cfg: DraftConfig, target_params, *, seed, device=None) -> params
     project_target_hidden(params, target_hidden: TargetHidden, *, cfg) -> [T, H]
     _hidden(params, input_ids [...], hidden [..., H], positions [...], attend, *, cfg) -> out [..., H]
+    pre_logits(params, out [..., H], *, cfg) -> [..., H]
     logits(params, out [..., H], *, cfg) -> [..., Vd]
 
-and `fspec.models.heads.head_forward` (paged, one step over T tokens) / `head_forward_dense` (causal, [B, S])
-build every head's step from those two, so the paged step, the dense training step and distillation's unrolled
-step share one definition of each head.
+and ends with ``KIND = register(HeadKind(...))``, which describes the kind to the rest of fspec
+(`fspec.models.heads.base`). `fspec.models.heads.head_forward` (paged, one step over T tokens) /
+`head_forward_dense` (causal, [B, S]) build every head's step from those functions, so the paged step, the
+dense training step and distillation's unrolled step share one definition of each head.
 
 `hidden` always has the head's width H: the first draft step feeds
 `project_target_hidden(params, target_hidden)` (computed once from the target's outputs), later steps feed the
@@ -37,10 +39,14 @@ import torch.nn.functional as F
 from fspec.core.config import DraftConfig
 from fspec.models import layers as L
 from fspec.models import llama
+from fspec.models.heads.base import HeadKind, register
 
 
-def target_shape(cfg: DraftConfig, target_params: dict, *, kind: str) -> tuple[torch.dtype, torch.device]:
-    """Check `cfg` against the target's parameters; return the target's (dtype, device)."""
+def target_shape(
+    cfg: DraftConfig, target_params: dict, *, kind: str, same_width: bool = True
+) -> tuple[torch.dtype, torch.device]:
+    """Check `cfg` against the target's parameters; return the target's (dtype, device). same_width: the
+    head's hidden size must be the target's (it shares the target's embedding and lm_head)."""
     if cfg.kind != kind:
         raise ValueError(f"cfg.kind: expected {kind!r} for this head module, got {cfg.kind!r}")
     embed = target_params["embed"]
@@ -50,7 +56,7 @@ def target_shape(cfg: DraftConfig, target_params: dict, *, kind: str) -> tuple[t
             f"target_params['embed']: expected shape [{cfg.model.vocab_size}, {cfg.target_hidden_size}] "
             f"(cfg.model.vocab_size, cfg.target_hidden_size), got {list(embed.shape)}"
         )
-    if kind != "eagle3" and cfg.model.hidden_size != ht:
+    if same_width and cfg.model.hidden_size != ht:
         raise ValueError(
             f"cfg.model.hidden_size: expected the target's hidden size {ht} for a {kind!r} head, "
             f"got {cfg.model.hidden_size}"
@@ -103,3 +109,32 @@ def pre_logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Te
 def logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
     """[..., V] logits of the head's output [..., H]: the target's lm_head, no final norm (EAGLE-1)."""
     return L.linear(pre_logits(params, out, cfg=cfg), params["lm_head"])
+
+
+def _hf_config(cfg: DraftConfig, params: dict) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "bias": "fc_bias" in params}
+
+
+KIND = register(
+    HeadKind(
+        name="eagle",
+        init=init,
+        project_target_hidden=project_target_hidden,
+        hidden=_hidden,
+        pre_logits=pre_logits,
+        logits=logits,
+        param_keys=("embed", "fc", "layers", "lm_head"),
+        checkpoint_keys={
+            "embed": "embed_tokens.weight",
+            "fc": "fc.weight",
+            "fc_bias": "fc.bias",
+            "lm_head": "lm_head.weight",
+        },
+        dtype_key="fc",
+        hf_config=_hf_config,
+        init_kwargs=lambda config: {"fc_bias": bool(config.get("bias", True))},
+        recognizes=lambda config, tensors: "fc.weight" in tensors,
+        recognized_by="'fc.weight' keys",
+        recognize_order=1,  # EAGLE-3 heads have fc.weight too
+    )
+)

@@ -19,12 +19,15 @@ Draft params: {"embed": [V, H] (the target's when H == Ht, else the head's own),
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
-from fspec.core.config import DraftConfig
+from fspec.core.config import DraftConfig, ModelConfig
 from fspec.models import layers as L
 from fspec.models import llama
+from fspec.models.heads.base import HeadKind, register
 from fspec.models.heads.eagle import target_shape
 
 
@@ -87,7 +90,7 @@ def init(
     When H == Ht the embedding is the target's and lm_head starts as the target's lm_head rows of the draft
     vocabulary (a copy the head owns); otherwise both are random.
     """
-    dtype, tdev = target_shape(cfg, target_params, kind="eagle3")
+    dtype, tdev = target_shape(cfg, target_params, kind="eagle3", same_width=False)
     device = tdev if device is None else device
     kw = {"dtype": dtype, "device": device}
     m, v, vd = cfg.model, cfg.model.vocab_size, cfg.draft_vocab_size
@@ -154,3 +157,97 @@ def pre_logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Te
 def logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
     """[..., Vd] logits over the DRAFT vocabulary: lm_head(norm(out))."""
     return L.linear(pre_logits(params, out, cfg=cfg), params["lm_head"])
+
+
+# --- the kind: its DraftConfig rules and checkpoint hooks ---------------------------------------------------
+
+
+def _ids_ok(ids: tuple, top: int | None) -> bool:
+    """Three int layer ids, each >= 0 (and <= top when given)."""
+    return len(ids) == 3 and all(
+        not isinstance(i, bool) and isinstance(i, int) and i >= 0 and (top is None or i <= top) for i in ids
+    )
+
+
+def _config_rules(cfg: DraftConfig) -> None:
+    if not _ids_ok(cfg.target_layer_ids, None):
+        raise ValueError(
+            f"DraftConfig.target_layer_ids: expected three non-negative layer ids for eagle3, "
+            f"got {cfg.target_layer_ids!r}"
+        )
+
+
+def _pick_layer_ids(ids, num_layers: int) -> tuple[int, ...]:
+    """init_draft's target_layer_ids: default the published (2, L // 2, L - 3); three ids in [0, L]."""
+    if ids is None:
+        return llama.eagle3_layer_ids(num_layers)
+    ids = tuple(ids)
+    if not _ids_ok(ids, num_layers):
+        raise ValueError(
+            f"target_layer_ids: expected three target layer ids in [0, {num_layers}], got {ids!r}"
+        )
+    return ids
+
+
+def _hf_config(cfg: DraftConfig, params: dict) -> dict:
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.target_layer_ids),  # the key vLLM reads
+    }
+    if cfg.target_hidden_size != cfg.model.hidden_size:
+        config["target_hidden_size"] = cfg.target_hidden_size
+    return config
+
+
+def _read_hf_config(config: dict, recorded: dict, tc: ModelConfig, where: Path) -> dict:
+    """target_layer_ids (fspec's record, vLLM's key, or an "eagle_config"'s; default the published ones,
+    each in [0, L]) and draft_vocab_size (default V) of a checkpoint's config.json."""
+    ids = recorded.get("target_layer_ids") or config.get("eagle_aux_hidden_state_layer_ids")
+    ids = ids or (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    layer_ids = tuple(ids) if ids else llama.eagle3_layer_ids(tc.num_hidden_layers)
+    if any(not 0 <= i <= tc.num_hidden_layers for i in layer_ids):
+        raise ValueError(
+            f"{where}: target_layer_ids: expected ids in [0, {tc.num_hidden_layers}], got {layer_ids}"
+        )
+    return {"target_layer_ids": layer_ids, "draft_vocab_size": config.get("draft_vocab_size", tc.vocab_size)}
+
+
+def _recognizes(config: dict, tensors: dict) -> bool:
+    archs = config.get("architectures") or []
+    return (
+        any("Eagle3" in a for a in archs)
+        or "draft_vocab_size" in config
+        or any(k.startswith("midlayer.") for k in tensors)
+    )
+
+
+KIND = register(
+    HeadKind(
+        name="eagle3",
+        init=init,
+        project_target_hidden=project_target_hidden,
+        hidden=_hidden,
+        pre_logits=pre_logits,
+        logits=logits,
+        param_keys=("embed", "fc", "layer", "norm", "lm_head", "d2t", "t2d"),
+        checkpoint_keys={
+            "embed": "embed_tokens.weight",
+            "fc": "fc.weight",
+            "norm": "norm.weight",
+            "lm_head": "lm_head.weight",
+            "d2t": "d2t",
+            "t2d": "t2d",
+        },
+        dtype_key="fc",
+        reads_aux_layers=True,
+        reduced_vocab=True,
+        config_rules=_config_rules,
+        pick_layer_ids=_pick_layer_ids,
+        layer_prefix="midlayer.",
+        hf_config=_hf_config,
+        read_hf_config=_read_hf_config,
+        recognizes=_recognizes,
+        recognized_by="an Eagle3 architecture, 'draft_vocab_size' or 'midlayer.*' keys",
+    )
+)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from fspec.core.config import DraftConfig
 from fspec.models import layers as L
 from fspec.models import llama
+from fspec.models.heads.base import HeadKind, register
 from fspec.models.heads.eagle import target_shape
 
 
@@ -77,3 +78,28 @@ def pre_logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Te
 def logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
     """[..., V] logits: the module's final norm (shared_head.norm), then the target's lm_head."""
     return F.linear(pre_logits(params, out, cfg=cfg), params["lm_head"])
+
+
+KIND = register(
+    HeadKind(
+        name="mtp",
+        init=init,
+        project_target_hidden=project_target_hidden,
+        hidden=_hidden,
+        pre_logits=pre_logits,
+        logits=logits,
+        param_keys=("embed", "enorm", "hnorm", "eh_proj", "layer", "final_norm", "lm_head"),
+        checkpoint_keys={
+            "embed": "embed_tokens.weight",
+            "enorm": "enorm.weight",
+            "hnorm": "hnorm.weight",
+            "eh_proj": "eh_proj.weight",
+            "final_norm": "shared_head.norm.weight",
+            "lm_head": "shared_head.head.weight",
+        },
+        dtype_key="eh_proj",
+        hf_config=lambda cfg, params: {"architectures": ["FspecMTPHead"]},
+        recognizes=lambda config, tensors: "eh_proj.weight" in tensors,
+        recognized_by="'eh_proj.weight' keys",
+    )
+)
