@@ -653,7 +653,9 @@ def test_every_cache_launcher_refuses_a_non_contiguous_layer_naming_its_strides(
 # ----------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tile", [16, 32])
+# slow at 16 (one split per chunk, five chunks): 32 runs the same chunk loop, two splits at a time, the last
+# chunk partial
+@pytest.mark.parametrize("tile", [pytest.param(16, marks=pytest.mark.slow), 32])
 def test_reduce_kernel_combines_many_splits_a_chunk_at_a_time(monkeypatch, tile):
     """REDUCE_TILE lowered: 5 splits (partition 4 of the 20-token capacity) are combined 1 or 2 at a time by
     the reduce kernel, the running max rescaled per chunk: equal to the per-token loop, as with one load."""

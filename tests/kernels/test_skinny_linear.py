@@ -22,8 +22,10 @@ from fspec.kernels.skinny_linear import (
 from fspec.models import layers
 
 
+# slow: 100 x 513 (2-3 s each, interpreted); 37 x 200 has the same masked columns, several K tiles and a
+# partial last one for every config, and 16 x 16 a single tile.
 @pytest.mark.parametrize("m", [1, 3, 6, 16])
-@pytest.mark.parametrize(("n", "k"), [(16, 16), (37, 200), (100, 513)])
+@pytest.mark.parametrize(("n", "k"), [(16, 16), (37, 200), pytest.param(100, 513, marks=pytest.mark.slow)])
 def test_kernel_equals_reference_on_irregular_shapes(m, n, k):
     """Every row count up to the tile, output and reduction sizes that are not multiples of the tiles (masked
     columns, a partial last K tile), one and several K iterations, two tile widths; the CUDA-core kernels

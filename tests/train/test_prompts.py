@@ -62,6 +62,8 @@ def test_code_phrasings_ask_for_each_function_in_distinct_templates():
     assert len(more) > len(P.train_prompts(n_code=10**5, n_chat=0)) * 1.9
 
 
+# slow: two walks of the standard library for a property of the draw's seeding
+@pytest.mark.slow
 def test_the_chat_prompts_drawn_do_not_depend_on_the_code_requests():
     """The chat draw has its own generator: the standard library's size (the interpreter's version) or the
     number of code phrasings cannot change which chat prompts are trained on."""
