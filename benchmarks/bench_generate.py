@@ -539,7 +539,7 @@ def engine_round_us(target, draft, b: int, s: Setup) -> float:
     gen = torch.Generator().manual_seed(7)
     cur = torch.randint(0, target.cfg.vocab_size, (bucket,), generator=gen).to(dev)
     if draft is None:
-        args = (target.params, cur, n, live, table, run.temp, run.seed, run.tcache)
+        args = (target.params, cur, n, live, table, run.sampling, run.tcache)
         if s.compile:
             fn = run.res.graph(rounds.compiled_decode_step, target.cfg, run.bs, run.max_len)
         else:
@@ -551,7 +551,7 @@ def engine_round_us(target, draft, b: int, s: Setup) -> float:
         d_tok = torch.randint(0, target.cfg.vocab_size, (bucket, k), generator=gen).to(dev)
         vd = 0 if dcfg.greedy_drafts else dcfg.draft_vocab_size
         d_prob = torch.zeros(bucket, k, vd, dtype=torch.float32, device=dev)
-        args = (target.params, draft.params, cur, n, live, table, d_tok, d_prob, run.temp, run.seed)
+        args = (target.params, draft.params, cur, n, live, table, d_tok, d_prob, run.sampling)
         args += (run.tcache, run.dcache)
         if s.compile:
             fn = run.res.graph(rounds.compiled_spec_round, target.cfg, dcfg, run.max_len)
@@ -634,7 +634,7 @@ def piece_times(target, draft, b: int, s: Setup) -> dict:
     h = project_target_hidden(draft.params, hidden, cfg=draft.cfg)  # eager: later replays keep it intact
     del hidden  # graph outputs: the next replay overwrites them
     out = {"t_target_us": time_us(target_call, s)}
-    state = init_draft_state(ids, h, meta, cfg=draft.cfg, temperature=run.temp, seed=run.seed)
+    state = init_draft_state(ids, h, meta, cfg=draft.cfg, sampling=run.sampling)
     if s.compile:
         prop = _propose_piece(draft.cfg)
         propose_call = lambda: prop(draft.params, state, run.dcache)

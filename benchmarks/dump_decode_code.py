@@ -42,13 +42,13 @@ def main(out_dir: str) -> int:
     cuda = {"device": "cuda"}
     table = torch.arange(25, dtype=torch.int32, **cuda)[None, :]
     cur, n, live = torch.tensor([5], **cuda), torch.tensor([150], **cuda), torch.tensor([True], **cuda)
-    temp, seed = torch.zeros(1, **cuda), torch.zeros(1, dtype=torch.int64, **cuda)
+    sampling = fspec.SamplingParams.create(1, device="cuda")
     full = out / "output_code_full.txt"
     handler = logging.FileHandler(full)
     torch._logging.set_logs(output_code=True)
     logging.getLogger("torch._inductor").addHandler(handler)
     torch.compiler.cudagraph_mark_step_begin()
-    step(params, cur, n, live, table, temp, seed, cache)
+    step(params, cur, n, live, table, sampling, cache)
     torch.cuda.synchronize()
     handler.close()
     text = full.read_text()

@@ -102,11 +102,11 @@ def decode(out: Path, b: int, tag: str) -> None:
     table = torch.arange(25 * b, dtype=torch.int32, **cuda).view(b, 25)
     cur, n = torch.full((b,), 5, **cuda), torch.full((b,), 150, **cuda)
     live = torch.ones(b, dtype=torch.bool, **cuda)
-    temp, seed = torch.zeros(b, **cuda), torch.zeros(b, dtype=torch.int64, **cuda)
+    sampling = fspec.SamplingParams.create(b, device="cuda")
 
     def call():
         torch.compiler.cudagraph_mark_step_begin()
-        step(params, cur, n, live, table, temp, seed, cache)
+        step(params, cur, n, live, table, sampling, cache)
 
     title = f"target decode step, 1B Llama, B = {b}, ctx 150"
     _write(out / f"timeline_decode{tag}.txt", title, _timeline(call), time_us(call, 50))

@@ -10,6 +10,7 @@ from fspec.core.pytree import pytree_dataclass, replace, static_field, tree
 from fspec.core.config import BATCH_BUCKETS, DraftConfig, ModelConfig, bucket_for
 
 # State pytrees.
+from fspec.core.sampling_params import SamplingParams
 from fspec.core.state import AttnMetadata, DraftState, init_draft_state
 from fspec.core.state import validate_attn_metadata, validate_draft_state
 
@@ -108,6 +109,7 @@ __all__ = [
     "rejection_sample",
     "render_chat",
     "replace",
+    "SamplingParams",
     "save_draft",
     "save_target",
     "slot_mapping",

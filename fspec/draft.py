@@ -101,8 +101,8 @@ def _step(
         # its own for either on a step's dependent chain (the state was validated: the op is called as is)
         tokens, step = kops.gumbel_sample_into(
             logits,
-            state.temperature,
-            state.seed,
+            state.sampling.temperature,
+            state.sampling.seed,
             attn.seq_lens,
             SALT_DRAFT,
             state.draft_tokens,
@@ -140,7 +140,7 @@ def draft_step(
 ) -> tuple[DraftState, KVCache]:
     """One draft step: (next state, cache). Pure in `state`; the cache is donated.
 
-    Samples the token for column `state.step` from each request's last live row (temperature and seed per
+    Samples the token for column `state.step` from each request's last live row (`state.sampling` per
     request, Philox noise keyed by the sampled token's position and the draft salt), writes it and its
     processed probabilities q into a copy of the draft buffers, and advances the metadata on the device.
     Validates `state`, `cache` (a KVCache of the head's layout and cfg.block_size on the state's device) and

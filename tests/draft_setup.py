@@ -136,7 +136,7 @@ def naive_propose(sc: Scenario) -> tuple[torch.Tensor, torch.Tensor]:
             logits, out = fspec.head_forward_dense(params, seq_ids[None], seq_hidden[None], cfg=cfg)
             last = logits[0, -1:].float()  # [1, Vd]
             position = torch.tensor([seq_ids.numel() + 1])  # the sampled token's position
-            temp = sc.state.temperature[b : b + 1]
+            temp = sc.state.sampling.temperature[b : b + 1]
             if cfg.greedy_drafts:
                 tok = last.argmax(-1)
             else:
@@ -145,7 +145,7 @@ def naive_propose(sc: Scenario) -> tuple[torch.Tensor, torch.Tensor]:
                 tok = fspec.gumbel_sample(
                     last,
                     temp,
-                    sc.state.seed[b : b + 1],
+                    sc.state.sampling.seed[b : b + 1],
                     position,
                     salt=SALT_DRAFT,
                     out_tokens=out_t,

@@ -128,7 +128,7 @@ def test_first_step_metadata_validates_and_decode_after_continues_each_request(b
     ids = torch.tensor(data.draw(st.lists(st.integers(0, 10), min_size=t, max_size=t)), dtype=torch.int64)
     state = fspec.init_draft_state(ids, torch.zeros(t, 8), meta, cfg=cfg, temperature=temps, seed=seeds)
     fspec.validate_draft_state(state, cfg=cfg, num_blocks=num_blocks)
-    assert state.seed.tolist() == seeds and state.temperature.tolist() == temps
+    assert state.sampling.seed.tolist() == seeds and state.sampling.temperature.tolist() == temps
     vd = 0 if cfg.greedy_drafts else 11
     assert state.draft_tokens.shape == (b, k) and state.draft_probs.shape == (b, k, vd)
     assert int(state.step) == 0 and bool((state.draft_tokens == -1).all())

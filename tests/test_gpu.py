@@ -147,7 +147,9 @@ def test_own_cuda_graph_loop_equals_eager_with_one_capture_per_layout():
         torch.testing.assert_close(got.draft_probs[:3], want.draft_probs[:3], rtol=1e-3, atol=1e-5)
         torch.testing.assert_close(got_cache.k, eager_cache.k, rtol=1e-3, atol=1e-5)
         torch.testing.assert_close(got_cache.v, eager_cache.v, rtol=1e-3, atol=1e-5)
-        assert got.temperature is state.temperature  # the caller's tensor, not the staged copy
+        assert (
+            got.sampling.temperature is state.sampling.temperature
+        )  # the caller's tensor, not the staged copy
         seen.append(got.draft_tokens[:3].cpu())
     assert not torch.equal(seen[0], seen[1])
 

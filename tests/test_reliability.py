@@ -91,8 +91,7 @@ def _state_at(c, positions: list[int], table: torch.Tensor) -> fspec.DraftState:
         attn=meta,
         draft_tokens=torch.full((b, 3), -1, dtype=torch.int64),
         draft_probs=torch.zeros(b, 3, 97),
-        temperature=torch.zeros(b),
-        seed=torch.zeros(b, dtype=torch.int64),
+        sampling=fspec.SamplingParams.create(b),
     )
 
 

@@ -104,8 +104,9 @@ def _configure_dynamo() -> None:
             setattr(config, name, _RECOMPILE_LIMIT)
 
 
-# the state leaves `propose` reads (`step` and the draft buffers are replaced before anything reads them)
-_PROPOSE_READS = ("input_ids", "hidden", "temperature", "seed")
+# the state fields `propose` reads, each a tensor or a pytree of them (`step` and the draft buffers are
+# replaced before anything reads them)
+_PROPOSE_READS = ("input_ids", "hidden", "sampling", "attn")
 _PROPOSE_SKIPS = ("step", "draft_tokens", "draft_probs")
 
 
@@ -121,8 +122,8 @@ class StagedInputs:
 
     `stage(state)` returns `state` with those leaves replaced by the copies (allocated once per set of leaf
     shapes and dtypes, marked static so the CUDA graph reads them where they lie); `restore(out, staged,
-    state)` puts the caller's own tensors back wherever `out` passes a copy through (the temperature, the
-    seeds, the block table), so a result holds no tensor the next call overwrites beyond the graph's own.
+    state)` puts the caller's own tensors back wherever `out` passes a copy through (the sampling settings,
+    the block table), so a result holds no tensor the next call overwrites beyond the graph's own.
     """
 
     def __init__(self, *, placeholders: bool = False) -> None:
@@ -137,15 +138,18 @@ class StagedInputs:
         self._plans: dict[int, tuple[DraftState, list[tuple[str, int]], list[tuple[str, int]]]] = {}
 
     @staticmethod
-    def _leaves(state: DraftState) -> list[torch.Tensor]:
-        meta = state.attn
-        return [getattr(state, n) for n in _PROPOSE_READS] + [
-            getattr(meta, n) for n in AttnMetadata.__fspec_children__
-        ]
+    def _leaves(state: DraftState) -> tuple[list[torch.Tensor], object]:
+        """The leaves of the fields `propose` reads, and their tree structure."""
+        return tree.tree_flatten([getattr(state, n) for n in _PROPOSE_READS])
+
+    @staticmethod
+    def _with(state: DraftState, leaves: list[torch.Tensor], spec) -> DraftState:
+        """`state` with the fields `propose` reads rebuilt from `leaves`."""
+        return replace(state, **dict(zip(_PROPOSE_READS, tree.tree_unflatten(spec, leaves))))
 
     def stage(self, state: DraftState) -> DraftState:
-        src = self._leaves(state)
-        key = (src[0].device, *((t.shape, t.dtype) for t in src))
+        src, spec = self._leaves(state)
+        key = (src[0].device, spec, *((t.shape, t.dtype) for t in src))
         if self._placeholders:
             key += tuple((t.shape, t.dtype) for t in self._unread(state))
         slot = self._slots.get(key)
@@ -153,20 +157,17 @@ class StagedInputs:
             dst = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in src]
             for t in dst:
                 torch._dynamo.mark_static_address(t)
-            n = len(_PROPOSE_READS)
-            top = dict(zip(_PROPOSE_READS, dst))
-            if self._placeholders:
-                unread = zip(_PROPOSE_SKIPS, self._unread(state))
-                top.update({name: t.clone() for name, t in unread})  # valid values, never written
-            slot = self._slots[key] = (
-                [_bytes(t) for t in dst],
-                replace(state, attn=AttnMetadata(*dst[n:]), **top),
-            )
+            staged = self._with(state, dst, spec)
+            if self._placeholders:  # valid values, never written
+                staged = replace(
+                    staged, **{n: t.clone() for n, t in zip(_PROPOSE_SKIPS, self._unread(state))}
+                )
+            slot = self._slots[key] = ([_bytes(t) for t in dst], staged)
         dst_bytes, staged = slot
         torch._foreach_copy_(dst_bytes, [_bytes(t) for t in src])  # one dtype: one kernel on CUDA
         if self._placeholders:
             return staged
-        return replace(state, attn=staged.attn, **{n: getattr(staged, n) for n in _PROPOSE_READS})
+        return replace(state, **{n: getattr(staged, n) for n in _PROPOSE_READS})
 
     @staticmethod
     def _unread(state: DraftState) -> list[torch.Tensor]:
@@ -176,22 +177,19 @@ class StagedInputs:
         """`out` with every leaf that is one of `staged`'s copies replaced by `state`'s own tensor."""
         plan = self._plans.get(id(out))
         if plan is None or plan[0] is not out:
-            index = {id(d): i for i, d in enumerate(self._leaves(staged))}
-            top = [(n, index[id(getattr(out, n))]) for n in _PROPOSE_READS if id(getattr(out, n)) in index]
-            meta = [
-                (n, index[id(getattr(out.attn, n))])
-                for n in AttnMetadata.__fspec_children__
-                if id(getattr(out.attn, n)) in index
-            ]
-            plan = (out, top, meta)
+            index = {id(d): i for i, d in enumerate(self._leaves(staged)[0])}
+            leaves, spec = self._leaves(out)
+            swaps = [(j, index[id(t)]) for j, t in enumerate(leaves) if id(t) in index]
+            plan = (out, swaps, spec)
             if self._placeholders:  # a captured graph's output: the same object on every replay
                 self._plans[id(out)] = plan
-        _, top, meta = plan
-        if not top and not meta:
+        _, swaps, spec = plan
+        if not swaps:
             return out
-        src = self._leaves(state)
-        attn = replace(out.attn, **{n: src[i] for n, i in meta}) if meta else out.attn
-        return replace(out, attn=attn, **{n: src[i] for n, i in top})
+        leaves, src = self._leaves(out)[0], self._leaves(state)[0]
+        for j, i in swaps:
+            leaves[j] = src[i]
+        return self._with(out, leaves, spec)
 
 
 def compile_propose(
@@ -308,7 +306,7 @@ def pad_to_bucket(state: DraftState, *, cfg: DraftConfig) -> tuple[DraftState, i
     """Pad `state` with padding requests up to its batch bucket; returns (padded state, real batch size).
 
     Padding requests have no live tokens (positions -1, slot -1, seq_len 0, block table -1), token 0, zero
-    hidden, temperature 0 and seed 0: they read nothing live and write nothing to the cache.
+    hidden, greedy sampling with seed 0: they read nothing live and write nothing to the cache.
     """
     b = state.attn.num_requests
     bucket = bucket_for(b)
@@ -338,8 +336,7 @@ def pad_to_bucket(state: DraftState, *, cfg: DraftConfig) -> tuple[DraftState, i
         draft_probs=torch.cat(
             [state.draft_probs, state.draft_probs.new_zeros(extra, *state.draft_probs.shape[1:])]
         ),
-        temperature=torch.cat([state.temperature, state.temperature.new_zeros(extra)]),
-        seed=torch.cat([state.seed, state.seed.new_zeros(extra)]),
+        sampling=state.sampling.pad(extra),
     )
     return padded, b
 
@@ -362,6 +359,5 @@ def unpad(state: DraftState, batch_size: int) -> DraftState:
         ),
         draft_tokens=state.draft_tokens[:batch_size],
         draft_probs=state.draft_probs[:batch_size],
-        temperature=state.temperature[:batch_size],
-        seed=state.seed[:batch_size],
+        sampling=state.sampling.take(batch_size),
     )

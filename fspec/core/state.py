@@ -8,12 +8,11 @@ a step (a change would recompile). Scalars that change between steps (the step c
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from fspec.core.config import DraftConfig
 from fspec.core.pytree import pytree_dataclass
+from fspec.core.sampling_params import SamplingParams, validate_sampling_params
 from fspec.kernels.step_metadata import slot_mapping_ref as _slot_mapping  # the one slot algebra
 
 
@@ -66,8 +65,8 @@ class DraftState:
         draft_probs: [B, K, Vd] float32, q of each proposed token's distribution (processed: temperature
             applied; one-hot at temperature 0), needed for lossless verification. [B, K, 0] when the config
             declares greedy drafts (q is then one-hot and implied by `draft_tokens`).
-        temperature: [B] float32, per-request temperature; 0 = greedy; mixed freely in a batch.
-        seed: [B] int64, per-request seed of the counter-based sampler.
+        sampling: `SamplingParams`, the requests' sampling settings ([B] tensors: temperature, seed, ...),
+            read by the sampling kernels from their tensors.
     """
 
     input_ids: torch.Tensor
@@ -76,8 +75,7 @@ class DraftState:
     step: torch.Tensor
     draft_tokens: torch.Tensor
     draft_probs: torch.Tensor
-    temperature: torch.Tensor
-    seed: torch.Tensor
+    sampling: SamplingParams
 
     @property
     def batch_size(self) -> int:
@@ -90,13 +88,15 @@ def init_draft_state(
     attn: AttnMetadata,
     *,
     cfg: DraftConfig,
-    temperature: torch.Tensor | float = 0.0,
-    seed: torch.Tensor | int = 0,
+    sampling: SamplingParams | None = None,
+    temperature: torch.Tensor | float | list = 0.0,
+    seed: torch.Tensor | int | list = 0,
 ) -> DraftState:
     """A fresh `DraftState` at step 0, draft buffers allocated once (they keep their shape afterwards).
 
-    input_ids: [T] of any integer dtype (stored as int64). temperature: a number or a [B] / [] float tensor;
-    seed: an int or a [B] / [] integer tensor (a float seed is refused, never truncated).
+    input_ids: [T] of any integer dtype (stored as int64). sampling: the requests' settings; without it,
+    `SamplingParams.create(B, temperature=temperature, seed=seed)` (each a scalar or one per request; a
+    float seed is refused, never truncated). Giving both a `sampling` and a temperature or seed is an error.
     """
     _check_cfg(cfg)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
@@ -107,8 +107,12 @@ def init_draft_state(
         raise ValueError(f"attn: expected an AttnMetadata, got {type(attn).__name__}")
     _expect("attn.seq_lens", attn.seq_lens, shape=(None,))
     b, device = attn.num_requests, input_ids.device
-    temperature = _per_request("temperature", temperature, b, device, floating=True)
-    seed = _per_request("seed", seed, b, device, floating=False)
+    if b == 0:
+        raise ValueError("state.attn: expected at least one request, got an empty batch")
+    if sampling is None:
+        sampling = SamplingParams.create(b, temperature=temperature, seed=seed, device=device)
+    elif not (_is_default(temperature, 0.0) and _is_default(seed, 0)):
+        raise ValueError("sampling: expected either a SamplingParams or temperature / seed, got both")
     k = cfg.num_speculative_steps
     vd = 0 if cfg.greedy_drafts else cfg.draft_vocab_size
     state = DraftState(
@@ -118,8 +122,7 @@ def init_draft_state(
         step=torch.zeros((), dtype=torch.int64, device=device),
         draft_tokens=torch.full((b, k), -1, dtype=torch.int64, device=device),
         draft_probs=torch.zeros((b, k, vd), dtype=torch.float32, device=device),
-        temperature=temperature,
-        seed=seed,
+        sampling=sampling,
     )
     validate_draft_state(state, cfg=cfg)
     return state
@@ -130,32 +133,9 @@ def _check_cfg(cfg: object) -> None:
         raise ValueError(f"cfg: expected a DraftConfig, got {type(cfg).__name__}")
 
 
-def _per_request(name: str, value: object, b: int, device, *, floating: bool) -> torch.Tensor:
-    """A [B] float32 (temperature) or int64 (seed) tensor from a scalar or a [] / [B] tensor."""
-    kind = "a number" if floating else "an int"
-    if isinstance(value, torch.Tensor):
-        if value.dim() > 1 or (value.dim() == 1 and value.shape[0] != b):
-            raise ValueError(
-                f"{name}: expected {kind} or a [{b}] tensor (one per request), got {_describe(value)}"
-            )
-        if value.dtype == torch.bool or value.is_complex() or (not floating and value.is_floating_point()):
-            want = "a float or integer" if floating else "an integer"
-            raise ValueError(f"{name}: expected {want} dtype, got {value.dtype}")
-    elif isinstance(value, (list, tuple)):
-        try:
-            as_tensor = torch.tensor(value)
-        except (TypeError, ValueError, RuntimeError, OverflowError) as err:
-            raise ValueError(
-                f"{name}: expected {b} numbers (one per request), got {value!r:.80} ({err})"
-            ) from None
-        return _per_request(name, as_tensor, b, device, floating=floating)
-    elif isinstance(value, bool) or not isinstance(value, numbers.Real if floating else numbers.Integral):
-        raise ValueError(f"{name}: expected {kind} or a [{b}] tensor, got {_describe(value)}")
-    elif not floating and not -(2**63) <= int(value) < 2**63:
-        raise ValueError(f"{name}: expected a 64-bit int, got {value!r}")
-    dtype = torch.float32 if floating else torch.int64
-    value = torch.as_tensor(value, dtype=dtype, device=device).expand(b)
-    return value.clone(memory_format=torch.contiguous_format)
+def _is_default(value: object, default: object) -> bool:
+    """`value` is the untouched keyword default (a plain Python scalar equal to it)."""
+    return type(value) is type(default) and value == default
 
 
 def _describe(x: object) -> str:
@@ -317,17 +297,13 @@ def validate_draft_state(state: DraftState, *, cfg: DraftConfig, num_blocks: int
     buf = dict(device=dev, contiguous=True)
     _expect("state.draft_tokens", state.draft_tokens, shape=(b, k), dtype=torch.int64, **buf)
     _expect("state.draft_probs", state.draft_probs, shape=(b, k, vd), dtype=torch.float32, **buf)
-    _expect("state.temperature", state.temperature, shape=(b,), dtype=torch.float32, device=dev)
-    _expect("state.seed", state.seed, shape=(b,), dtype=torch.int64, device=dev)
+    validate_sampling_params(state.sampling, batch_size=b, device=dev, name="state.sampling")
     ids = state.input_ids
     if bool((ids < 0).any()) or bool((ids >= cfg.model.vocab_size).any()):
         raise ValueError(
             f"state.input_ids: expected token ids in [0, {cfg.model.vocab_size}), "
             f"got min {int(ids.min())}, max {int(ids.max())}"
         )
-    temp = state.temperature
-    if not bool(torch.isfinite(temp).all()) or bool((temp < 0).any()):
-        raise ValueError(f"state.temperature: expected finite values >= 0, got {temp.tolist()}")
     if not 0 <= int(state.step) <= k:
         raise ValueError(f"state.step: expected a value in [0, K={k}], got {int(state.step)}")
     _expect("state.attn.positions", state.attn.positions, shape=(None,), device=dev)

@@ -20,6 +20,7 @@ import torch
 from fspec.core.cache import KVCache, table_width
 from fspec.core.config import DraftConfig
 from fspec.core.pytree import tree
+from fspec.core.sampling_params import SamplingParams
 from fspec.core.state import DraftState, validate_draft_state
 from fspec.models.checkpoint import Draft, Target
 from fspec.models.heads import head_kind
@@ -62,8 +63,7 @@ def prefill_batch(
     lens: Sequence[int],
     live: Sequence[bool],
     table: torch.Tensor,
-    temperature: torch.Tensor,
-    seed: torch.Tensor,
+    sampling: SamplingParams,
     tcache: KVCache,
     *,
     block_size: int,
@@ -82,8 +82,7 @@ def prefill_batch(
         torch.tensor(list(lens), dtype=torch.int64, device=device),
         torch.tensor(list(live), dtype=torch.bool, device=device),
         table,
-        temperature,
-        seed,
+        sampling,
         tcache,
         tcfg=target.cfg,
         dcfg=dcfg,
@@ -138,8 +137,10 @@ def prefill(
     padded = torch.zeros(len(ids), max(map(len, ids)), dtype=torch.int64)
     for b, p in enumerate(ids):
         padded[b, : len(p)] = torch.tensor(p)
-    temp = torch.tensor(temps, dtype=torch.float32, device=device)
-    seed_t = torch.tensor(seeds, dtype=torch.int64, device=device)
+    sampling = SamplingParams(
+        temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+        seed=torch.tensor(seeds, dtype=torch.int64, device=device),
+    )
     first, last, state = prefill_batch(
         target,
         draft,
@@ -147,8 +148,7 @@ def prefill(
         [len(p) for p in ids],
         [True] * len(ids),
         table,
-        temp,
-        seed_t,
+        sampling,
         tcache,
         block_size=bs,
         greedy=device.type != "cuda" and all(t == 0 for t in temps),

@@ -20,6 +20,7 @@ from fspec.compile import jit
 from fspec.core.cache import KVCache
 from fspec.core.config import DraftConfig, ModelConfig
 from fspec.core.metadata import _decode_metadata, _first_step_metadata
+from fspec.core.sampling_params import SamplingParams
 from fspec.core.state import DraftState
 from fspec.draft import _rollout, last_live_rows
 from fspec.kernels import ops as kops
@@ -43,13 +44,12 @@ def first_draft_state(
     input_ids: torch.Tensor,
     hidden: torch.Tensor,
     meta,
-    temperature: torch.Tensor,
-    seed: torch.Tensor,
+    sampling: SamplingParams,
     *,
     cfg: DraftConfig,
 ) -> DraftState:
     """A round's first draft state (step 0, fresh draft buffers), without validation."""
-    b, k = temperature.shape[0], cfg.num_speculative_steps
+    b, k = sampling.batch_size, cfg.num_speculative_steps
     vd = 0 if cfg.greedy_drafts else cfg.draft_vocab_size
     device = input_ids.device
     return DraftState(
@@ -59,8 +59,7 @@ def first_draft_state(
         step=torch.zeros((), dtype=torch.int64, device=device),
         draft_tokens=torch.empty((b, k), dtype=torch.int64, device=device),  # the K steps write every column
         draft_probs=torch.empty((b, k, vd), dtype=torch.float32, device=device),
-        temperature=temperature,
-        seed=seed,
+        sampling=sampling,
     )
 
 
@@ -97,8 +96,7 @@ def prefill_forward(
     counts: torch.Tensor,
     live: torch.Tensor,
     table: torch.Tensor,
-    temperature: torch.Tensor,
-    seed: torch.Tensor,
+    sampling: SamplingParams,
     tcache: KVCache,
     *,
     tcfg: ModelConfig,
@@ -119,7 +117,7 @@ def prefill_forward(
         tparams, ids.reshape(-1), meta, tcache, cfg=tcfg, backend=backend, aux_layer_ids=aux, max_query_len=q
     )
     last = logits.index_select(0, last_live_rows(meta)).float()  # [B, V]
-    first = sample_tokens(last, temperature, seed, counts, greedy=greedy)
+    first = sample_tokens(last, sampling, counts, greedy=greedy)
     if dcfg is None:
         return first, last, None
     # The head's rows are positions 0..n-1, pairing hidden i with token i + 1 (last: the new token).
@@ -127,7 +125,7 @@ def prefill_forward(
     shifted = torch.cat([ids[:, 1:], ids.new_zeros(b, 1)], 1)
     shifted = torch.where(rows == (counts - 1).clamp(min=0)[:, None], first[:, None], shifted)
     h = project_target_hidden(dparams, hidden, cfg=dcfg)
-    return first, last, first_draft_state(shifted.reshape(-1), h, meta, temperature, seed, cfg=dcfg)
+    return first, last, first_draft_state(shifted.reshape(-1), h, meta, sampling, cfg=dcfg)
 
 
 def prefill_round(
@@ -137,8 +135,7 @@ def prefill_round(
     counts: torch.Tensor,
     live: torch.Tensor,
     table: torch.Tensor,
-    temperature: torch.Tensor,
-    seed: torch.Tensor,
+    sampling: SamplingParams,
     tcache: KVCache,
     dcache: KVCache | None,
     *,
@@ -151,7 +148,7 @@ def prefill_round(
     draft_probs [B, K, Vd]); without one, (first tokens [B],). What `generate` runs before its first round,
     one CUDA graph per batch and prompt-length bucket when compiled (`compiled_prefill_round`)."""
     first, _, state = prefill_forward(
-        tparams, dparams, ids, counts, live, table, temperature, seed, tcache,
+        tparams, dparams, ids, counts, live, table, sampling, tcache,
         tcfg=tcfg, dcfg=dcfg, block_size=block_size, backend=backend,
     )  # fmt: skip
     if state is None:
@@ -174,8 +171,7 @@ def spec_round(
     table: torch.Tensor,
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor,
-    temperature: torch.Tensor,
-    seed: torch.Tensor,
+    sampling: SamplingParams,
     tcache: KVCache,
     dcache: KVCache,
     *,
@@ -187,7 +183,8 @@ def spec_round(
     """One speculative round for B requests.
 
     cur [B] (current token, at position n [B], not yet in the target cache), live [B] bool, table [B, M],
-    draft_tokens [B, K] / draft_probs [B, K, Vd] (the previous round's proposal). Returns (tokens [B, K+1]
+    draft_tokens [B, K] / draft_probs [B, K, Vd] (the previous round's proposal), sampling: the requests'
+    settings. Returns (tokens [B, K+1]
     (accepted drafts, then the replacement or bonus, then -1), num_accepted [B], the next draft_tokens,
     the next draft_probs). Both caches are donated.
     """
@@ -209,13 +206,13 @@ def spec_round(
     if not dcfg.greedy_drafts:
         q = draft_probs_over_target_vocab(draft_probs, dparams, cfg=dcfg, vocab=tcfg.vocab_size)
     tokens, accepted = kops.rejection_sample(
-        logits.view(b, k + 1, -1), draft_tokens.clamp(min=0), q, temperature, seed, n + 1
+        logits.view(b, k + 1, -1), draft_tokens.clamp(min=0), q, sampling.temperature, sampling.seed, n + 1
     )
     # 3. The next proposal: the head's first step pairs the target hidden of positions n..n+a with the
     #    emitted tokens at n+1..n+a+1 (a = accepted), then K - 1 decode steps.
     meta_d = _first_step_metadata(starts, accepted + 1, table, num_query=k + 1, block_size=bs)
     h = project_target_hidden(dparams, hidden, cfg=dcfg)
-    state = first_draft_state(tokens.clamp(min=0).reshape(-1), h, meta_d, temperature, seed, cfg=dcfg)
+    state = first_draft_state(tokens.clamp(min=0).reshape(-1), h, meta_d, sampling, cfg=dcfg)
     next_tokens, next_probs = run_drafts(dparams, state, dcache, cfg=dcfg, backend=backend)
     return tokens, accepted, next_tokens, next_probs
 
@@ -228,14 +225,14 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x), float("-inf"), x).argmax(dim=-1)
 
 
-def sample_tokens(logits, temperature, seed, positions, *, greedy: bool) -> torch.Tensor:
+def sample_tokens(logits, sampling: SamplingParams, positions, *, greedy: bool) -> torch.Tensor:
     """The engine's token for each row of logits [N, V] (salt SALT_BONUS): `gumbel_sample`, or with `greedy`
     (static: the caller knows every temperature is 0) `greedy_tokens`, the same tokens. On the CPU the op
     runs its PyTorch reference, which draws Philox noise for every row whatever the temperature (branch-free
     for compiled code): 5 ms per call at V = 49152 on one thread, 6% of a SmolLM2-135M decode step."""
     if greedy:
         return greedy_tokens(logits)
-    return kops.gumbel_sample(logits, temperature, seed, positions, SALT_BONUS)
+    return kops.gumbel_sample(logits, sampling.temperature, sampling.seed, positions, SALT_BONUS)
 
 
 def decode_step(
@@ -244,8 +241,7 @@ def decode_step(
     n: torch.Tensor,
     live: torch.Tensor,
     table: torch.Tensor,
-    temperature: torch.Tensor,
-    seed: torch.Tensor,
+    sampling: SamplingParams,
     tcache: KVCache,
     *,
     tcfg: ModelConfig,
@@ -260,7 +256,7 @@ def decode_step(
     pos = torch.where(live, n, torch.full_like(n, -1))
     meta = _decode_metadata(pos, table, block_size=block_size)
     logits, _, _ = llama.forward(tparams, cur, meta, tcache, cfg=tcfg, backend=backend, max_query_len=1)
-    return sample_tokens(logits, temperature, seed, n + 1, greedy=greedy)
+    return sample_tokens(logits, sampling, n + 1, greedy=greedy)
 
 
 def decode_round(tparams: dict, cur: torch.Tensor, n: torch.Tensor, *inputs, **options) -> torch.Tensor:

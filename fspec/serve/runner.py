@@ -22,6 +22,8 @@ import torch
 
 from fspec.core.cache import BlockAllocator, KVCache, mark_static, table_width
 from fspec.core.config import bucket_for, size_bucket
+from fspec.core.pytree import tree
+from fspec.core.sampling_params import SamplingParams
 from fspec.draft import _step
 from fspec.models.checkpoint import Draft, Target
 from fspec.serve.prefill import _validate, max_model_len, prefill_batch
@@ -68,8 +70,8 @@ class Resources:
         return self.caches[key]
 
     def device_buffers(self, b: int, max_blocks: int, device: torch.device) -> dict[str, torch.Tensor]:
-        """The compiled rounds' per-request inputs (current token, position, live flag, block table,
-        temperature, seed) in buffers with static addresses: a CUDA graph reads them where they lie instead
+        """The compiled rounds' per-request inputs (current token, position, live flag, block table, sampling
+        settings) in buffers with static addresses: a CUDA graph reads them where they lie instead
         of copying each one in before every replay (six launches per target-only token on the H200), and the
         target-only round writes the current token and position back in place."""
         key = (b, max_blocks, str(device))
@@ -81,10 +83,9 @@ class Resources:
                 "n": torch.zeros(b, dtype=torch.int64, device=device),
                 "live": torch.zeros(b, dtype=torch.bool, device=device),
                 "table": torch.full((b, max_blocks), -1, dtype=torch.int32, device=device),
-                "temp": torch.zeros(b, dtype=torch.float32, device=device),
-                "seed": torch.zeros(b, dtype=torch.int64, device=device),
+                "sampling": SamplingParams.create(b, device=device),
             }
-            for t in bufs.values():
+            for t in tree.tree_leaves(bufs):
                 torch._dynamo.mark_static_address(t)
             self.buffers[key] = bufs
         return self.buffers[key]
@@ -153,13 +154,15 @@ class Run:
         self.b = bucket_for(self.n_real)
         self.device = target.params["embed"].device
         pad = self.b - self.n_real
-        temp = torch.tensor(list(temps) + [0.0] * pad, dtype=torch.float32)
-        seed = torch.tensor(list(seeds) + [0] * pad, dtype=torch.int64)
+        host = SamplingParams(
+            temperature=torch.tensor(list(temps) + [0.0] * pad, dtype=torch.float32),
+            seed=torch.tensor(list(seeds) + [0] * pad, dtype=torch.int64),
+        )
         self.bufs = self.res.device_buffers(self.b, self.max_blocks, self.device) if compile else None
         if self.bufs is not None:  # static buffers: written in place, read by the graphs where they lie
-            self.temp, self.seed = self.bufs["temp"].copy_(temp), self.bufs["seed"].copy_(seed)
+            self.sampling = tree.tree_map(lambda buf, t: buf.copy_(t), self.bufs["sampling"], host)
         else:
-            self.temp, self.seed = temp.to(self.device), seed.to(self.device)
+            self.sampling = tree.tree_map(lambda t: t.to(self.device), host)
         # A greedy batch run eagerly off CUDA takes its tokens by argmax (`fspec.serve.rounds.sample_tokens`:
         # the same tokens, without the CPU reference sampler's noise); compiled rounds keep one graph for all.
         self.greedy = not compile and self.device.type != "cuda" and all(t == 0 for t in temps)
@@ -271,8 +274,7 @@ class Run:
                 torch.tensor(lens, dtype=torch.int64, device=self.device),
                 torch.tensor(live, device=self.device),
                 self._table(),
-                self.temp,
-                self.seed,
+                self.sampling,
                 self.tcache,
                 self.dcache,
             )
@@ -287,8 +289,7 @@ class Run:
                 lens,
                 live,
                 self._table(),
-                self.temp,
-                self.seed,
+                self.sampling,
                 self.tcache,
                 block_size=self.bs,
                 greedy=self.greedy,
@@ -350,8 +351,7 @@ class Run:
                 self.live_d,
                 self.table_d,
                 *drafts,
-                self.temp,
-                self.seed,
+                self.sampling,
                 self.tcache,
                 self.dcache,
             )
@@ -372,8 +372,7 @@ class Run:
                 self.n_d,
                 self.live_d,
                 self.table_d,
-                self.temp,
-                self.seed,
+                self.sampling,
                 self.tcache,
             )
             if self.compile:  # the graph advances cur_d and n_d in place and returns (token, 0)

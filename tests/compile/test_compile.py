@@ -75,8 +75,10 @@ def test_staged_inputs_copy_every_call_into_the_same_static_tensors_and_hand_bac
     first = [t.data_ptr() for t in fspec.tree.tree_leaves(sa.attn)] + [sa.hidden.data_ptr()]
     sb = staged.stage(b)
     assert [t.data_ptr() for t in fspec.tree.tree_leaves(sb.attn)] + [sb.hidden.data_ptr()] == first
-    for name in ("input_ids", "hidden", "temperature", "seed"):
+    for name in ("input_ids", "hidden"):
         assert torch.equal(getattr(sb, name), getattr(b, name)) and getattr(sb, name) is not getattr(b, name)
+    for x, y in zip(fspec.tree.tree_leaves(sb.sampling), fspec.tree.tree_leaves(b.sampling)):
+        assert torch.equal(x, y) and x is not y
     for x, y in zip(fspec.tree.tree_leaves(sb.attn), fspec.tree.tree_leaves(b.attn)):
         assert torch.equal(x, y) and x is not y
     assert sb.draft_probs is b.draft_probs and sb.step is b.step  # not read by propose: not staged
@@ -85,7 +87,7 @@ def test_staged_inputs_copy_every_call_into_the_same_static_tensors_and_hand_bac
     sc = _scenarios()[1]
     state, _ = pad_to_bucket(sc.state, cfg=DRAFT.cfg)
     got, _ = compile_propose(cfg=DRAFT.cfg)(DRAFT.params, state, sc.cache)
-    assert got.temperature is state.temperature and got.seed is state.seed
+    assert got.sampling.temperature is state.sampling.temperature and got.sampling.seed is state.sampling.seed
     assert got.attn.block_table is state.attn.block_table
 
 

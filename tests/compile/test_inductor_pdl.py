@@ -1,5 +1,4 @@
-"""fspec/compile/inductor_pdl.py: Inductor's PDL with a wait in every kernel, only in fspec's compiled calls.
-"""
+"""fspec/compile/inductor_pdl.py: Inductor's PDL, a wait in every kernel, only in fspec's compiled calls."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ def test_both_registries_flatten_a_state_to_the_same_leaves_in_the_same_order(ti
     theirs = torch_pytree.tree_leaves(state)
     assert len(ours) == len(theirs) == 12
     assert all(x is y for x, y in zip(ours, theirs))
-    assert ours[0] is state.input_ids and ours[2] is state.attn.positions and ours[-1] is state.seed
+    assert ours[0] is state.input_ids and ours[2] is state.attn.positions and ours[-1] is state.sampling.seed
     # Without the namespace optree sees an opaque leaf: the registration really is namespaced.
     assert optree.tree_leaves(state) == [state]
 
@@ -52,7 +52,7 @@ def test_unflatten_round_trips_through_both_registries(tiny_draft_cfg):
     assert isinstance(again, fspec.DraftState) and again.attn.slot_mapping is state.attn.slot_mapping
     leaves2, spec2 = torch_pytree.tree_flatten(state)
     again2 = torch_pytree.tree_unflatten(leaves2, spec2)
-    assert isinstance(again2.attn, fspec.AttnMetadata) and again2.seed is state.seed
+    assert isinstance(again2.attn, fspec.AttnMetadata) and again2.sampling.seed is state.sampling.seed
 
 
 def test_static_fields_are_structure_not_leaves():
@@ -85,7 +85,7 @@ def test_vmap_over_a_state(tiny_draft_cfg):
 
     def f(s: fspec.DraftState) -> fspec.DraftState:
         return fspec.replace(
-            s, hidden=s.hidden.sum(-1, keepdim=True) * s.temperature[:, None], step=s.step + 1
+            s, hidden=s.hidden.sum(-1, keepdim=True) * s.sampling.temperature[:, None], step=s.step + 1
         )
 
     out = torch.func.vmap(f)(stacked)

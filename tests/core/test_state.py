@@ -32,7 +32,8 @@ def test_init_draft_state_allocates_buffers_of_the_declared_shapes(tiny_draft_cf
     s2 = fspec.init_draft_state(
         torch.tensor([4]), torch.zeros(1, 32), _meta(1), cfg=tiny_draft_cfg, temperature=0.5, seed=9
     )
-    assert s2.temperature.tolist() == [0.5] and s2.seed.dtype == torch.int64 and s2.seed.tolist() == [9]
+    sp = s2.sampling
+    assert sp.temperature.tolist() == [0.5] and sp.seed.dtype == torch.int64 and sp.seed.tolist() == [9]
     greedy = dataclasses.replace(tiny_draft_cfg, greedy_drafts=True)
     assert _state(greedy).draft_probs.shape == (3, 3, 0)
 
@@ -48,12 +49,20 @@ def test_init_draft_state_allocates_buffers_of_the_declared_shapes(tiny_draft_cf
         (lambda s: {"hidden": torch.zeros(2, 32)}, r"state.hidden: expected shape \[3, \*\]"),
         (lambda s: {"step": torch.tensor(4)}, r"state.step: expected a value in \[0, K=3\]"),
         (lambda s: {"step": torch.tensor([0])}, r"state.step: expected shape \[\]"),
-        (lambda s: {"temperature": torch.tensor([0.0, -1.0, 1.0])}, "state.temperature: expected finite"),
         (
-            lambda s: {"temperature": torch.tensor([0.0, float("nan"), 1.0])},
-            "state.temperature: expected finite",
+            lambda s: {"sampling": fspec.replace(s.sampling, temperature=torch.tensor([0.0, -1.0, 1.0]))},
+            "state.sampling.temperature: expected finite",
         ),
-        (lambda s: {"seed": s.seed.int()}, "state.seed: expected dtype torch.int64"),
+        (
+            lambda s: {
+                "sampling": fspec.replace(s.sampling, temperature=torch.tensor([0.0, float("nan"), 1.0]))
+            },
+            "state.sampling.temperature: expected finite",
+        ),
+        (
+            lambda s: {"sampling": fspec.replace(s.sampling, seed=s.sampling.seed.int())},
+            r"state.sampling.seed: expected a \[3\] torch.int64 tensor",
+        ),
         (
             lambda s: {"draft_tokens": torch.zeros(3, 4, dtype=torch.int64)},
             r"state.draft_tokens: expected shape",

@@ -220,8 +220,9 @@ def test_compiled_prefill_round_equals_eager_at_the_exact_prompt_width():
     table = torch.full((b, 8), -1, dtype=torch.int32)
     for r in range(len(prompts)):
         table[r, :4] = torch.arange(4 * r, 4 * r + 4)
-    temp = torch.tensor([0.0, 1.0, 0.7, 1.3, 1.0, 0.0, 0.0, 0.0])
-    seed = torch.arange(b) + 11
+    sampling = fspec.SamplingParams.create(
+        b, temperature=[0.0, 1.0, 0.7, 1.3, 1.0, 0.0, 0.0, 0.0], seed=torch.arange(b) + 11
+    )
 
     def run(width, fn):
         ids = torch.zeros(b, width, dtype=torch.int64)
@@ -230,7 +231,7 @@ def test_compiled_prefill_round_equals_eager_at_the_exact_prompt_width():
         tc = KVCache.create(target.cfg, num_blocks=32, block_size=bs, dtype=torch.float32)
         dc = KVCache.create(draft.cfg.model, num_blocks=32, block_size=bs, dtype=torch.float32)
         tc, dc = mark_static(tc), mark_static(dc)
-        out = fn(target.params, draft.params, ids, torch.tensor(lens), live, table, temp, seed, tc, dc)
+        out = fn(target.params, draft.params, ids, torch.tensor(lens), live, table, sampling, tc, dc)
         return [t.clone() for t in out], tc
 
     eager, tc_e = run(max(lens), functools.partial(
