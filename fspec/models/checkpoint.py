@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -39,23 +38,37 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fspec.core.config import DraftConfig, ModelConfig
+from fspec.models import chat, llama
 from fspec.models import layers as L
-from fspec.models import llama
 from fspec.models.gguf import read_gguf
 from fspec.models.heads import HeadKind, head_kind, kinds, lookup, names
+from fspec.models.tokenizer import wrap as wrap_tokenizer
 
 SHAREABLE = ("embed", "lm_head")  # draft params that default to the target's Parameter objects
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """A loaded target. Attributes: cfg (ModelConfig), params (dict pytree), tokenizer (tokenizers.Tokenizer
-    or None), chat_template (the checkpoint's Jinja chat template, or None; `render_chat` renders it)."""
+    """A loaded target. Attributes: cfg (ModelConfig), params (dict pytree), tokenizer (a
+    `fspec.models.tokenizer.ChatTokenizer`, a `tokenizers.Tokenizer` with `apply_chat_template`, or None),
+    chat_template (the checkpoint's Jinja chat template, or None; `render_chat` renders it).
+
+    A plain `tokenizers.Tokenizer` given as tokenizer is wrapped in a ChatTokenizer holding chat_template and
+    the config's BOS / EOS ids (again after `dataclasses.replace`, so the two never disagree)."""
 
     cfg: ModelConfig
     params: dict
     tokenizer: Any = None
     chat_template: str | None = None
+
+    def __post_init__(self):
+        tok = wrap_tokenizer(
+            self.tokenizer,
+            chat_template=self.chat_template,
+            bos_token_id=self.cfg.bos_token_id,
+            eos_token_ids=self.cfg.eos_token_ids,
+        )
+        object.__setattr__(self, "tokenizer", tok)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,61 +282,18 @@ def _read_chat_template(path: Path) -> str | None:
 
 def render_chat(target: Target, messages, *, add_generation_prompt: bool = True) -> str:
     """`messages` (a list of {"role": str, "content": str}) rendered with the target's chat template, as
-    transformers' `apply_chat_template(..., tokenize=False)` renders it (`_chat_environment`), given
+    transformers' `apply_chat_template(..., tokenize=False)` renders it (`fspec.models.chat.render`), given
     `messages`, `add_generation_prompt`, `bos_token` and `eos_token` (the strings of the config's BOS and
-    first EOS id; "" without a tokenizer).
+    first EOS id; "" without a tokenizer). `target.tokenizer.apply_chat_template` renders the same and
+    tokenizes it.
 
     Raises ValueError when the target has no template, for malformed messages (named by index), and when
     the template itself refuses them (its `raise_exception`).
     """
-    import jinja2
-
     if not target.chat_template:
         raise ValueError("target.chat_template: expected a Jinja chat template, got None")
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError(f"messages: expected a non-empty list of role/content dicts, got {messages!r}")
-    for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise ValueError(f"messages[{i}]: expected a dict with str 'role' and 'content', got {m!r}")
-    tok, cfg = target.tokenizer, target.cfg
-    name = lambda i: (tok.id_to_token(i) or "") if tok is not None and i >= 0 else ""
-    try:
-        return (
-            _chat_environment()
-            .from_string(target.chat_template)
-            .render(
-                messages=[dict(m) for m in messages],
-                add_generation_prompt=add_generation_prompt,
-                bos_token=name(cfg.bos_token_id),
-                eos_token=name(cfg.eos_token_ids[0] if cfg.eos_token_ids else -1),
-            )
-        )
-    except jinja2.exceptions.TemplateError as e:
-        raise ValueError(f"messages: the chat template refused them: {e}") from e
-
-
-def _chat_environment():
-    """transformers' chat-template Jinja environment (utils/chat_template_utils.py): sandboxed and
-    immutable, trim_blocks and lstrip_blocks, loop controls, `raise_exception`, `strftime_now` and a
-    `tojson` that does not HTML-escape."""
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
-    return env
+    names = chat.special_tokens(target.tokenizer, target.cfg.bos_token_id, target.cfg.eos_token_ids)
+    return chat.render(target.chat_template, messages, add_generation_prompt=add_generation_prompt, **names)
 
 
 def save_target(target: Target, path, *, max_shard_bytes: int | None = None) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -24,6 +24,7 @@ from fspec.core.sampling_params import SamplingParams
 from fspec.core.state import DraftState, validate_draft_state
 from fspec.models.checkpoint import Draft, Target
 from fspec.models.heads import head_kind
+from fspec.serve.prompts import prompt_ids
 from fspec.serve.rounds import prefill_forward
 
 
@@ -217,7 +218,7 @@ def _validate(target, draft, prompts, max_new_tokens, temperature, seed, k, comp
             raise ValueError(f"{name}: expected a bool, got {flag!r}")
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise ValueError(f"prompts: expected a non-empty list of strings or token lists, got {prompts!r:.80}")
-    ids = [_prompt_ids(target, p, i) for i, p in enumerate(prompts)]
+    ids = [prompt_ids(target, p, i) for i, p in enumerate(prompts)]
     limit = max_model_len(target, draft)
     for i, p in enumerate(ids):
         if len(p) >= limit:
@@ -241,32 +242,6 @@ def _validate(target, draft, prompts, max_new_tokens, temperature, seed, k, comp
         if not -(2**63) <= s < 2**63:
             raise ValueError(f"seed[{i}]: expected a 64-bit int, got {s!r}")
     return ids, temps, seeds, k, draft
-
-
-def _prompt_ids(target: Target, prompt, i: int) -> list[int]:
-    if isinstance(prompt, str):
-        if target.tokenizer is None:
-            raise ValueError(f"prompts[{i}]: expected token ids (the target has no tokenizer), got a string")
-        ids = target.tokenizer.encode(prompt).ids
-    elif isinstance(prompt, torch.Tensor):
-        if prompt.dim() != 1:
-            raise ValueError(
-                f"prompts[{i}]: expected a 1-D tensor of token ids, got shape {tuple(prompt.shape)}"
-            )
-        ids = prompt.tolist()
-    elif isinstance(prompt, Iterable) and not isinstance(prompt, (bytes, dict)):
-        ids = list(prompt)
-    else:
-        raise ValueError(
-            f"prompts[{i}]: expected a string or a list of token ids, got {type(prompt).__name__}"
-        )
-    if not ids:
-        raise ValueError(f"prompts[{i}]: expected at least one token, got an empty prompt")
-    v = target.cfg.vocab_size
-    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < v]
-    if bad:
-        raise ValueError(f"prompts[{i}]: expected token ids in [0, {v}), got {bad[:4]}")
-    return ids
 
 
 def _per_request(name: str, value, n: int, kind: type) -> list:
