@@ -50,7 +50,7 @@ from fspec.ops.verify import rejection_sample
 from fspec.draft import draft_step, propose
 
 # End-to-end generation, and its first step as a function.
-from fspec.serve.engine import GenerateResult, Generator, default_generator, generate
+from fspec.serve.engine import GenerateResult, Generator, StreamChunk, default_generator, generate, stream
 from fspec.serve.prefill import Prefill, prefill
 
 # Training-time-test distillation, the embedded default model (SmolLM2-135M-Instruct and its EAGLE-3 head)
@@ -115,6 +115,8 @@ __all__ = [
     "slot_mapping",
     "unfuse_projections",
     "static_field",
+    "stream",
+    "StreamChunk",
     "Target",
     "TargetHidden",
     "tree",

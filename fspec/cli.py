@@ -288,7 +288,10 @@ def _stream(stream, target, draft, prompt, kwargs: dict) -> int:
     for chunk in stream(target, draft, prompt, **kwargs):
         tokens = list(getattr(chunk, "tokens", None) or ())
         text = getattr(chunk, "text", None)
-        piece = text if text is not None else "".join(f"{t} " for t in tokens)
+        # without a tokenizer the chunks carry ids only: print those
+        piece = (
+            text if target.tokenizer is not None and text is not None else "".join(f"{t} " for t in tokens)
+        )
         sys.stdout.write(piece)
         sys.stdout.flush()
         n += len(tokens)

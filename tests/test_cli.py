@@ -235,7 +235,8 @@ def test_every_bad_input_is_one_error_line_and_exit_code_2(toy_dirs, tmp_path, c
         "the following arguments are required: --target": ["--prompt", "x"],
     }
     if "top_k" not in inspect.signature(fspec.generate).parameters:
-        cases["--top-k: this version's fspec.generate does not take 'top_k'"] = [
+        what = "fspec.stream" if hasattr(fspec, "stream") else "fspec.generate"  # one prompt streams
+        cases[f"--top-k: this version's {what} does not take 'top_k'"] = [
             "--target",
             t,
             "--prompt",

@@ -40,6 +40,7 @@ from safetensors.torch import load_file, save_file
 from fspec.core.config import DraftConfig, ModelConfig
 from fspec.models import chat, llama
 from fspec.models import layers as L
+from fspec.models.generation_config import GenerationDefaults, read_generation_config
 from fspec.models.gguf import read_gguf
 from fspec.models.heads import HeadKind, head_kind, kinds, lookup, names
 from fspec.models.tokenizer import wrap as wrap_tokenizer
@@ -51,7 +52,9 @@ SHAREABLE = ("embed", "lm_head")  # draft params that default to the target's Pa
 class Target:
     """A loaded target. Attributes: cfg (ModelConfig), params (dict pytree), tokenizer (a
     `fspec.models.tokenizer.ChatTokenizer`, a `tokenizers.Tokenizer` with `apply_chat_template`, or None),
-    chat_template (the checkpoint's Jinja chat template, or None; `render_chat` renders it).
+    chat_template (the checkpoint's Jinja chat template, or None; `render_chat` renders it), generation (the
+    checkpoint's generation_config.json as a `GenerationDefaults`, or None: its EOS ids are `generate`'s
+    default EOS set, `sampling_defaults` its sampling settings).
 
     A plain `tokenizers.Tokenizer` given as tokenizer is wrapped in a ChatTokenizer holding chat_template and
     the config's BOS / EOS ids (again after `dataclasses.replace`, so the two never disagree)."""
@@ -60,6 +63,7 @@ class Target:
     params: dict
     tokenizer: Any = None
     chat_template: str | None = None
+    generation: GenerationDefaults | None = None
 
     def __post_init__(self):
         tok = wrap_tokenizer(
@@ -220,11 +224,13 @@ def load_target(
     writes the HF layout either way. fuse=False keeps HF's separate weights.
 
     The chat template comes from chat_template.jinja or tokenizer_config.json's "chat_template" (a GGUF's
-    ``tokenizer.chat_template``).
+    ``tokenizer.chat_template``). A directory's generation_config.json, if any, becomes `Target.generation`
+    (`fspec.models.generation_config`); a GGUF file has none.
 
     Raises FileNotFoundError for a missing directory, file, config or weights; ValueError for an unsupported
     architecture or a missing, unexpected or mis-shaped key (named, with the expected and actual shapes), and
-    for a GGUF file that is truncated, not GGUF, or holds an unsupported tensor type.
+    for a GGUF file that is truncated, not GGUF, or holds an unsupported tensor type, and for a malformed
+    generation_config.json (the file and key named).
     """
     _check_fuse(fuse)
     if Path(path).suffix.lower() == ".gguf" and not Path(path).is_dir():
@@ -234,6 +240,7 @@ def load_target(
         return Target(cfg=cfg, params=params, tokenizer=gguf.tokenizer, chat_template=gguf.chat_template)
     path = _directory(path)
     cfg = ModelConfig.from_hf(_read_config(path))
+    generation = read_generation_config(path, vocab_size=cfg.vocab_size)
     tensors = _read_tensors(path)
     params = _target_params(cfg, tensors, where=path, dtype=dtype, device=device, fuse=fuse)
     tokenizer = None
@@ -241,7 +248,10 @@ def load_target(
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-    return Target(cfg=cfg, params=params, tokenizer=tokenizer, chat_template=_read_chat_template(path))
+    chat_template = _read_chat_template(path)
+    return Target(
+        cfg=cfg, params=params, tokenizer=tokenizer, chat_template=chat_template, generation=generation
+    )
 
 
 def _target_params(

@@ -25,20 +25,23 @@ replacement or bonus token), counted per request and round, before truncation at
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from fspec.models.checkpoint import Draft, Target
 from fspec.serve.prefill import MIN_TEMPERATURE, max_model_len
 from fspec.serve.runner import _DEFAULT, GenerateResult, Generator, Stats, default_generator
+from fspec.serve.stream import StreamChunk
 
 __all__ = [
     "MIN_TEMPERATURE",
     "GenerateResult",
     "Generator",
     "Stats",
+    "StreamChunk",
     "default_generator",
     "generate",
     "max_model_len",
+    "stream",
 ]
 
 
@@ -50,6 +53,11 @@ def generate(
     max_new_tokens: int,
     temperature: float | Sequence[float] = 0.0,
     seed: int | Sequence[int] = 0,
+    stop: str | Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    ignore_eos: bool = False,
+    eos_token_id: int | Sequence[int] | None = None,
+    min_new_tokens: int = 0,
     num_speculative_steps: int = 3,
     compile: bool = False,
     progress: bool = False,
@@ -58,9 +66,15 @@ def generate(
 
     prompts: strings (the target needs a tokenizer) or token-id lists. temperature and seed: one for all
     requests or one per prompt; temperature 0 = greedy, else >= MIN_TEMPERATURE (1e-6); seeds are 64-bit
-    ints. Bad arguments raise ValueError naming them (see RELIABILITY.md). Each request stops at an EOS
-    token of the target's config, at max_new_tokens, or when its sequence (prompt + new tokens) reaches
-    max_model_len.
+    ints. Bad arguments raise ValueError naming them (see RELIABILITY.md).
+
+    Stop conditions (the same for every request; `fspec.serve.stops`): each request ends at the first of a
+    stop string in its new text (`stop`: one string or a list; the target needs a tokenizer; text and
+    tokens are cut before the match), a token of `stop_token_ids` (kept, like EOS), an EOS token (kept;
+    `eos_token_id` overrides the set, default generation_config.json's, else config.json's; `ignore_eos`
+    disables it), max_new_tokens, or its sequence (prompt + new tokens) reaching max_model_len. None of the
+    first three ends a request before it has `min_new_tokens` new tokens. `finish_reason` says which:
+    "stop", "eos" or "length".
     compile=True runs the draft loop and the target's decode/verification forward as CUDA graphs
     (`torch.compile`, reduce-overhead), kept between calls by `default_generator()` (a `fspec.Generator`).
     """
@@ -71,6 +85,58 @@ def generate(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         seed=seed,
+        stop=stop,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=ignore_eos,
+        eos_token_id=eos_token_id,
+        min_new_tokens=min_new_tokens,
+        num_speculative_steps=num_speculative_steps,
+        compile=compile,
+        progress=progress,
+    )
+
+
+def stream(
+    target: Target,
+    draft: Draft | None,
+    prompt: str | Sequence[int],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    stop: str | Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    ignore_eos: bool = False,
+    eos_token_id: int | Sequence[int] | None = None,
+    min_new_tokens: int = 0,
+    num_speculative_steps: int = 3,
+    compile: bool = False,
+    progress: bool = False,
+) -> Iterator[StreamChunk]:
+    """`generate` for one prompt, as an iterator of `StreamChunk`s (text delta, token ids, finish_reason)
+    yielded as rounds finish; the last chunk carries the finish_reason.
+
+        for chunk in fspec.stream(target, draft, "Once upon a time", max_new_tokens=64, stop="\\n\\n"):
+            print(chunk.text, end="", flush=True)
+
+    Text that could still begin a stop string is held back until the next tokens decide, so the deltas
+    (and the token lists) concatenate to exactly what `generate` returns for the same arguments. Arguments
+    are checked when `stream` is called, before the first chunk. A compiled stream uses the default
+    generator's caches: run one compiled stream or call at a time per `Generator` (compile=False streams
+    are independent).
+    """
+    return _DEFAULT.stream(
+        target,
+        draft,
+        prompt,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        stop=stop,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=ignore_eos,
+        eos_token_id=eos_token_id,
+        min_new_tokens=min_new_tokens,
         num_speculative_steps=num_speculative_steps,
         compile=compile,
         progress=progress,

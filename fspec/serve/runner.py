@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,8 @@ from fspec.serve.rounds import (
     run_drafts,
     spec_round,
 )
+from fspec.serve.stops import StopConfig, StopTracker, stop_config
+from fspec.serve.stream import StreamChunk, stream_chunks
 
 # Blocks allocated ahead of need, so the block table (a host-to-device copy) changes every few rounds, not
 # every round a request crosses a block boundary.
@@ -108,7 +110,11 @@ def compile_prefill(device: torch.device) -> bool:
 
 
 class Run:
-    """Generation for up to 256 requests, padded to their batch bucket."""
+    """Generation for up to 256 requests, padded to their batch bucket.
+
+    stops: the call's `fspec.serve.stops.StopConfig` (default: the target's EOS ids only). detokenize: build
+    each request's text as it grows (`StopTracker.text`; always when there are stop strings): a stream reads
+    it between rounds (`rounds()`)."""
 
     def __init__(
         self,
@@ -123,6 +129,8 @@ class Run:
         stats,
         progress,
         resources=None,
+        stops: StopConfig | None = None,
+        detokenize: bool = False,
     ):
         # what compiled calls keep between calls: a `fspec.Generator`'s (the default one's unless given)
         self.res = default_generator().resources if resources is None else resources
@@ -166,8 +174,11 @@ class Run:
         # A greedy batch run eagerly off CUDA takes its tokens by argmax (`fspec.serve.rounds.sample_tokens`:
         # the same tokens, without the CPU reference sampler's noise); compiled rounds keep one graph for all.
         self.greedy = not compile and self.device.type != "cuda" and all(t == 0 for t in temps)
-        self.eos = set(target.cfg.eos_token_ids)
-        self.out: list[list[int]] = [[] for _ in range(self.n_real)]
+        self.stops = stop_config(target, max_new_tokens=max_new_tokens) if stops is None else stops
+        detokenize = detokenize or bool(self.stops.stop)
+        tok = target.tokenizer
+        self.track = [StopTracker(self.stops, tok, detokenize=detokenize) for _ in range(self.n_real)]
+        self.out: list[list[int]] = [t.tokens for t in self.track]  # the trackers' own lists
         self.done = [False] * self.n_real + [True] * pad
         self.n = [len(p) for p in self.prompts] + [0] * pad  # position of each request's current token
         self.cur = [0] * self.b  # the current token (emitted, not yet in the target cache)
@@ -213,14 +224,15 @@ class Run:
 
         The current token sits at position n; new tokens take positions n + 1, ... (the prefill's first token
         takes n itself). A sequence holds at most max_model_len tokens: tokens past it are dropped, exactly
-        as target-only decoding would never produce them. The request ends at EOS, at max_new_tokens, or
-        when its sequence is full.
+        as target-only decoding would never produce them. The request ends at a stop condition
+        (`StopTracker.add`: stop string, stop token id, EOS; the first token of the round that meets one), at
+        max_new_tokens, or when its sequence is full.
         """
         if not first:
             new = new[: self.max_len - 1 - self.n[b]]
+        track = self.track[b]
         for t in new:
-            self.out[b].append(t)
-            if t in self.eos or len(self.out[b]) >= self.max_new:
+            if track.add(t) or len(track.tokens) >= self.max_new:
                 self._finish(b)
                 return
             if not first:
@@ -230,6 +242,7 @@ class Run:
             self._finish(b)
 
     def _finish(self, b: int) -> None:
+        self.track[b].end()
         self.done[b] = True
         # The round launched after the one being processed may still use these blocks: free them once it
         # has been processed (`_process` frees `free_at[index]` after waiting for round `index`).
@@ -430,7 +443,10 @@ class Run:
             for b in range(self.n_real)
         )
 
-    def go(self) -> list[list[int]]:
+    def rounds(self) -> Iterator[None]:
+        """The run, resumable: yields once the prefill's first tokens are emitted and again after each
+        processed round, with every request's `track` (tokens, text, reason) up to date; ends when every
+        request has. Closing it early (a stream dropped half-way) still returns every block."""
         drafts = self._prefill()
         self._device_state()
         self._keep: list[torch.Tensor] = []
@@ -443,27 +459,39 @@ class Run:
             bar = tqdm(total=self.n_real * self.max_new, desc="fspec generate", unit="tok")
         emitted = sum(map(len, self.out))
         pending = None
-        while pending is not None or not all(self.done):
-            launched = None
-            if not all(self.done) and (pending is None or not self._pending_may_end_all()):
-                launched, drafts = self._launch(drafts)
-                self.rounds_launched += 1
-            if not self.pipeline and launched is not None:
-                pending, launched = launched, None  # synchronous: read the round just launched
-            if pending is not None:
-                self._process(pending)
-            pending = launched
+        try:
+            yield
+            while pending is not None or not all(self.done):
+                launched = None
+                if not all(self.done) and (pending is None or not self._pending_may_end_all()):
+                    launched, drafts = self._launch(drafts)
+                    self.rounds_launched += 1
+                if not self.pipeline and launched is not None:
+                    pending, launched = launched, None  # synchronous: read the round just launched
+                processed = pending is not None
+                if processed:
+                    self._process(pending)
+                pending = launched
+                if bar is not None:
+                    now = sum(map(len, self.out))
+                    bar.update(max(now - emitted, 0))  # a stop string's cut can shorten an output
+                    emitted = max(now, emitted)
+                if processed:
+                    yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            for blocks in [*self.free_at.values(), *self.blocks]:  # live requests' too, if closed early
+                self.alloc.free(blocks)
+            self.free_at.clear()
+            self.blocks = [[] for _ in range(self.b)]
             if bar is not None:
-                now = sum(map(len, self.out))
-                bar.update(now - emitted)
-                emitted = now
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        for blocks in self.free_at.values():
-            self.alloc.free(blocks)
-        self.free_at.clear()
-        if bar is not None:
-            bar.close()
+                bar.close()
+
+    def go(self) -> list[list[int]]:
+        """Run to the end; the new tokens per request."""
+        for _ in self.rounds():
+            pass
         return self.out
 
 
@@ -509,8 +537,12 @@ class GenerateResult:
     """What `generate` returns.
 
     Attributes:
-        tokens: new tokens per prompt (the EOS token included when one ended the request).
-        text: the decoded new tokens per prompt, or None when the target has no tokenizer.
+        tokens: new tokens per prompt (the EOS or stop token id included when one ended the request; cut
+            like the text at a stop string: the tokens whose text ends at or before the match start).
+        text: the decoded new tokens per prompt, or None when the target has no tokenizer; cut exactly
+            before a stop string that ended the request (`fspec.serve.stops`).
+        finish_reason: why each request ended: "stop" (a stop string or a stop token id), "eos", or
+            "length" (max_new_tokens, or the sequence reached max_model_len).
         stats: acceptance_length (mean tokens per target verification forward), acceptance_rate_per_position
             (P(draft k accepted) over request-rounds, k = 1..K), conditional_acceptance_per_position
             (P(draft k accepted | draft k-1 accepted)), target_forwards, rounds, new_tokens, seconds,
@@ -520,6 +552,7 @@ class GenerateResult:
     tokens: list[list[int]]
     text: list[str] | None
     stats: dict[str, Any]
+    finish_reason: list[str]
 
 
 class Generator:
@@ -552,6 +585,11 @@ class Generator:
         max_new_tokens: int,
         temperature: float | Sequence[float] = 0.0,
         seed: int | Sequence[int] = 0,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        eos_token_id: int | Sequence[int] | None = None,
+        min_new_tokens: int = 0,
         num_speculative_steps: int = 3,
         compile: bool = False,
         progress: bool = False,
@@ -561,8 +599,17 @@ class Generator:
         ids, temps, seeds, k, draft = _validate(
             target, draft, prompts, max_new_tokens, temperature, seed, k, compile, progress
         )
+        stops = stop_config(
+            target,
+            max_new_tokens=max_new_tokens,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            eos_token_id=eos_token_id,
+            min_new_tokens=min_new_tokens,
+        )
         start = time.perf_counter()
-        tokens: list[list[int]] = []
+        tracks: list[StopTracker] = []
         stats = Stats(k if draft is not None else 0)
         for lo in range(0, len(ids), 256):  # the largest batch bucket
             run = Run(
@@ -576,13 +623,76 @@ class Generator:
                 stats=stats,
                 progress=progress,
                 resources=self.resources,
+                stops=stops,
             )
-            tokens.extend(run.go())
+            run.go()
+            tracks.extend(run.track)
         seconds = time.perf_counter() - start
+        tokens = [t.tokens for t in tracks]
         text = None
-        if target.tokenizer is not None:
-            text = [target.tokenizer.decode(t) for t in tokens]
-        return GenerateResult(tokens=tokens, text=text, stats=stats.summary(sum(map(len, tokens)), seconds))
+        if target.tokenizer is not None:  # built as the requests grew when there are stop strings
+            text = [target.tokenizer.decode(t.tokens) if t.text is None else t.text.text for t in tracks]
+        return GenerateResult(
+            tokens=tokens,
+            text=text,
+            stats=stats.summary(sum(map(len, tokens)), seconds),
+            finish_reason=[t.reason for t in tracks],
+        )
+
+    def stream(
+        self,
+        target: Target,
+        draft: Draft | None,
+        prompt: str | Sequence[int],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        eos_token_id: int | Sequence[int] | None = None,
+        min_new_tokens: int = 0,
+        num_speculative_steps: int = 3,
+        compile: bool = False,
+        progress: bool = False,
+    ) -> Iterator[StreamChunk]:
+        """`fspec.stream` with this generator's caches, buffers and compiled rounds. The arguments are checked
+        here, before the first chunk is asked for."""
+        if not isinstance(prompt, str) and isinstance(prompt, Sequence) and prompt:
+            if all(isinstance(p, (str, Sequence)) for p in prompt):
+                raise ValueError(
+                    "prompt: expected one prompt (a string or a list of token ids), "
+                    f"got a list of {len(prompt)} prompts"
+                )
+        k = num_speculative_steps
+        ids, temps, seeds, k, draft = _validate(
+            target, draft, [prompt], max_new_tokens, temperature, seed, k, compile, progress
+        )
+        stops = stop_config(
+            target,
+            max_new_tokens=max_new_tokens,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            eos_token_id=eos_token_id,
+            min_new_tokens=min_new_tokens,
+        )
+        run = Run(
+            target,
+            draft,
+            ids,
+            temps,
+            seeds,
+            max_new_tokens=max_new_tokens,
+            compile=compile,
+            stats=Stats(k if draft is not None else 0),
+            progress=progress,
+            resources=self.resources,
+            stops=stops,
+            detokenize=True,
+        )
+        return stream_chunks(run)
 
 
 _DEFAULT = Generator()  # the one instance `generate` uses; `default_generator()` hands it out
