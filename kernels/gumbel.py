@@ -30,6 +30,7 @@ from . import pdl
 from .pdl import pdl_enter
 from .philox import philox_gumbel_ref, philox_gumbel_tile
 from .salts import SALT_DRAFT
+from .sampling_filter import filter_logits_ref, keep_filtered, sampling_filter, sampling_filter_ref
 
 DEFAULT_BLOCK = 2048  # tokens per program: 63 blocks at V = 128256, 16 tokens per thread at 4 warps
 # Vocabulary blocks a per-row reduction loads at once (NB_POW2, at most this; more blocks loop). Every
@@ -147,6 +148,8 @@ def _gumbel_block_kernel(
     block_max_ptr,  # [N, NB] float32 out (WITH_STATS): block max of logits / T
     block_sum_ptr,  # [N, NB] float32 out (WITH_STATS): sum of exp(logits / T - block max)
     block_hot_ptr,  # [N, NB] float32 out: the block's max logit if logits / T reaches +inf in it, else -inf
+    thr_ptr,  # [N] float32 (FILTER): the kept prefix's last logit (kernels/sampling_filter.py)
+    cut_ptr,  # [N] int32 (FILTER): its last token id
     V,  # vocabulary size
     NB,  # number of vocabulary blocks, cdiv(V, BLOCK)
     SALT: tl.constexpr,  # Philox salt of this sampling decision
@@ -155,6 +158,7 @@ def _gumbel_block_kernel(
     FAST_LOG: tl.constexpr,  # GPU launch: approximate logs (philox_gumbel_tile), NaN masked by max.f32
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
     POS_OFFSET: tl.constexpr = 0,  # added to every position (a draft step passes seq_lens and 1)
+    FILTER: tl.constexpr = False,  # drop the tokens outside each row's kept prefix (top_k / top_p / min_p)
 ):
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -164,6 +168,8 @@ def _gumbel_block_kernel(
     # [GROUPS, 4] tile: four consecutive tokens share one Philox call (kernels/philox.py)
     offs = tile_offsets(GROUPS)
     raw = load_logits_tile(logits_ptr + row * stride_row + start + offs, offs, start, V, BLOCK, FAST_LOG)
+    if FILTER:
+        raw = keep_filtered(raw, offs, start, tl.load(thr_ptr + row), tl.load(cut_ptr + row))
     t = tl.load(temperature_ptr + row)
     inv_t = inv_temperature(t)  # 1 for greedy rows: their key is the raw logit
     key = raw
@@ -302,6 +308,8 @@ def _gumbel_finish_kernel(
     next_col_ptr,  # [] int64 out (NEXT_COL): col + 1 (a draft step's next step counter)
     d2t_ptr,  # [V] int32/int64 (MAP): id offsets; the emitted id of token t is t + d2t[t]
     mapped_ptr,  # [N] int64 out (MAP): the emitted ids
+    thr_ptr,  # [N] float32 (FILTER): the kept prefix's last logit (kernels/sampling_filter.py)
+    cut_ptr,  # [N] int32 (FILTER): its last token id
     V,  # vocabulary size
     NB,  # number of vocabulary blocks
     K,  # columns of out_tokens and out_probs
@@ -310,6 +318,7 @@ def _gumbel_finish_kernel(
     NB_POW2: tl.constexpr,  # blocks per load: next power of two >= NB, at most MAX_REDUCE_BLOCKS
     BLOCK: tl.constexpr,  # tokens per program
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
+    FILTER: tl.constexpr = False,  # drop the tokens outside each row's kept prefix: p' is 0 there
 ):
     pdl_enter(PDL)
     # Reduction and probability write in one launch, grid (N, NB): every program reduces its row's block
@@ -334,6 +343,8 @@ def _gumbel_finish_kernel(
         if NEXT_COL and row == 0:
             tl.store(next_col_ptr, col + 1)
     x = tl.where(x != x, float("-inf"), x)
+    if FILTER:
+        x = keep_filtered(x, offs, 0, tl.load(thr_ptr + row), tl.load(cut_ptr + row))
     one_hot = tl.where(offs == token, 1.0, 0.0)
     # greedy rows, rows without a finite logit, rows whose logits / T reach +inf: the one-hot of their token
     soft = (t > 0) & (m > float("-inf")) & (m < float("inf"))
@@ -357,6 +368,9 @@ def gumbel_sample(
     block: int | None = None,
     position_offset: int = 0,
     next_col: Tensor | None = None,
+    top_k: Tensor | None = None,
+    top_p: Tensor | None = None,
+    min_p: Tensor | None = None,
 ) -> Tensor:
     """Launch the Gumbel kernels; returns tokens [N] int64 and, with out buffers, writes column `col`.
 
@@ -366,7 +380,9 @@ def gumbel_sample(
     power of two >= 4 (None: `launch_block`). The Philox counter of row r is positions[r] + position_offset
     (positions of any integer dtype). With the out buffers, `next_col` (0-d int64, or None: not written)
     receives col + 1. Two launches: the block kernel, then the per-row reduction or, with the out
-    buffers, the reduction and probability write in one (`_gumbel_finish_kernel`).
+    buffers, the reduction and probability write in one (`_gumbel_finish_kernel`). With `top_k`, `top_p`,
+    `min_p` ([N] each, all three or none) a `sampling_filter` launch first: the tokens are drawn from p' and
+    out_probs receives p' (kernels/sampling_filter.py).
     """
     n, v = logits.shape
     block, nb, nb_load = vocab_blocks(v, launch_block(block))
@@ -388,18 +404,20 @@ def gumbel_sample(
         block_key, block_hot = scratch(torch.float32, logits.device, (n, nb), (n, nb))
         block_max = block_sum = block_key
     launch = pdl.options(logits)  # one device check for the call's launches
+    filtered = top_k is not None
+    thr, cut = sampling_filter(logits, temperature, top_k, top_p, min_p) if filtered else (tokens, tokens)
     _gumbel_block_kernel[(n, nb)](
         logits, logits.stride(0), temperature, seed, positions, block_key, block_token, block_max,
-        block_sum, block_hot, v, nb, SALT=salt, WITH_STATS=into, BLOCK=block, FAST_LOG=logits.is_cuda,
-        POS_OFFSET=position_offset, **launch,
+        block_sum, block_hot, thr, cut, v, nb, SALT=salt, WITH_STATS=into, BLOCK=block,
+        FAST_LOG=logits.is_cuda, POS_OFFSET=position_offset, FILTER=filtered, **launch,
     )  # fmt: skip
     d2t_arg = tokens if d2t is None else d2t.contiguous()
     if into:
         _gumbel_finish_kernel[(n, nb)](
             logits, logits.stride(0), temperature, block_key, block_token, block_max, block_sum, block_hot,
             tokens, out_tokens, out_probs, col, col if next_col is None else next_col, d2t_arg, mapped,
-            v, nb, out_tokens.shape[1], MAP=d2t is not None, NEXT_COL=next_col is not None,
-            NB_POW2=nb_load, BLOCK=block, **launch,
+            thr, cut, v, nb, out_tokens.shape[1], MAP=d2t is not None, NEXT_COL=next_col is not None,
+            NB_POW2=nb_load, BLOCK=block, FILTER=filtered, **launch,
         )  # fmt: skip
     else:
         _gumbel_reduce_kernel[(n,)](
@@ -454,11 +472,17 @@ def gumbel_sample_ref(
     d2t: Tensor | None = None,
     position_offset: int = 0,
     next_col: Tensor | None = None,
+    top_k: Tensor | None = None,
+    top_p: Tensor | None = None,
+    min_p: Tensor | None = None,
 ) -> Tensor:
     """Plain-PyTorch twin of `gumbel_sample` (same noise, ties, NaN handling, id map, column write, position
-    offset and col + 1 into `next_col`)."""
+    offset, col + 1 into `next_col`, and the options' kept prefix)."""
     positions = positions.to(torch.int64) + position_offset
-    x = clean_logits_ref(logits)  # [N, V]
+    if top_k is None:
+        x = clean_logits_ref(logits)  # [N, V]
+    else:  # the tokens outside the kept prefix are -inf: p' and its samples
+        x = filter_logits_ref(logits, *sampling_filter_ref(logits, temperature, top_k, top_p, min_p))
     scaled = x * inv_temperature_ref(temperature)[:, None]
     # rows whose logits / T reach +inf are decided greedily, by the raw logits (the T -> 0 limit)
     sampled = ((temperature > 0) & (scaled.amax(-1) < float("inf")))[:, None]  # [N, 1]

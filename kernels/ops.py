@@ -9,11 +9,15 @@ torch.compile": `triton_op` cannot trace on a CPU-only machine). Every op has a 
 Ops never return an alias of an input (custom ops cannot), and `mutates_args` names exactly the buffers a
 kernel writes; callers pass whole buffers plus the column tensor, never views (pytorch#198031).
 
-    fspec::gumbel_sample        (logits, temperature, seed, positions, salt) -> tokens [N]
-    fspec::gumbel_sample_into   (... , out_tokens!, out_probs!, col, d2t?, position_offset) -> (tokens [N],
-                                col + 1) (fresh tensors)
-    fspec::rejection_sample     (target_logits, draft_tokens, draft_probs?, temperature, seed, positions)
-                                -> (tokens [B, K+1], num_accepted [B])
+    fspec::gumbel_sample        (logits, temperature, seed, positions, salt, top_k?, top_p?, min_p?)
+                                -> tokens [N]
+    fspec::gumbel_sample_into   (... , out_tokens!, out_probs!, col, d2t?, position_offset, top_k?, top_p?,
+                                min_p?) -> (tokens [N], col + 1) (fresh tensors)
+    fspec::rejection_sample     (target_logits, draft_tokens, draft_probs?, temperature, seed, positions,
+                                top_k?, top_p?, min_p?) -> (tokens [B, K+1], num_accepted [B])
+    fspec::sampling_filter      (logits [N, V] or [B, K+1, V], temperature, top_k, top_p, min_p,
+                                rows_per_request) -> (thr [N], cut [N]): the kept prefix of top_k / top_p /
+                                min_p (kernels/sampling_filter.py)
     fspec::skinny_linear        (x [M, K], w [N, K], norm_weight?, eps, silu_mul, residual?) -> [M, N]:
                                 x @ w.T for M <= 16, RMSNorm / SiLU * up first, + residual (skinny_linear.py)
     fspec::step_metadata        (start, count?, block_table, num_query, block_size, max_model_len, mode,
@@ -33,6 +37,7 @@ from torch import Tensor
 
 from . import gumbel, rejection
 from . import rope_cos_sin as _rcs
+from . import sampling_filter as _sf
 from . import skinny_linear as _sl
 from . import step_metadata as _sm
 from . import value_flags as _vf
@@ -52,14 +57,33 @@ from .dispatch import use_triton as _use_triton
 
 
 @register("fspec::gumbel_sample", mutates_args=())
-def gumbel_sample(logits: Tensor, temperature: Tensor, seed: Tensor, positions: Tensor, salt: int) -> Tensor:
-    """Gumbel-max sample per row of logits [N, V] -> int64 [N]."""
+def gumbel_sample(
+    logits: Tensor,
+    temperature: Tensor,
+    seed: Tensor,
+    positions: Tensor,
+    salt: int,
+    top_k: Tensor | None = None,
+    top_p: Tensor | None = None,
+    min_p: Tensor | None = None,
+) -> Tensor:
+    """Gumbel-max sample per row of logits [N, V] -> int64 [N]; with the options ([N] each, all three or
+    none), from p' (kernels/sampling_filter.py)."""
     impl = gumbel.gumbel_sample if _use_triton(logits) else gumbel.gumbel_sample_ref
-    return impl(logits, temperature, seed, positions, salt=salt)
+    return impl(logits, temperature, seed, positions, salt=salt, top_k=top_k, top_p=top_p, min_p=min_p)
 
 
 @gumbel_sample.register_fake
-def _(logits: Tensor, temperature: Tensor, seed: Tensor, positions: Tensor, salt: int) -> Tensor:
+def _(
+    logits: Tensor,
+    temperature: Tensor,
+    seed: Tensor,
+    positions: Tensor,
+    salt: int,
+    top_k: Tensor | None = None,
+    top_p: Tensor | None = None,
+    min_p: Tensor | None = None,
+) -> Tensor:
     return logits.new_empty(logits.shape[0], dtype=torch.int64)
 
 
@@ -75,17 +99,21 @@ def gumbel_sample_into(
     col: Tensor,
     d2t: Tensor | None = None,
     position_offset: int = 0,
+    top_k: Tensor | None = None,
+    top_p: Tensor | None = None,
+    min_p: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Gumbel-max sample, also written to out_tokens[:, col] and out_probs[:, col, :]; fresh (tokens [N],
     col + 1) (with d2t: ids t + d2t[t], in the tokens and out_tokens). Row r's Philox counter is
     positions[r] + position_offset (positions of any integer dtype: a draft step passes its seq_lens and 1,
     no kernel of its own for the sum); col + 1 is a draft step's next step counter, written by the same
-    launch."""
+    launch. With the options ([N] each, all three or none) the token is drawn from p' over the given
+    (draft) vocabulary and out_probs receives p'."""
     impl = gumbel.gumbel_sample if _use_triton(logits) else gumbel.gumbel_sample_ref
     next_col = torch.empty_like(col)
     tokens = impl(
         logits, temperature, seed, positions, salt=salt, out_tokens=out_tokens, out_probs=out_probs, col=col,
-        d2t=d2t, position_offset=position_offset, next_col=next_col,
+        d2t=d2t, position_offset=position_offset, next_col=next_col, top_k=top_k, top_p=top_p, min_p=min_p,
     )  # fmt: skip
     return tokens, next_col
 
@@ -102,6 +130,9 @@ def _(
     col: Tensor,
     d2t: Tensor | None = None,
     position_offset: int = 0,
+    top_k: Tensor | None = None,
+    top_p: Tensor | None = None,
+    min_p: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     return logits.new_empty(logits.shape[0], dtype=torch.int64), torch.empty_like(col)
 
@@ -119,10 +150,14 @@ def rejection_sample(
     temperature: Tensor,
     seed: Tensor,
     positions: Tensor,
+    top_k: Tensor | None = None,
+    top_p: Tensor | None = None,
+    min_p: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Lossless rejection sampling -> (tokens [B, K+1] int64, num_accepted [B] int64)."""
+    """Lossless rejection sampling -> (tokens [B, K+1] int64, num_accepted [B] int64); with the options
+    ([B] each, all three or none), against the target's p' at every slot."""
     impl = rejection.rejection_sample if _use_triton(target_logits) else rejection.rejection_sample_ref
-    return impl(target_logits, draft_tokens, draft_probs, temperature, seed, positions)
+    return impl(target_logits, draft_tokens, draft_probs, temperature, seed, positions, top_k, top_p, min_p)
 
 
 @rejection_sample.register_fake
@@ -133,9 +168,45 @@ def _(
     temperature: Tensor,
     seed: Tensor,
     positions: Tensor,
+    top_k: Tensor | None = None,
+    top_p: Tensor | None = None,
+    min_p: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     b, k1, _ = target_logits.shape
     return target_logits.new_empty((b, k1), dtype=torch.int64), target_logits.new_empty(b, dtype=torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# fspec::sampling_filter (kernels/sampling_filter.py)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@register("fspec::sampling_filter", mutates_args=())
+def sampling_filter(
+    logits: Tensor,
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    min_p: Tensor,
+    rows_per_request: int = 1,
+) -> tuple[Tensor, Tensor]:
+    """The kept prefix of top_k / top_p / min_p per row of logits [N, V] (or [B, K+1, V]) -> (thr [N]
+    float32, cut [N] int32); row n uses the options of request n // rows_per_request."""
+    impl = _sf.sampling_filter if _use_triton(logits) else _sf.sampling_filter_ref
+    return impl(logits, temperature, top_k, top_p, min_p, rows_per_request)
+
+
+@sampling_filter.register_fake
+def _(
+    logits: Tensor,
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    min_p: Tensor,
+    rows_per_request: int = 1,
+) -> tuple[Tensor, Tensor]:
+    n = logits.numel() // logits.shape[-1]
+    return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.int32)
 
 
 # ----------------------------------------------------------------------------------------------------------

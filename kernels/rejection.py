@@ -45,6 +45,7 @@ from .gumbel import (
 from .pdl import pdl_enter
 from .philox import log_abs, philox_gumbel_ref, philox_gumbel_tile, philox_offset, philox_uniform_ref
 from .salts import SALT_ACCEPT, SALT_BONUS, SALT_RESIDUAL
+from .sampling_filter import filter_logits_ref, keep_filtered, sampling_filter, sampling_filter_ref
 
 # The decide kernel's tiles: slots per load (K1_POW2: next_pow2(K + 1), at most MAX_DECIDE_SLOTS; more slots
 # loop) and [K1_POW2, NB_POW2] block partials per load (at most MAX_DECIDE_TILE). A config's K <= 16 and any
@@ -88,11 +89,14 @@ def _rejection_stats_kernel(
     block_sum_ptr,  # [R, NB] float32 out: sum of exp(logits / T - block max)
     block_token_ptr,  # [R, NB] int64 out: smallest token id attaining the block's max raw logit
     block_raw_ptr,  # [R, NB] float32 out: the block's max raw logit
+    thr_ptr,  # [R] float32 (FILTER): the kept prefix's last logit (kernels/sampling_filter.py)
+    cut_ptr,  # [R] int32 (FILTER): its last token id
     V,  # vocabulary size
     NB,  # vocabulary blocks, cdiv(V, BLOCK)
     K1,  # K + 1 slots per request
     BLOCK: tl.constexpr,  # tokens per program
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
+    FILTER: tl.constexpr = False,  # p' of top_k / top_p / min_p: the kept prefix only
 ):
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -103,6 +107,8 @@ def _rejection_stats_kernel(
     raw = tl.load(logits_ptr + b * stride_b + (row % K1) * stride_k + token, mask=valid, other=float("-inf"))
     raw = raw.to(tl.float32)
     raw = tl.where(raw != raw, float("-inf"), raw)
+    if FILTER:
+        raw = keep_filtered(raw, token, 0, tl.load(thr_ptr + row), tl.load(cut_ptr + row))
     t = tl.load(temperature_ptr + b)
     x = raw * inv_temperature(t)
     m = tl.max(x, axis=0)
@@ -133,6 +139,8 @@ def _rejection_residual_kernel(
     res_mass_ptr,  # [B, NB] float32 out: block max of max(p - q, 0); 0 = no residual mass
     p_key_ptr,  # [B, NB] float32 out: block max of logits / T + g (fallback for n < K, bonus for n = K)
     p_token_ptr,  # [B, NB] int64 out: its token id
+    thr_ptr,  # [R] float32 (FILTER): the kept prefix's last logit (kernels/sampling_filter.py)
+    cut_ptr,  # [R] int32 (FILTER): its last token id
     V,  # vocabulary size
     NB,  # vocabulary blocks
     K,  # draft tokens per request
@@ -140,6 +148,7 @@ def _rejection_residual_kernel(
     BLOCK: tl.constexpr,  # tokens per program, a power of two >= 4
     FAST_LOG: tl.constexpr,  # GPU launch: approximate logs where only absolute error matters, NaN by max.f32
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
+    FILTER: tl.constexpr = False,  # p' of top_k / top_p / min_p: the kept prefix only
 ):
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -161,7 +170,10 @@ def _rejection_residual_kernel(
         seed, position = tl.load(seed_ptr + b), tl.load(positions_ptr + b) + k
         noise = philox_gumbel_tile(seed, position, salt, start, GROUPS, FAST_LOG)
         x_ptrs = logits_ptr + b * stride_b + k * stride_k + start + offs
-        x = load_logits_tile(x_ptrs, offs, start, V, BLOCK, FAST_LOG) * inv_temperature(t)
+        x = load_logits_tile(x_ptrs, offs, start, V, BLOCK, FAST_LOG)
+        if FILTER:
+            x = keep_filtered(x, offs, start, tl.load(thr_ptr + row), tl.load(cut_ptr + row))
+        x = x * inv_temperature(t)
         row_max, row_sum = tl.load(row_max_ptr + row), tl.load(row_sum_ptr + row)
         x, m, s = _one_hot_if_degenerate(x, (offs == 0) & (start == 0), row_max, row_sum)
         p = tl.exp(x - m) * (1.0 / s)  # [GROUPS, 4]
@@ -205,6 +217,8 @@ def _rejection_decide_kernel(
     greedy_ptr,  # [R] int64 out: argmax of the row's raw logits, smallest id on ties (0 for such a row)
     tokens_ptr,  # [B, K+1] int64 out: accepted drafts, then -1 (slot n is written by the finalize kernel)
     num_accepted_ptr,  # [B] int64 out: n = accepted drafts, 0..K (the slot the residual pass samples)
+    thr_ptr,  # [R] float32 (FILTER): the kept prefix's last logit (kernels/sampling_filter.py)
+    cut_ptr,  # [R] int32 (FILTER): its last token id
     V,  # vocabulary size (sentinel token id)
     NB,  # vocabulary blocks
     K,  # draft tokens per request
@@ -212,6 +226,7 @@ def _rejection_decide_kernel(
     K1_POW2: tl.constexpr,  # slots per load: next power of two >= K + 1, at most MAX_DECIDE_SLOTS
     NB_POW2: tl.constexpr,  # blocks per load: next power of two >= NB, capped (`decide_tiles`)
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
+    FILTER: tl.constexpr = False,  # p' of top_k / top_p / min_p: p'(x_k) = 0 outside the kept prefix
 ):
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -246,7 +261,12 @@ def _rejection_decide_kernel(
         sampled = ((tl.zeros([K1_POW2], tl.float32) + t) > 0) & (m < float("inf"))  # [K1_POW2]
         # 2. Acceptance: u_k * q(x_k) < p(x_k) (no division); greedy target: argmax p == x_k.
         lx = lx.to(tl.float32)
-        lx = tl.where(lx != lx, float("-inf"), lx) * inv_temperature(t)
+        lx = tl.where(lx != lx, float("-inf"), lx)
+        if FILTER:
+            thr = tl.load(thr_ptr + rows, mask=in_row, other=float("-inf"))
+            cut = tl.load(cut_ptr + rows, mask=in_row, other=0)
+            lx = tl.where((lx > thr) | ((lx == thr) & (xc <= cut)), lx, float("-inf"))
+        lx = lx * inv_temperature(t)
         lx, m, s = _one_hot_if_degenerate(lx, xc == 0, m, tl.where(in_row, s, 1.0))
         p_x = tl.exp(lx - m) / s
         u = tl.rand(seed, philox_offset(position + kk, 0, _SALT_ACCEPT))
@@ -380,13 +400,18 @@ def rejection_sample(
     temperature: Tensor,
     seed: Tensor,
     positions: Tensor,
+    top_k: Tensor | None = None,
+    top_p: Tensor | None = None,
+    min_p: Tensor | None = None,
     *,
     block: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Launch the rejection-sampling kernels: (tokens [B, K+1] int64, num_accepted [B] int64).
 
     Inputs are assumed validated (fspec.ops.verify.rejection_sample checks them). `block` is a power of two >=
-    4 (None: `launch_block`).
+    4 (None: `launch_block`). With `top_k`, `top_p`, `min_p` ([B] each, all three or none) a
+    `sampling_filter` launch first, and every slot verifies against the target's processed p' (q' is
+    draft_probs as given, or the one-hot of a greedy draft).
     """
     b, k1, v = target_logits.shape
     block, nb, nb_load = vocab_blocks(v, launch_block(block))
@@ -411,21 +436,25 @@ def rejection_sample(
     block_token, res_token, p_token, greedy = scratch(torch.int64, dev, (r, nb), (b, nb), (b, nb), (r,))
     sb, sk = target_logits.stride(0), target_logits.stride(1)
     launch = pdl.options(target_logits)  # one device check for the call's launches
+    filtered = top_k is not None
+    thr, cut = (tokens, tokens)  # dummy pointers without options
+    if filtered:
+        thr, cut = sampling_filter(target_logits, temperature, top_k, top_p, min_p, k1)
     _rejection_stats_kernel[(r, nb)](
-        target_logits, sb, sk, temperature, block_max, block_sum, block_token, block_raw, v, nb, k1,
-        BLOCK=block,
+        target_logits, sb, sk, temperature, block_max, block_sum, block_token, block_raw, thr, cut, v, nb,
+        k1, BLOCK=block, FILTER=filtered,
         **launch,
     )  # fmt: skip
     _rejection_decide_kernel[(b,)](
         target_logits, sb, sk, draft_tokens, draft_probs, temperature, seed, positions, block_max, block_sum,
-        block_token, block_raw, row_max, row_sum, greedy, tokens, num_accepted, v, nb, k, HAS_Q=has_q,
-        K1_POW2=k1_pow2, NB_POW2=decide_nb,
+        block_token, block_raw, row_max, row_sum, greedy, tokens, num_accepted, thr, cut, v, nb, k,
+        HAS_Q=has_q, K1_POW2=k1_pow2, NB_POW2=decide_nb, FILTER=filtered,
         **launch,
     )  # fmt: skip
     _rejection_residual_kernel[(b, nb)](
         target_logits, sb, sk, draft_tokens, draft_probs, temperature, seed, positions, row_max, row_sum,
-        num_accepted, res_key, res_token, res_mass, p_key, p_token, v, nb, k, HAS_Q=has_q, BLOCK=block,
-        FAST_LOG=target_logits.is_cuda,
+        num_accepted, res_key, res_token, res_mass, p_key, p_token, thr, cut, v, nb, k, HAS_Q=has_q,
+        BLOCK=block, FAST_LOG=target_logits.is_cuda, FILTER=filtered,
         **launch,
     )  # fmt: skip
     _rejection_finalize_kernel[(b,)](
@@ -448,12 +477,19 @@ def rejection_sample_ref(
     temperature: Tensor,
     seed: Tensor,
     positions: Tensor,
+    top_k: Tensor | None = None,
+    top_p: Tensor | None = None,
+    min_p: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Plain-PyTorch twin of `rejection_sample`: (tokens [B, K+1] int64, num_accepted [B] int64)."""
     b, k1, v = target_logits.shape
     k = k1 - 1
     ids = torch.arange(v, device=target_logits.device)
-    raw = clean_logits_ref(target_logits)  # [B, K+1, V]
+    if top_k is None:
+        raw = clean_logits_ref(target_logits)  # [B, K+1, V]
+    else:  # p' at every slot: the tokens outside the kept prefix are -inf
+        thr, cut = sampling_filter_ref(target_logits, temperature, top_k, top_p, min_p, k1)  # [B * (K+1)]
+        raw = filter_logits_ref(target_logits, thr.view(b, k1), cut.view(b, k1))
     x = raw * inv_temperature_ref(temperature)[:, None, None]
     # slots whose logits / T reach +inf verify greedily (the T -> 0 limit of p is a point mass)
     sampled = (temperature > 0)[:, None] & (x.amax(-1) < float("inf"))  # [B, K+1]

@@ -126,8 +126,44 @@ def unit_stride(*tensors: Tensor) -> tuple[Tensor, ...]:
     return tuple(t.contiguous() for t in tensors)
 
 
+# value-check bits of the sampling options, above value_flags' FLAG_* (computed by torch ops on the device and
+# OR-ed into the same single read; the host checks below always confirm them)
+FLAG_TOP_K, FLAG_TOP_P, FLAG_MIN_P = 1 << 10, 1 << 11, 1 << 12
+
+
+def check_options(
+    top_k: Tensor | None, top_p: Tensor | None, min_p: Tensor | None, *, n: int, device: torch.device
+) -> tuple[Tensor | None, list[tuple[int, Callable[[], None]]]]:
+    """The sampling options' shape, dtype and device checks (raising now), and their value checks: (int32
+    tensor of FLAG_TOP_K / FLAG_TOP_P / FLAG_MIN_P bits on the device, or None without options; the
+    (bit, check) pairs for `raise_flagged`). All three are tensors of shape [n], or all three None."""
+    given = [x is not None for x in (top_k, top_p, min_p)]
+    if not any(given):
+        return None, []
+    if not all(given):
+        raise argument_error("top_k, top_p, min_p", "all three tensors or all three None", f"given={given}")
+    check_tensor("top_k", top_k, shape=(n,), dtypes=(torch.int32, torch.int64), device=device)
+    check_tensor("top_p", top_p, shape=(n,), dtypes=(torch.float32,), device=device)
+    check_tensor("min_p", min_p, shape=(n,), dtypes=(torch.float32,), device=device)
+    bad = {
+        "top_k": (FLAG_TOP_K, top_k, top_k < 0, "values >= 0 (0 = off)"),
+        "top_p": (FLAG_TOP_P, top_p, ~((top_p > 0) & (top_p <= 1)), "values in (0, 1] (1 = off)"),
+        "min_p": (FLAG_MIN_P, min_p, ~((min_p >= 0) & (min_p < 1)), "values in [0, 1) (0 = off)"),
+    }
+    bits = sum(mask.any().int() * bit for bit, _, mask, _ in bad.values()).view(1)
+
+    def check(name: str) -> Callable[[], None]:
+        def run() -> None:
+            _, t, mask, expected = bad[name]
+            raise argument_error(name, expected, f"{t[mask][:4].tolist()} (first bad values)")
+
+        return run
+
+    return bits, [(bit, check(name)) for name, (bit, *_) in bad.items()]
+
+
 def _validate_gumbel(
-    logits, temperature, seed, positions, salt, out_tokens, out_probs, col, d2t=None
+    logits, temperature, seed, positions, salt, out_tokens, out_probs, col, d2t=None, options=(None,) * 3
 ) -> None:
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
     n, v = logits.shape
@@ -142,16 +178,18 @@ def _validate_gumbel(
     given = [x is not None for x in (out_tokens, out_probs, col)]
     if any(given) and not all(given):
         raise argument_error("out_tokens, out_probs, col", "all three or none", f"given={given}")
+    option_bits, option_checks = check_options(*options, n=n, device=dev)
     checks = [
         (FLAG_TEMPERATURE, lambda: check_temperature(temperature)),
         (FLAG_LOGITS, lambda: check_logits("logits", logits, temperature)),
         (FLAG_POSITIONS, lambda: check_positions(positions, span=0)),
+        *option_checks,
     ]
     if out_tokens is None:
         if d2t is not None:
             raise argument_error("d2t", "None unless out_tokens, out_probs and col are given", "a tensor")
         flags = kops.value_flags(logits, temperature, positions, 0, None, 0, None, None, None)
-        raise_flagged(int(flags), *checks)
+        raise_flagged(int(flags if option_bits is None else flags | option_bits), *checks)
         return
     if d2t is not None:
         check_tensor("d2t", d2t, shape=(v,), dtypes=(torch.int32, torch.int64), device=dev)
@@ -176,7 +214,7 @@ def _validate_gumbel(
             raise argument_error("col", f"a value in [0, {k}) (columns of out_tokens)", int(col))
 
     flags = kops.value_flags(logits, temperature, positions, 0, col, k, None, None, d2t)
-    raise_flagged(int(flags), *checks, (FLAG_COL, check_col))
+    raise_flagged(int(flags if option_bits is None else flags | option_bits), *checks, (FLAG_COL, check_col))
 
 
 def gumbel_sample(
@@ -190,8 +228,12 @@ def gumbel_sample(
     out_probs: Tensor | None = None,
     col: Tensor | None = None,
     d2t: Tensor | None = None,
+    top_k: Tensor | None = None,
+    top_p: Tensor | None = None,
+    min_p: Tensor | None = None,
 ) -> Tensor:
-    """Sample one token per row: argmax(logits / T + Gumbel noise), or argmax(logits) where T = 0.
+    """Sample one token per row: argmax(logits / T + Gumbel noise), or argmax(logits) where T = 0; with the
+    sampling options, from the processed distribution p' (kernels/sampling_filter.py states it).
 
     Args:
         logits: [N, V] float32 / bfloat16 / float16 (computed in float32). Any row stride is fine; a
@@ -212,6 +254,11 @@ def gumbel_sample(
         d2t: [V] int32 / int64 id offsets (EAGLE-3's draft-to-target map), only with the out buffers: the
             returned ids and out_tokens' column are t + d2t[t] for the sampled t, each >= 0; out_probs stays
             over the sampled vocabulary. One launch fewer than mapping the ids afterwards.
+        top_k: [N] int32 / int64 >= 0 (0 = off), top_p: [N] float32 in (0, 1] (1 = off), min_p: [N]
+            float32 in [0, 1) (0 = off): all three tensors or all three None (None: no filter launch). The
+            token is drawn from p' (softmax(logits / T) over the kept prefix of the row's order, renormalised;
+            T = 0 rows stay argmax) and out_probs receives p' (0 outside the prefix). With d2t the filter
+            runs over the given (draft) vocabulary, ordered by draft id.
 
     Returns:
         tokens [N] int64 (a fresh tensor); N = 0 gives an empty one.
@@ -220,9 +267,10 @@ def gumbel_sample(
         ValueError naming the argument (eager calls only; skipped under torch.compile).
     """
     if not torch.compiler.is_compiling():
-        _validate_gumbel(logits, temperature, seed, positions, salt, out_tokens, out_probs, col, d2t)
+        options = (top_k, top_p, min_p)
+        _validate_gumbel(logits, temperature, seed, positions, salt, out_tokens, out_probs, col, d2t, options)
     temperature, seed, positions = unit_stride(temperature, seed, positions)
     if out_tokens is None:
-        return kops.gumbel_sample(logits, temperature, seed, positions, salt)
+        return kops.gumbel_sample(logits, temperature, seed, positions, salt, top_k, top_p, min_p)
     args = (logits, temperature, seed, positions, salt, out_tokens, out_probs, col)
-    return kops.gumbel_sample_into(*args, d2t)[0]
+    return kops.gumbel_sample_into(*args, d2t, 0, top_k, top_p, min_p)[0]

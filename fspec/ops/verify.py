@@ -34,6 +34,7 @@ from fspec.ops.sampling import (
     FLOAT_DTYPES,
     argument_error,
     check_logits,
+    check_options,
     check_positions,
     check_temperature,
     check_tensor,
@@ -44,7 +45,9 @@ from fspec.ops.sampling import (
 __all__ = ["rejection_sample"]
 
 
-def _validate_rejection(target_logits, draft_tokens, draft_probs, temperature, seed, positions) -> None:
+def _validate_rejection(
+    target_logits, draft_tokens, draft_probs, temperature, seed, positions, options=(None,) * 3
+) -> None:
     check_tensor("target_logits", target_logits, ndim=3, dtypes=FLOAT_DTYPES)
     b, k1, v = target_logits.shape
     if k1 < 2:
@@ -60,6 +63,7 @@ def _validate_rejection(target_logits, draft_tokens, draft_probs, temperature, s
     check_tensor("temperature", temperature, shape=(b,), dtypes=(torch.float32,), device=dev)
     check_tensor("seed", seed, shape=(b,), dtypes=(torch.int64,), device=dev)
     check_tensor("positions", positions, shape=(b,), dtypes=(torch.int64,), device=dev)
+    option_bits, option_checks = check_options(*options, n=b, device=dev)
 
     def check_q() -> (
         None
@@ -83,12 +87,13 @@ def _validate_rejection(target_logits, draft_tokens, draft_probs, temperature, s
         target_logits, temperature, positions, k, None, 0, draft_tokens, draft_probs, None
     )
     raise_flagged(
-        int(flags),
+        int(flags if option_bits is None else flags | option_bits),
         (FLAG_PROBS, check_q),
         (FLAG_DRAFTS, check_drafts),
         (FLAG_TEMPERATURE, lambda: check_temperature(temperature)),
         (FLAG_LOGITS, lambda: check_logits("target_logits", target_logits, temperature)),
         (FLAG_POSITIONS, lambda: check_positions(positions, span=k)),
+        *option_checks,
     )
 
 
@@ -99,6 +104,9 @@ def rejection_sample(
     temperature: Tensor,
     seed: Tensor,
     positions: Tensor,
+    top_k: Tensor | None = None,
+    top_p: Tensor | None = None,
+    min_p: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Verify K draft tokens per request against the target; lossless for sampled and greedy drafts.
 
@@ -116,6 +124,11 @@ def rejection_sample(
             positions[b] + k and the bonus token at positions[b] + K. -1 marks a padding row.
             Any stride is fine for every argument (temperature, seed and positions are copied to unit
             stride when they are not). B = 0 gives empty outputs.
+        top_k: [B] int32 / int64 >= 0, top_p: [B] float32 in (0, 1], min_p: [B] float32 in [0, 1): the
+            target's sampling options per request (0, 1, 0 = off; all three tensors or all three None). Every
+            slot then verifies against the target's processed p' (kernels/sampling_filter.py): accept x with
+            min(1, p'(x) / q'(x)), q' = draft_probs as given (the draft's own processed q'), residual
+            norm(max(0, p' - q')), bonus from p'. The output is distributed as sampling from p'.
 
     Returns:
         tokens [B, K+1] int64: accepted drafts, then the replacement or bonus token, then -1;
@@ -125,6 +138,9 @@ def rejection_sample(
         ValueError naming the argument (eager calls only; skipped under torch.compile).
     """
     if not torch.compiler.is_compiling():
-        _validate_rejection(target_logits, draft_tokens, draft_probs, temperature, seed, positions)
+        options = (top_k, top_p, min_p)
+        _validate_rejection(target_logits, draft_tokens, draft_probs, temperature, seed, positions, options)
     temperature, seed, positions = unit_stride(temperature, seed, positions)
-    return kops.rejection_sample(target_logits, draft_tokens, draft_probs, temperature, seed, positions)
+    return kops.rejection_sample(
+        target_logits, draft_tokens, draft_probs, temperature, seed, positions, top_k, top_p, min_p
+    )

@@ -47,6 +47,27 @@ def test_ops_pass_torch_library_opcheck():
     torch.library.opcheck(torch.ops.fspec.rejection_sample.default, (*args[:2], None, *args[3:]))
 
 
+# slow (~20 s interpreted): tests/ops/test_sampling.py's compiled test traces the same fakes by default
+@pytest.mark.slow
+def test_ops_with_sampling_options_pass_opcheck():
+    """The ops with top_k / top_p / min_p, and fspec::sampling_filter itself (rows_per_request K + 1), are
+    consistent with their schemas and fakes."""
+    logits, t, seeds, positions = _gumbel_args()
+    opts = (
+        torch.tensor([3, 0, 2], dtype=torch.int32),
+        torch.tensor([1.0, 0.8, 0.9]),
+        torch.tensor([0.0, 0.1, 0.0]),
+    )
+    out_tokens, out_probs = torch.zeros(3, 4, dtype=torch.int64), torch.zeros(3, 4, 37)
+    torch.library.opcheck(
+        torch.ops.fspec.gumbel_sample_into.default,
+        (logits, t, seeds, positions, 0, out_tokens, out_probs, torch.tensor(3), None, 0, *opts),
+    )
+    args = _rejection_args()
+    torch.library.opcheck(torch.ops.fspec.sampling_filter.default, (args[0], args[3], *opts, 3))
+    torch.library.opcheck(torch.ops.fspec.rejection_sample.default, (*args, *opts))
+
+
 def test_metadata_and_rope_ops_pass_opcheck():
     """The one-launch step metadata (every mode, with and without `count`) and RoPE tables ops: schemas,
     fake implementations (shapes, dtypes) and the no-aliasing rule, in eager (interpreted kernel) and fake."""

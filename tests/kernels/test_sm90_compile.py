@@ -129,3 +129,51 @@ def test_step_kernels_compile_for_sm90():
         [sys.executable, "-c", STEP_PROBE], capture_output=True, text=True, env=env, timeout=300
     )
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
+# The top_k / top_p / min_p filter (its while-loop bisections, fp32 and bf16 logits, int32 and int64 top_k)
+# and the sampling / verification kernels' FILTER variants compile for sm_90.
+FILTER_PROBE = """
+import inspect
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fspec.kernels import gumbel, rejection
+from fspec.kernels.sampling_filter import _sampling_filter_kernel
+
+I64 = {"seed_ptr", "positions_ptr", "block_token_ptr", "draft_tokens_ptr", "res_token_ptr", "p_token_ptr",
+       "num_accepted_ptr", "tokens_ptr", "mapped_ptr", "out_tokens_ptr", "col_ptr", "next_col_ptr", "d2t_ptr",
+       "greedy_ptr"}
+
+def compile_sm90(kernel, constexprs, logits="*fp32", top_k="*i32", warps=4):
+    names = list(inspect.signature(kernel.fn).parameters)
+    def kind(n):
+        if n in constexprs:
+            return "constexpr"
+        if not n.endswith("_ptr"):
+            return "i32"
+        special = {"logits_ptr": logits, "top_k_ptr": top_k, "cut_ptr": "*i32"}
+        return special.get(n, "*i64" if n in I64 else "*fp32")
+    src = ASTSource(fn=kernel, signature={n: kind(n) for n in names}, constexprs=constexprs)
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+for logits, top_k in (("*fp32", "*i32"), ("*bf16", "*i64")):
+    compile_sm90(_sampling_filter_kernel, {"BLOCK": 1024, "NC": 16}, logits, top_k, warps=8)
+compile_sm90(gumbel._gumbel_block_kernel, {"SALT": 3, "WITH_STATS": True, "BLOCK": 2048, "FAST_LOG": True,
+                                           "FILTER": True}, "*bf16")
+compile_sm90(gumbel._gumbel_finish_kernel, {"MAP": True, "NEXT_COL": True, "NB_POW2": 32, "BLOCK": 2048,
+                                            "FILTER": True})
+compile_sm90(rejection._rejection_stats_kernel, {"BLOCK": 2048, "FILTER": True}, "*bf16")
+compile_sm90(rejection._rejection_decide_kernel, {"HAS_Q": True, "K1_POW2": 8, "NB_POW2": 32, "FILTER": True})
+compile_sm90(rejection._rejection_residual_kernel, {"HAS_Q": False, "BLOCK": 2048, "FAST_LOG": True,
+                                                    "FILTER": True})
+print("ok")
+"""
+
+
+def test_filter_kernel_and_filtered_sampling_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", FILTER_PROBE], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]

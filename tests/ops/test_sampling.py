@@ -1,5 +1,7 @@
 """fspec.gumbel_sample: distribution, invariants, column writes, compile, and input validation."""
 
+import math
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -236,3 +238,181 @@ def test_a_flag_the_host_checks_cannot_confirm_is_still_a_value_error(monkeypatc
     monkeypatch.setattr(sampling.kops, "value_flags", flagged)
     with pytest.raises(ValueError, match=r"^logits, col: expected values that pass the kernels' own checks"):
         gumbel_sample(**_valid_gumbel_args())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# top_k / top_p / min_p
+# ----------------------------------------------------------------------------------------------------------
+
+
+def processed_distribution(logits, temperature: float, top_k: int, top_p: float, min_p: float):
+    """p' of one row, float64, straight from the semantics (kernels/sampling_filter.py): a Python walk over
+    the order (logit descending, id ascending), independent of the reference's tensor code."""
+    row = [float("-inf") if x != x else float(x) for x in logits.tolist()]
+    order = sorted(range(len(row)), key=lambda i: (-row[i], i))
+    top = row[order[0]]
+    w = {i: math.exp((row[i] - top) / temperature) for i in order}
+    kept = [i for i in order if min_p <= 0 or w[i] >= min_p]
+    if top_k > 0:
+        kept = kept[:top_k]
+    if top_p < 1:
+        total, before, prefix = sum(w[i] for i in kept), 0.0, []
+        for i in kept:
+            if before < top_p * total or not prefix:
+                prefix.append(i)
+            before += w[i]
+        kept = prefix
+    p = torch.zeros(len(row), dtype=torch.float64)
+    for i in kept:
+        p[i] = w[i]
+    return p / p.sum()
+
+
+OPTION_CASES = {  # name: (top_k, top_p, min_p) on the 16 logits of `_option_logits`, T = 0.8
+    "top_k": (3, 1.0, 0.0),
+    "top_p": (0, 0.7, 0.0),
+    "min_p": (0, 1.0, 0.15),
+    "all_three": (6, 0.8, 0.05),
+}
+
+
+def _option_logits():
+    logits = torch.tensor(
+        [1.0, 0.5, 0.0, -0.5, 2.0, -3.0, 0.2, 1.1, 1.1, 0.9, -1.0, 0.3, 1.6, -2.0, 0.7, 1.0]
+    )
+    return logits  # ties: 1.0 at ids 0 and 15, 1.1 at 7 and 8
+
+
+@pytest.mark.parametrize("case", list(OPTION_CASES))
+def test_gumbel_sample_with_options_matches_the_processed_distribution(case):
+    """10k draws (one per position) with top_k / top_p / min_p follow p' (chi-square over its support, bound
+    P_MIN); no draw lands outside the kept prefix; the unfiltered softmax is rejected; out_probs is p'."""
+    n, t = 10_000, 0.8
+    top_k, top_p, min_p = OPTION_CASES[case]
+    logits = _option_logits()
+    want = processed_distribution(logits, t, top_k, top_p, min_p)
+    opts = dict(top_k=torch.full((n,), top_k), top_p=torch.full((n,), top_p), min_p=torch.full((n,), min_p))
+    rows = logits.expand(n, -1)
+    tokens = gumbel_sample(rows, torch.full((n,), t), torch.full((n,), 99), torch.arange(n), **opts)
+    counts = torch.bincount(tokens, minlength=16).double()
+    support = want > 0
+    assert 1 < int(support.sum()) < 16, "the case must drop some tokens and keep several"
+    assert float(counts[~support].sum()) == 0.0, f"draws outside the kept prefix: {counts.tolist()}"
+    pvalue = chisquare(counts[support], want[support] * n).pvalue
+    assert pvalue > P_MIN, f"{case}: counts {counts.tolist()} vs {(want * n).tolist()}"
+    plain = torch.softmax(logits.double() / t, dim=0)
+    assert chisquare(counts, plain * n).pvalue < 1e-12
+    out_tokens, out_probs = torch.zeros(4, 1, dtype=torch.int64), torch.zeros(4, 1, 16)
+    few = {k: v[:4] for k, v in opts.items()}
+    gumbel_sample(rows[:4], torch.full((4,), t), torch.arange(4), torch.arange(4), out_tokens=out_tokens,
+                  out_probs=out_probs, col=torch.tensor(0), **few)  # fmt: skip
+    torch.testing.assert_close(out_probs[:, 0].double(), want.expand(4, -1), rtol=1e-5, atol=1e-6)
+
+
+def test_gumbel_sample_top_k_1_is_greedy_and_greedy_rows_ignore_options():
+    """top_k = 1 returns the first argmax in sampled rows; T = 0 rows are argmax whatever the options."""
+    logits, temperature, seeds, positions = _batch()
+    logits[1, [3, 30]] = 50.0  # tie: 3
+    opts = dict(top_k=torch.ones(6, dtype=torch.int32), top_p=torch.full((6,), 0.5), min_p=torch.zeros(6))
+    tokens = gumbel_sample(logits, temperature, seeds, positions, **opts)
+    assert torch.equal(tokens, logits.argmax(-1)) and int(tokens[1]) == 3
+    greedy = dict(top_k=torch.full((6,), 7), top_p=torch.full((6,), 0.01), min_p=torch.full((6,), 0.9))
+    zeros = torch.zeros(6)
+    assert torch.equal(gumbel_sample(logits, zeros, seeds, positions, **greedy), logits.argmax(-1))
+
+
+def test_compiled_sampling_with_options_matches_eager_without_recompiles():
+    """torch.compile(fullgraph=True) of gumbel_sample + rejection_sample with option tensors: as eager, one
+    graph whatever the option values."""
+    b, k, v = 4, 3, 40
+    gen = torch.Generator().manual_seed(4)
+    logits, target = torch.randn(b, v, generator=gen), torch.randn(b, k + 1, v, generator=gen)
+    temperature, seeds, positions = (
+        torch.tensor([0.0, 0.7, 1.0, 1.3]),
+        torch.arange(b) * 7,
+        torch.arange(b) + 3,
+    )
+
+    def step(logits, out_tokens, out_probs, col, top_k, top_p, min_p):
+        gumbel_sample(logits, temperature, seeds, positions, out_tokens=out_tokens, out_probs=out_probs,
+                      col=col, top_k=top_k, top_p=top_p, min_p=min_p)  # fmt: skip
+        return rejection_sample(
+            target, out_tokens, out_probs, temperature, seeds, positions, top_k, top_p, min_p
+        )
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(step, fullgraph=True)
+    for i in range(3):
+        opts = (
+            torch.tensor([0, 3 + i, 1, 5]),
+            torch.tensor([1.0, 0.9, 0.5 + 0.1 * i, 1.0]),
+            torch.full((b,), 0.02 * i),
+        )
+        eager_bufs = (torch.zeros(b, k, dtype=torch.int64), torch.full((b, k, v), 1.0 / v))
+        comp_bufs = tuple(x.clone() for x in eager_bufs)
+        want = step(logits + i, *eager_bufs, torch.tensor(i), *opts)
+        got = compiled(logits + i, *comp_bufs, torch.tensor(i), *opts)
+        assert all(torch.equal(w, g) for w, g in zip(want, got))
+        assert torch.equal(eager_bufs[1], comp_bufs[1])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+BAD_OPTIONS = [
+    ("top_k", lambda a: a["top_k"] - 3),
+    ("top_k", lambda a: a["top_k"].float()),
+    ("top_k", lambda a: a["top_k"][:3]),
+    ("top_p", lambda a: torch.tensor([0.5, 0.0, 1.0, 1.0])),
+    ("top_p", lambda a: torch.tensor([0.5, 1.5, 1.0, 1.0])),
+    ("top_p", lambda a: torch.tensor([0.5, float("nan"), 1.0, 1.0])),
+    ("top_p", lambda a: a["top_p"].double()),
+    ("min_p", lambda a: torch.tensor([0.0, 1.0, 0.0, 0.0])),
+    ("min_p", lambda a: torch.tensor([0.0, -0.1, 0.0, 0.0])),
+    ("min_p", lambda a: a["min_p"].to("meta")),
+]
+
+
+def _valid_option_args():
+    return dict(
+        **_valid_gumbel_args(), top_k=torch.tensor([0, 2, 5, 1], dtype=torch.int32),
+        top_p=torch.tensor([1.0, 0.9, 0.5, 1.0]), min_p=torch.tensor([0.0, 0.1, 0.0, 0.5]),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("into", [True, False])
+@pytest.mark.parametrize("name, make_bad", BAD_OPTIONS)
+def test_gumbel_sample_rejects_bad_options_naming_them(name, make_bad, into):
+    """A bad top_k / top_p / min_p raises ValueError naming it, with and without the out buffers."""
+    args = _valid_option_args()
+    if not into:
+        for drop in ("out_tokens", "out_probs", "col"):
+            del args[drop]
+    gumbel_sample(**args)
+    args[name] = make_bad(args)
+    with pytest.raises(ValueError, match=rf"^{name}: expected .+, got .+"):
+        gumbel_sample(**args)
+
+
+def test_gumbel_sample_requires_all_three_options_or_none():
+    """A mix of option tensors and None is refused."""
+    args = _valid_option_args()
+    args["top_p"] = None
+    with pytest.raises(
+        ValueError, match=r"^top_k, top_p, min_p: expected all three tensors or all three None"
+    ):
+        gumbel_sample(**args)
+
+
+def test_valid_calls_with_options_still_read_the_device_once(monkeypatch):
+    """The options' value checks join the single device read of the other checks."""
+    reads = []
+    for name in ("__bool__", "__int__", "__float__", "item", "tolist"):
+        orig = getattr(torch.Tensor, name)
+
+        def spy(self, *a, _orig=orig, _name=name, **k):
+            reads.append(_name)
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    gumbel_sample(**_valid_option_args())
+    assert len(reads) == 1, reads

@@ -240,3 +240,106 @@ def test_rejection_sample_rejects_bad_input_naming_the_argument(name, make_bad):
     args[name] = make_bad(args)
     with pytest.raises(ValueError, match=rf"^{name}: expected .+, got .+"):
         rejection_sample(**args)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# top_k / top_p / min_p: verification against the target's processed p'
+# ----------------------------------------------------------------------------------------------------------
+
+TARGET_OPTIONS = (4, 0.85, 0.02)  # top_k, top_p, min_p of the target
+DRAFT_OPTIONS = (6, 0.95, 0.0)  # the draft's own, different ones
+
+
+def _option_chain(n: int, *, greedy_drafts: bool, seed: int):
+    """n requests, K = 2, V = 12: target and draft logits differ per slot; the draft samples with its own
+    options at its own temperature (q' written by gumbel_sample), the target verifies with others."""
+    from test_sampling import processed_distribution
+
+    k, v = 2, 12
+    gen = torch.Generator().manual_seed(seed)
+    target_logits = torch.randn(k + 1, v, generator=gen) * 1.5  # [K+1, V]
+    draft_logits = target_logits[:k] + torch.randn(k, v, generator=gen) * 1.5  # [K, V]
+    seeds, positions = torch.arange(n) * 7919 + seed, torch.full((n,), 1000)
+    t_target, t_draft = 0.9, 1.2
+    drafts, q = torch.empty((n, k), dtype=torch.int64), torch.empty((n, k, v))
+    d_opts = [torch.full((n,), x) for x in DRAFT_OPTIONS]
+    for i in range(k):
+        gumbel_sample_ref(
+            draft_logits[i].expand(n, v), torch.full((n,), t_draft), seeds, positions + i, salt=SALT_DRAFT,
+            out_tokens=drafts, out_probs=q, col=torch.tensor(i), top_k=d_opts[0], top_p=d_opts[1],
+            min_p=d_opts[2],
+        )  # fmt: skip
+    if greedy_drafts:
+        drafts, q = draft_logits.argmax(-1).expand(n, k).contiguous(), None
+    t_opts = [torch.full((n,), x) for x in TARGET_OPTIONS]
+    tokens, accepted = rejection_sample(
+        target_logits.expand(n, k + 1, v), drafts, q, torch.full((n,), t_target), seeds, positions, *t_opts
+    )
+    p = torch.stack(
+        [processed_distribution(target_logits[j], t_target, *TARGET_OPTIONS) for j in range(k + 1)]
+    )
+    return tokens, accepted, p, target_logits
+
+
+@pytest.mark.parametrize("greedy_drafts", [False, True])
+def test_rejection_sample_with_options_follows_the_processed_target_distribution(greedy_drafts):
+    """8k requests: the first emitted token follows the target's p'_0 and the second, given the first
+    draft was accepted, p'_1 (chi-square over p's support, bound P_MIN; nothing outside it), for sampled
+    drafts with other options and temperature, and for greedy drafts; the unfiltered p is rejected."""
+    n = 8_000
+    tokens, accepted, p, target = _option_chain(n, greedy_drafts=greedy_drafts, seed=5)
+    v = p.shape[1]
+    for j in range(2):
+        emitted = accepted >= j
+        counts = torch.bincount(tokens[emitted, j], minlength=v).double()
+        total = float(counts.sum())
+        support = p[j] > 0
+        assert total > 1500 and 1 < int(support.sum()) < v, f"slot {j}: {total} samples, {support.tolist()}"
+        assert float(counts[~support].sum()) == 0.0, f"slot {j}: tokens outside the kept prefix"
+        pvalue = chisquare(counts[support], p[j][support] * total).pvalue
+        assert pvalue > P_MIN, f"slot {j}: {(counts / total).tolist()} vs p' {p[j].tolist()}"
+        plain = torch.softmax(target[j].double() / 0.9, dim=-1)  # the same logits, unfiltered
+        assert chisquare(counts, plain * total).pvalue < 1e-12
+
+
+def test_rejection_sample_with_top_k_1_follows_the_argmax_chain():
+    """Target top_k = 1 at T > 0: p' is the one-hot of the argmax, so drafts equal to it are accepted, the
+    first other one is replaced by it, and the bonus is it, exactly as greedy verification."""
+    b, k, v = 5, 3, 20
+    gen = torch.Generator().manual_seed(6)
+    target = torch.randn(b, k + 1, v, generator=gen)
+    best = target.argmax(-1)
+    drafts = best[:, :k].clone()
+    drafts[1, 0] = (best[1, 0] + 1) % v
+    drafts[2, 2] = (best[2, 2] + 1) % v
+    opts = (torch.ones(b, dtype=torch.int64), torch.ones(b), torch.zeros(b))
+    sampled = rejection_sample(
+        target, drafts, None, torch.full((b,), 1.3), torch.arange(b), torch.arange(b), *opts
+    )
+    greedy = rejection_sample(target, drafts, None, torch.zeros(b), torch.arange(b), torch.arange(b))
+    assert torch.equal(sampled[0], greedy[0]) and torch.equal(sampled[1], greedy[1])
+    assert sampled[1].tolist() == [3, 0, 2, 3, 3]
+
+
+@pytest.mark.parametrize(
+    "name, make_bad",
+    [
+        ("top_k", lambda a: torch.tensor([0, -1, 2])),
+        ("top_k", lambda a: torch.zeros(4, dtype=torch.int64)),
+        ("top_p", lambda a: torch.tensor([1.0, 0.0, 0.5])),
+        ("top_p", lambda a: torch.tensor([1.0, 2.0, 0.5])),
+        ("min_p", lambda a: torch.tensor([0.0, 1.0, 0.5])),
+        ("min_p", lambda a: torch.tensor([0.0, 0.1, 0.5], dtype=torch.float64)),
+    ],
+)
+def test_rejection_sample_rejects_bad_options_naming_them(name, make_bad):
+    """A bad top_k / top_p / min_p raises ValueError naming it; a mix of tensors and None too."""
+    args = _valid_rejection_args()
+    args.update(top_k=torch.tensor([0, 3, 1]), top_p=torch.tensor([1.0, 0.9, 0.5]), min_p=torch.zeros(3))
+    rejection_sample(**args)
+    args[name] = make_bad(args)
+    with pytest.raises(ValueError, match=rf"^{name}: expected .+, got .+"):
+        rejection_sample(**args)
+    args[name] = None
+    with pytest.raises(ValueError, match=r"^top_k, top_p, min_p: expected all three"):
+        rejection_sample(**args)
