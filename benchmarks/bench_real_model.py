@@ -44,6 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0, 0.7])
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--k", type=int, default=5)
+    p.add_argument("--top-k", type=int, default=0, help="sampling filter for every row (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling filter for every row (1 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="sampling filter for every row (0 = off)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--head", default=None, help="head directory (default: the shipped one)")
@@ -99,12 +102,14 @@ def hf_tokens(new: torch.Tensor, eos: set[int]) -> int:
     return total
 
 
-def hf_call(model, prompts: list[list[int]], new_tokens: int, temperature: float, eos: set[int], **extra):
+def hf_call(model, prompts, new_tokens: int, temperature: float, eos: set[int], filters: dict, **extra):
     width = max(map(len, prompts))
     pad = 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
-    sample = {"temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
+    sample = {"temperature": temperature, **filters} if temperature else {}
+    if sample and not sample.get("min_p"):
+        sample.pop("min_p", None)  # transformers applies min_p whenever it is given
 
     def call():
         with torch.no_grad():
@@ -150,8 +155,14 @@ def main(argv=None) -> int:
             if time.perf_counter() - began > args.budget_s:
                 print(f"budget spent: skipping B={b} T={t}", flush=True)
                 continue
-            kw = dict(max_new_tokens=args.new_tokens, temperature=t, seed=list(range(b)), compile=True)
-            row: dict = {"case": {"B": b, "temperature": t}, "prompt_tokens": [len(p) for p in prompts]}
+            filters = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+            kw = dict(
+                max_new_tokens=args.new_tokens, temperature=t, seed=list(range(b)), compile=True, **filters
+            )
+            case = {"B": b, "temperature": t}
+            if t and (args.top_k, args.top_p, args.min_p) != (0, 1.0, 0.0):
+                case.update(filters)
+            row: dict = {"case": case, "prompt_tokens": [len(p) for p in prompts]}
             s_spec, spec = timed(
                 lambda prompts=prompts, kw=kw: fspec.generate(
                     target, head, prompts, num_speculative_steps=args.k, **kw
@@ -181,7 +192,7 @@ def main(argv=None) -> int:
                     continue
                 try:
                     sec, n = timed(
-                        hf_call(hf, prompts, args.new_tokens, t, eos, **extra),
+                        hf_call(hf, prompts, args.new_tokens, t, eos, filters, **extra),
                         max(args.reps - 1, 1),
                         device,
                         warmups,

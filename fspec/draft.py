@@ -99,10 +99,13 @@ def _step(
         # the sampling kernels write the (mapped) ids into column `step` themselves and return step + 1; the
         # sampled token's position (seq_lens + 1, the Philox counter) is added in the kernel: no launch of
         # its own for either on a step's dependent chain (the state was validated: the op is called as is)
+        # the draft's own processed q' (the request's top_k / top_p / min_p over its logits), stored for
+        # verification
+        sp = state.sampling
         tokens, step = kops.gumbel_sample_into(
             logits,
-            state.sampling.temperature,
-            state.sampling.seed,
+            sp.temperature,
+            sp.seed,
             attn.seq_lens,
             SALT_DRAFT,
             state.draft_tokens,
@@ -110,6 +113,9 @@ def _step(
             state.step,
             d2t,
             1,
+            sp.top_k,
+            sp.top_p,
+            sp.min_p,
         )
     # 5. the next state; its metadata is a pure function of this step's.
     if nxt is None:

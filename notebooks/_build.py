@@ -153,7 +153,8 @@ NB01: list[tuple[str, str]] = [
     token at each request's last live row is the first new token. The head's first step runs over the same
     rows and pairs the target's hidden state at position i with the token at i + 1 (EAGLE's shift), so the
     new token lands in the last live row. `init_draft_state` allocates the `[B, K]` draft buffers once;
-    per-request temperatures (0 = greedy) and seeds are tensors in the state.
+    per-request sampling settings (temperature, 0 = greedy; seed; top_k, top_p, min_p) are tensors in the state
+    (`state.sampling`, a `SamplingParams`).
     """),
     code("""
     gen = torch.Generator().manual_seed(2)
@@ -201,7 +202,7 @@ NB01: list[tuple[str, str]] = [
 
     `DraftState` is a frozen dataclass registered twice: with optree under the namespace `"fspec"` (what
     `fspec.tree` walks) and with `torch.utils._pytree` (what `torch.func` and `torch.compile` walk). Both see
-    the same twelve tensor leaves in the same order. At a round's first step it carries `T = B·Q` query rows.
+    the same seventeen tensor leaves in the same order (seven of them the `SamplingParams` of `state.sampling`). At a round's first step it carries `T = B·Q` query rows.
     """),
     code("""
     paths, leaves, _ = fspec.tree.tree_flatten_with_path(state0)
@@ -210,7 +211,7 @@ NB01: list[tuple[str, str]] = [
         ["leaf", "shape", "dtype"],
         [(".".join(map(str, p)), list(x.shape), dtype_name(x)) for p, x in zip(paths, leaves)],
     )
-    assert len(leaves) == 12 and all(isinstance(x, torch.Tensor) for x in leaves)
+    assert len(leaves) == 17 and all(isinstance(x, torch.Tensor) for x in leaves)
     torch_leaves = torch.utils._pytree.tree_leaves(state0)
     assert len(torch_leaves) == len(leaves) and all(a is b for a, b in zip(leaves, torch_leaves))
     try:

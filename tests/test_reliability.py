@@ -875,8 +875,8 @@ def test_soak_many_rounds_with_staggered_finishes_frees_and_reuses_every_block(p
                 num_speculative_steps=k,
             ).tokens
         run = _CheckedRun(
-            t_eos, head, prompts, [temp] * 40, seeds, max_new_tokens=max_new, compile=False, stats=Stats(k),
-            progress=False,
+            t_eos, head, prompts, dict(temperature=[temp] * 40, seed=seeds), max_new_tokens=max_new,
+            compile=False, stats=Stats(k), progress=False,
         )  # fmt: skip
         run.pipeline, run.rounds_checked = pipeline, 0
         allocated: list[int] = []

@@ -23,10 +23,22 @@ class SamplingParams:
         temperature: [B] float32, finite, >= 0; 0 = greedy. Mixed freely in a batch.
         seed: [B] int64, the seed of each request's counter-based sampler (noise is a pure function of
             (seed, position, token id, salt)).
+        top_k: [B] int32 >= 0; keep the k most likely tokens (0 = off).
+        top_p: [B] float32 in (0, 1]; keep the shortest most-likely prefix of mass >= top_p (1 = off).
+        min_p: [B] float32 in [0, 1); drop tokens less likely than min_p times the most likely one (0 = off).
+        suppress_ids: [B, E] int64, token ids the target may not emit at positions below `suppress_until`
+            (-1 = no id; `generate` puts the stop ids here for min_new_tokens, as HF and vLLM suppress them).
+        suppress_until: [B] int64, the first position at which `suppress_ids` are allowed again.
+    The filters compose as vLLM's do: min_p, then top_k, then top_p over what is left (ops/sampling.py).
     """
 
     temperature: torch.Tensor
     seed: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    suppress_ids: torch.Tensor
+    suppress_until: torch.Tensor
 
     @property
     def batch_size(self) -> int:
@@ -39,30 +51,87 @@ class SamplingParams:
         *,
         temperature: torch.Tensor | float | list = 0.0,
         seed: torch.Tensor | int | list = 0,
+        top_k: torch.Tensor | int | list = 0,
+        top_p: torch.Tensor | float | list = 1.0,
+        min_p: torch.Tensor | float | list = 0.0,
+        suppress_ids: torch.Tensor | list | None = None,
+        suppress_until: torch.Tensor | int | list = 0,
         device: torch.device | str | None = None,
     ) -> SamplingParams:
         """Settings of `batch_size` requests, each option a scalar (for all) or one value per request (a list
-        or a [B] tensor). Validated; a float seed is refused, never truncated."""
+        or a [B] tensor); suppress_ids a list of ids for all requests or a [B, E] tensor (None: none).
+        Validated; a float seed is refused, never truncated."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size: expected a positive int, got {batch_size!r}")
+        b = batch_size
         device = torch.device(device) if device is not None else None
+        temperature = per_request("temperature", temperature, b, device, floating=True)
+        device = temperature.device
         made = cls(
-            temperature=per_request("temperature", temperature, batch_size, device, floating=True),
-            seed=per_request("seed", seed, batch_size, device, floating=False),
+            temperature=temperature,
+            seed=per_request("seed", seed, b, device, floating=False),
+            top_k=per_request("top_k", top_k, b, device, floating=False).clamp(max=2**31 - 1).to(torch.int32),
+            top_p=per_request("top_p", top_p, b, device, floating=True),
+            min_p=per_request("min_p", min_p, b, device, floating=True),
+            suppress_ids=_suppress_ids(suppress_ids, b, device),
+            suppress_until=per_request("suppress_until", suppress_until, b, device, floating=False),
         )
-        validate_sampling_params(made, batch_size=batch_size, device=made.temperature.device)
+        validate_sampling_params(made, batch_size=b, device=device)
         return made
 
     def pad(self, extra: int) -> SamplingParams:
-        """These settings followed by `extra` padding requests' (greedy, seed 0)."""
+        """These settings followed by `extra` padding requests' (every option at its default: greedy)."""
         return SamplingParams(
-            temperature=torch.cat([self.temperature, self.temperature.new_zeros(extra)]),
-            seed=torch.cat([self.seed, self.seed.new_zeros(extra)]),
+            **{
+                name: torch.cat([t, t.new_full((extra, *t.shape[1:]), _PAD[name])])
+                for name, t in self._fields().items()
+            }
         )
 
     def take(self, batch_size: int) -> SamplingParams:
         """The first `batch_size` requests' settings (views)."""
-        return SamplingParams(temperature=self.temperature[:batch_size], seed=self.seed[:batch_size])
+        return SamplingParams(**{name: t[:batch_size] for name, t in self._fields().items()})
+
+    def _fields(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in _PAD}
+
+
+# each field's value for a padding request (and the option's "off")
+_PAD = {
+    "temperature": 0.0,
+    "seed": 0,
+    "top_k": 0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "suppress_ids": -1,
+    "suppress_until": 0,
+}
+_DTYPES = {
+    "temperature": torch.float32,
+    "seed": torch.int64,
+    "top_k": torch.int32,
+    "top_p": torch.float32,
+    "min_p": torch.float32,
+    "suppress_ids": torch.int64,
+    "suppress_until": torch.int64,
+}
+
+
+def _suppress_ids(value, b: int, device) -> torch.Tensor:
+    if value is None:
+        return torch.full((b, 0), -1, dtype=torch.int64, device=device)
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 2 or value.shape[0] != b or value.is_floating_point() or value.dtype == torch.bool:
+            raise ValueError(f"suppress_ids: expected a [{b}, E] integer tensor, got {_describe(value)}")
+        return value.to(device=device, dtype=torch.int64).contiguous()
+    if not isinstance(value, (list, tuple)) or any(
+        isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in value
+    ):
+        raise ValueError(
+            f"suppress_ids: expected a list of token ids or a [{b}, E] tensor, got {value!r:.80}"
+        )
+    row = torch.tensor(list(value), dtype=torch.int64).reshape(1, -1)
+    return row.expand(b, -1).contiguous().to(device)
 
 
 def per_request(name: str, value: object, b: int, device, *, floating: bool) -> torch.Tensor:
@@ -110,17 +179,27 @@ def validate_sampling_params(
     """Check every field of `sp` for B = batch_size requests on `device`; ValueError naming the field."""
     if not isinstance(sp, SamplingParams):
         raise ValueError(f"{name}: expected a SamplingParams, got {type(sp).__name__}")
-    fields = (("temperature", torch.float32), ("seed", torch.int64))
-    for field, dtype in fields:
+    for field, dtype in _DTYPES.items():
         t = getattr(sp, field)
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}.{field}: expected a tensor, got {_describe(t)}")
-        if tuple(t.shape) != (batch_size,) or t.dtype != dtype or t.device != device:
+        rank_ok = t.dim() == 2 if field == "suppress_ids" else t.dim() == 1
+        want = f"[{batch_size}, E]" if field == "suppress_ids" else f"[{batch_size}]"
+        if not rank_ok or t.shape[0] != batch_size or t.dtype != dtype or t.device != device:
             raise ValueError(
-                f"{name}.{field}: expected a [{batch_size}] {dtype} tensor on {device}, got {_describe(t)}"
+                f"{name}.{field}: expected a {want} {dtype} tensor on {device}, got {_describe(t)}"
             )
         if not t.is_contiguous():  # the kernels read it with unit stride
             raise ValueError(f"{name}.{field}: expected a contiguous tensor, got strides {t.stride()}")
-    temp = sp.temperature
-    if not bool(torch.isfinite(temp).all()) or bool((temp < 0).any()):
-        raise ValueError(f"{name}.temperature: expected finite values >= 0, got {temp.tolist()[:8]}")
+    checks = (
+        ("temperature", lambda t: torch.isfinite(t) & (t >= 0), "finite values >= 0"),
+        ("top_k", lambda t: t >= 0, "values >= 0 (0 = off)"),
+        ("top_p", lambda t: (t > 0) & (t <= 1), "values in (0, 1] (1 = off)"),
+        ("min_p", lambda t: (t >= 0) & (t < 1), "values in [0, 1) (0 = off)"),
+        ("suppress_ids", lambda t: t >= -1, "token ids or -1"),
+    )
+    for field, ok, want in checks:
+        t = getattr(sp, field)
+        bad = ~ok(t)
+        if bool(bad.any()):
+            raise ValueError(f"{name}.{field}: expected {want}, got {t[bad][:4].tolist()} (first bad values)")

@@ -51,23 +51,32 @@ def generate(
     prompts: Sequence[str] | Sequence[Sequence[int]],
     *,
     max_new_tokens: int,
-    temperature: float | Sequence[float] = 0.0,
+    temperature: float | Sequence[float] | None = None,
     seed: int | Sequence[int] = 0,
+    top_k: int | Sequence[int] | None = None,
+    top_p: float | Sequence[float] | None = None,
+    min_p: float | Sequence[float] | None = None,
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     ignore_eos: bool = False,
     eos_token_id: int | Sequence[int] | None = None,
     min_new_tokens: int = 0,
-    num_speculative_steps: int = 3,
+    num_speculative_steps: int | None = None,
     compile: bool = False,
     progress: bool = False,
 ) -> GenerateResult:
     """Generate up to `max_new_tokens` per prompt with speculative decoding (target-only when draft is None).
 
-    prompts: strings (the target needs a tokenizer) or token-id lists. temperature and seed: one for all
-    requests or one per prompt; temperature 0 = greedy, else >= MIN_TEMPERATURE (1e-6); seeds are 64-bit
-    ints. Bad arguments raise ValueError naming them (see RELIABILITY.md).
-
+    prompts: strings (the target needs a tokenizer) or token-id lists. The sampling options, each one for all
+    requests or one per prompt, mixed freely in a batch (read by the kernels from tensors: changing them never
+    recompiles): temperature (0 = greedy, the default; else >= MIN_TEMPERATURE, 1e-6), seed (64-bit ints),
+    top_k (keep the k most likely tokens; 0 = off), top_p (the shortest most-likely prefix of mass >= top_p;
+    1 = off), min_p (drop tokens less likely than min_p times the most likely; 0 = off), composed as vLLM
+    composes them (min_p, top_k, then top_p over what is left). Speculation stays lossless under all of
+    them: the draft samples from its own processed distribution q' and verification accepts against the
+    target's processed p', so the output is distributed as target-only sampling with the same options.
+    num_speculative_steps: K (default: the K the head recorded). Bad arguments raise ValueError naming them
+    (see RELIABILITY.md).
     Stop conditions (the same for every request; `fspec.serve.stops`): each request ends at the first of a
     stop string in its new text (`stop`: one string or a list; the target needs a tokenizer; text and
     tokens are cut before the match), a token of `stop_token_ids` (kept, like EOS), an EOS token (kept;
@@ -85,6 +94,9 @@ def generate(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         seed=seed,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
         stop=stop,
         stop_token_ids=stop_token_ids,
         ignore_eos=ignore_eos,
@@ -102,14 +114,17 @@ def stream(
     prompt: str | Sequence[int],
     *,
     max_new_tokens: int,
-    temperature: float = 0.0,
+    temperature: float | None = None,
     seed: int = 0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     ignore_eos: bool = False,
     eos_token_id: int | Sequence[int] | None = None,
     min_new_tokens: int = 0,
-    num_speculative_steps: int = 3,
+    num_speculative_steps: int | None = None,
     compile: bool = False,
     progress: bool = False,
 ) -> Iterator[StreamChunk]:
@@ -132,6 +147,9 @@ def stream(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         seed=seed,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
         stop=stop,
         stop_token_ids=stop_token_ids,
         ignore_eos=ignore_eos,

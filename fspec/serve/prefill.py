@@ -99,22 +99,24 @@ def prefill(
     *,
     temperature: float | Sequence[float] = 0.0,
     seed: int | Sequence[int] = 0,
+    top_k: int | Sequence[int] = 0,
+    top_p: float | Sequence[float] = 1.0,
+    min_p: float | Sequence[float] = 0.0,
     num_speculative_steps: int | None = None,
     room: int = 64,
 ) -> Prefill:
     """Run the target over `prompts`, sample each request's first new token, and build the head's first state.
 
-    prompts, temperature, seed: as in `fspec.generate` (same validation and errors). num_speculative_steps:
-    K of the returned state (default: the head's). room: new tokens each request's blocks can hold beyond its
-    prompt (capped at max_model_len); one propose writes K + 1 positions, one verification K + 1 more.
+    prompts and the sampling options: as in `fspec.generate` (same validation and errors).
+    num_speculative_steps: K of the returned state (default: the head's). room: new tokens each request's
+    blocks can hold beyond its prompt (capped at max_model_len); one propose writes K + 1 positions, one
+    verification K + 1 more.
     Fresh caches on the target's device; nothing is compiled.
     """
     if isinstance(room, bool) or not isinstance(room, int) or room < 1:
         raise ValueError(f"room: expected a positive int (new tokens per request), got {room!r}")
-    k = num_speculative_steps
-    if k is None:
-        k = draft.cfg.num_speculative_steps if isinstance(draft, Draft) else 1
-    ids, temps, seeds, k, draft = _validate(target, draft, prompts, 1, temperature, seed, k)
+    options = dict(temperature=temperature, seed=seed, top_k=top_k, top_p=top_p, min_p=min_p)
+    ids, options, k, draft = _validate(target, draft, prompts, 1, options, num_speculative_steps)
     device = target.params["embed"].device
     bs = draft.cfg.block_size if draft is not None else 16
     limit = max_model_len(target, draft)
@@ -138,10 +140,7 @@ def prefill(
     padded = torch.zeros(len(ids), max(map(len, ids)), dtype=torch.int64)
     for b, p in enumerate(ids):
         padded[b, : len(p)] = torch.tensor(p)
-    sampling = SamplingParams(
-        temperature=torch.tensor(temps, dtype=torch.float32, device=device),
-        seed=torch.tensor(seeds, dtype=torch.int64, device=device),
-    )
+    sampling = SamplingParams.create(len(ids), **options, device=device)
     first, last, state = prefill_batch(
         target,
         draft,
@@ -152,7 +151,7 @@ def prefill(
         sampling,
         tcache,
         block_size=bs,
-        greedy=device.type != "cuda" and all(t == 0 for t in temps),
+        greedy=device.type != "cuda" and all(t == 0 for t in options["temperature"]),
     )
     if state is not None:
         validate_draft_state(state, cfg=draft.cfg)
@@ -178,7 +177,10 @@ def max_model_len(target: Target, draft: Draft | None) -> int:
     return n if draft is None else min(n, draft.cfg.max_model_len)
 
 
-def _validate(target, draft, prompts, max_new_tokens, temperature, seed, k, compile=False, progress=False):
+def _validate(target, draft, prompts, max_new_tokens, options: dict, k, compile=False, progress=False):
+    """The checks of `fspec.generate` / `fspec.prefill`: (token ids per prompt, each sampling option as one
+    value per prompt, K, the draft with K set). options: temperature, seed, top_k, top_p, min_p as given
+    (a scalar or one per prompt); k None takes the head's recorded K."""
     if not isinstance(target, Target):
         raise ValueError(f"target: expected a fspec.Target, got {type(target).__name__}")
     if draft is not None and not isinstance(draft, Draft):
@@ -196,6 +198,8 @@ def _validate(target, draft, prompts, max_new_tokens, temperature, seed, k, comp
                 f"{target.cfg.num_hidden_layers}: the final normed hidden), "
                 f"got {draft.cfg.target_layer_ids}"
             )
+    if k is None:
+        k = draft.cfg.num_speculative_steps if draft is not None else 1
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
         raise ValueError(f"num_speculative_steps: expected an int in [1, 16], got {k!r}")
     if draft is not None:
@@ -226,7 +230,8 @@ def _validate(target, draft, prompts, max_new_tokens, temperature, seed, k, comp
                 f"prompts[{i}]: expected at most {limit - 1} tokens (max_model_len={limit} minus one new "
                 f"token), got {len(p)}"
             )
-    temps = _per_request("temperature", temperature, len(ids), float)
+    n = len(ids)
+    temps = _per_request("temperature", options["temperature"], n, float)
     for i, t in enumerate(temps):
         if not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature[{i}]: expected a finite value >= 0, got {t!r}")
@@ -237,11 +242,23 @@ def _validate(target, draft, prompts, max_new_tokens, temperature, seed, k, comp
                 f"temperature[{i}]: expected 0 (greedy) or a value >= {MIN_TEMPERATURE} "
                 f"(smaller ones overflow logits / temperature), got {t!r}"
             )
-    seeds = _per_request("seed", seed, len(ids), int)
+    seeds = _per_request("seed", options["seed"], n, int)
     for i, s in enumerate(seeds):
         if not -(2**63) <= s < 2**63:
             raise ValueError(f"seed[{i}]: expected a 64-bit int, got {s!r}")
-    return ids, temps, seeds, k, draft
+    top_k = _per_request("top_k", options["top_k"], n, int)
+    top_p = _per_request("top_p", options["top_p"], n, float)
+    min_p = _per_request("min_p", options["min_p"], n, float)
+    for name, values, ok, want in (
+        ("top_k", top_k, lambda x: x >= 0, "an int >= 0 (0 = off)"),
+        ("top_p", top_p, lambda x: 0 < x <= 1, "a value in (0, 1] (1 = off)"),
+        ("min_p", min_p, lambda x: 0 <= x < 1, "a value in [0, 1) (0 = off)"),
+    ):
+        for i, x in enumerate(values):
+            if not ok(x):  # NaN fails every comparison
+                raise ValueError(f"{name}[{i}]: expected {want}, got {x!r}")
+    per_prompt = dict(temperature=temps, seed=seeds, top_k=top_k, top_p=top_p, min_p=min_p)
+    return ids, per_prompt, k, draft
 
 
 def _per_request(name: str, value, n: int, kind: type) -> list:

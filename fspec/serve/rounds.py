@@ -117,7 +117,7 @@ def prefill_forward(
         tparams, ids.reshape(-1), meta, tcache, cfg=tcfg, backend=backend, aux_layer_ids=aux, max_query_len=q
     )
     last = logits.index_select(0, last_live_rows(meta)).float()  # [B, V]
-    first = sample_tokens(last, sampling, counts, greedy=greedy)
+    first = sample_tokens(suppress_tokens(last, sampling, counts), sampling, counts, greedy=greedy)
     if dcfg is None:
         return first, last, None
     # The head's rows are positions 0..n-1, pairing hidden i with token i + 1 (last: the new token).
@@ -205,9 +205,19 @@ def spec_round(
     q = None
     if not dcfg.greedy_drafts:
         q = draft_probs_over_target_vocab(draft_probs, dparams, cfg=dcfg, vocab=tcfg.vocab_size)
+    rows = ((n + 1)[:, None] + torch.arange(k + 1, device=n.device)).reshape(-1)  # each row's token position
+    logits = suppress_tokens(logits, sampling, rows)
     tokens, accepted = kops.rejection_sample(
-        logits.view(b, k + 1, -1), draft_tokens.clamp(min=0), q, sampling.temperature, sampling.seed, n + 1
-    )
+        logits.view(b, k + 1, -1),
+        draft_tokens.clamp(min=0),
+        q,
+        sampling.temperature,
+        sampling.seed,
+        n + 1,
+        sampling.top_k,
+        sampling.top_p,
+        sampling.min_p,
+    )  # against the target's processed p' (the request's filters)
     # 3. The next proposal: the head's first step pairs the target hidden of positions n..n+a with the
     #    emitted tokens at n+1..n+a+1 (a = accepted), then K - 1 decode steps.
     meta_d = _first_step_metadata(starts, accepted + 1, table, num_query=k + 1, block_size=bs)
@@ -215,6 +225,25 @@ def spec_round(
     state = first_draft_state(tokens.clamp(min=0).reshape(-1), h, meta_d, sampling, cfg=dcfg)
     next_tokens, next_probs = run_drafts(dparams, state, dcache, cfg=dcfg, backend=backend)
     return tokens, accepted, next_tokens, next_probs
+
+
+def suppress_tokens(logits: torch.Tensor, sampling: SamplingParams, positions: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] with each row's `sampling.suppress_ids` set to -inf where the row's token position
+    (positions [N]) is below its request's `suppress_until` (rows N // B per request, in order): how
+    `generate` keeps EOS and the stop ids out before min_new_tokens, as HF's and vLLM's min-token processors
+    do. Applied to the target's logits only: the draft may still propose a suppressed id, which verification
+    then rejects (p' = 0 there), so the output stays exactly target-only sampling's. With E = 0: no op."""
+    ids = sampling.suppress_ids
+    if ids.shape[1] == 0:  # static: no ids to suppress in this call
+        return logits
+    per = logits.shape[0] // ids.shape[0]
+    ids = ids.repeat_interleave(per, 0)  # [N, E]
+    until = sampling.suppress_until.repeat_interleave(per, 0)
+    active = ((positions < until)[:, None] & (ids >= 0)).to(torch.int8)
+    # amax: a padding entry (-1, clamped to id 0) never clears a real suppression of id 0
+    mask = torch.zeros(logits.shape, dtype=torch.int8, device=logits.device)
+    mask = mask.scatter_reduce(1, ids.clamp(min=0), active, "amax")
+    return logits.masked_fill(mask.bool(), float("-inf"))
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -232,7 +261,10 @@ def sample_tokens(logits, sampling: SamplingParams, positions, *, greedy: bool) 
     for compiled code): 5 ms per call at V = 49152 on one thread, 6% of a SmolLM2-135M decode step."""
     if greedy:
         return greedy_tokens(logits)
-    return kops.gumbel_sample(logits, sampling.temperature, sampling.seed, positions, SALT_BONUS)
+    sp = sampling
+    return kops.gumbel_sample(
+        logits, sp.temperature, sp.seed, positions, SALT_BONUS, sp.top_k, sp.top_p, sp.min_p
+    )
 
 
 def decode_step(
@@ -256,7 +288,7 @@ def decode_step(
     pos = torch.where(live, n, torch.full_like(n, -1))
     meta = _decode_metadata(pos, table, block_size=block_size)
     logits, _, _ = llama.forward(tparams, cur, meta, tcache, cfg=tcfg, backend=backend, max_query_len=1)
-    return sample_tokens(logits, sampling, n + 1, greedy=greedy)
+    return sample_tokens(suppress_tokens(logits, sampling, n + 1), sampling, n + 1, greedy=greedy)
 
 
 def decode_round(tparams: dict, cur: torch.Tensor, n: torch.Tensor, *inputs, **options) -> torch.Tensor:

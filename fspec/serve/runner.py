@@ -26,6 +26,7 @@ from fspec.core.pytree import tree
 from fspec.core.sampling_params import SamplingParams
 from fspec.draft import _step
 from fspec.models.checkpoint import Draft, Target
+from fspec.models.generation_config import sampling_defaults
 from fspec.serve.prefill import _validate, max_model_len, prefill_batch
 from fspec.serve.rounds import (
     compiled_decode_round,
@@ -121,8 +122,7 @@ class Run:
         target,
         draft,
         prompts,
-        temps,
-        seeds,
+        options,
         *,
         max_new_tokens,
         compile,
@@ -162,10 +162,9 @@ class Run:
         self.b = bucket_for(self.n_real)
         self.device = target.params["embed"].device
         pad = self.b - self.n_real
-        host = SamplingParams(
-            temperature=torch.tensor(list(temps) + [0.0] * pad, dtype=torch.float32),
-            seed=torch.tensor(list(seeds) + [0] * pad, dtype=torch.int64),
-        )
+        temps = options["temperature"]
+        self.stops = stop_config(target, max_new_tokens=max_new_tokens) if stops is None else stops
+        host = SamplingParams.create(self.n_real, **options, **self._suppression()).pad(pad)
         self.bufs = self.res.device_buffers(self.b, self.max_blocks, self.device) if compile else None
         if self.bufs is not None:  # static buffers: written in place, read by the graphs where they lie
             self.sampling = tree.tree_map(lambda buf, t: buf.copy_(t), self.bufs["sampling"], host)
@@ -174,7 +173,6 @@ class Run:
         # A greedy batch run eagerly off CUDA takes its tokens by argmax (`fspec.serve.rounds.sample_tokens`:
         # the same tokens, without the CPU reference sampler's noise); compiled rounds keep one graph for all.
         self.greedy = not compile and self.device.type != "cuda" and all(t == 0 for t in temps)
-        self.stops = stop_config(target, max_new_tokens=max_new_tokens) if stops is None else stops
         detokenize = detokenize or bool(self.stops.stop)
         tok = target.tokenizer
         self.track = [StopTracker(self.stops, tok, detokenize=detokenize) for _ in range(self.n_real)]
@@ -199,6 +197,20 @@ class Run:
                 # A greedy batch verifies by argmax: q is one-hot, so skip building [B, K, V] probabilities.
                 cfg = dataclasses.replace(draft.cfg, greedy_drafts=True)
                 self.draft = draft = dataclasses.replace(draft, cfg=cfg)
+
+    def _suppression(self) -> dict:
+        """min_new_tokens as HF and vLLM do it: the stop ids (EOS unless ignored, stop_token_ids) are masked
+        in the target's logits until each request has that many new tokens (`rounds.suppress_tokens`; its
+        first new token sits at position len(prompt)). Nothing without min_new_tokens: no mask op runs. The
+        id list is padded to a power of two with -1, so calls with nearby stop sets share graphs."""
+        ids = sorted(self.stops.eos | self.stops.stop_token_ids)
+        if self.stops.min_new_tokens == 0 or not ids:
+            return {}
+        width = 1 << (len(ids) - 1).bit_length()
+        return {
+            "suppress_ids": ids + [-1] * (width - len(ids)),
+            "suppress_until": [len(p) + self.stops.min_new_tokens for p in self.prompts],
+        }
 
     # -- host bookkeeping --
 
@@ -583,21 +595,24 @@ class Generator:
         prompts: Sequence[str] | Sequence[Sequence[int]],
         *,
         max_new_tokens: int,
-        temperature: float | Sequence[float] = 0.0,
+        temperature: float | Sequence[float] | None = None,
         seed: int | Sequence[int] = 0,
+        top_k: int | Sequence[int] | None = None,
+        top_p: float | Sequence[float] | None = None,
+        min_p: float | Sequence[float] | None = None,
         stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False,
         eos_token_id: int | Sequence[int] | None = None,
         min_new_tokens: int = 0,
-        num_speculative_steps: int = 3,
+        num_speculative_steps: int | None = None,
         compile: bool = False,
         progress: bool = False,
     ) -> GenerateResult:
         """`fspec.generate` with this generator's caches, buffers and compiled rounds."""
-        k = num_speculative_steps
-        ids, temps, seeds, k, draft = _validate(
-            target, draft, prompts, max_new_tokens, temperature, seed, k, compile, progress
+        options = _sampling_options(target, temperature, seed, top_k, top_p, min_p)
+        ids, options, k, draft = _validate(
+            target, draft, prompts, max_new_tokens, options, num_speculative_steps, compile, progress
         )
         stops = stop_config(
             target,
@@ -616,8 +631,7 @@ class Generator:
                 target,
                 draft,
                 ids[lo : lo + 256],
-                temps[lo : lo + 256],
-                seeds[lo : lo + 256],
+                {name: values[lo : lo + 256] for name, values in options.items()},
                 max_new_tokens=max_new_tokens,
                 compile=compile,
                 stats=stats,
@@ -646,14 +660,17 @@ class Generator:
         prompt: str | Sequence[int],
         *,
         max_new_tokens: int,
-        temperature: float = 0.0,
+        temperature: float | None = None,
         seed: int = 0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
         stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False,
         eos_token_id: int | Sequence[int] | None = None,
         min_new_tokens: int = 0,
-        num_speculative_steps: int = 3,
+        num_speculative_steps: int | None = None,
         compile: bool = False,
         progress: bool = False,
     ) -> Iterator[StreamChunk]:
@@ -665,9 +682,9 @@ class Generator:
                     "prompt: expected one prompt (a string or a list of token ids), "
                     f"got a list of {len(prompt)} prompts"
                 )
-        k = num_speculative_steps
-        ids, temps, seeds, k, draft = _validate(
-            target, draft, [prompt], max_new_tokens, temperature, seed, k, compile, progress
+        options = _sampling_options(target, temperature, seed, top_k, top_p, min_p)
+        ids, options, k, draft = _validate(
+            target, draft, [prompt], max_new_tokens, options, num_speculative_steps, compile, progress
         )
         stops = stop_config(
             target,
@@ -682,8 +699,7 @@ class Generator:
             target,
             draft,
             ids,
-            temps,
-            seeds,
+            options,
             max_new_tokens=max_new_tokens,
             compile=compile,
             stats=Stats(k if draft is not None else 0),
@@ -693,6 +709,14 @@ class Generator:
             detokenize=True,
         )
         return stream_chunks(run)
+
+
+def _sampling_options(target, temperature, seed, top_k, top_p, min_p) -> dict:
+    """The call's sampling options, each given one or, when None, the checkpoint's generation_config.json
+    default (`sampling_defaults`: greedy unless it says do_sample)."""
+    defaults = sampling_defaults(target)
+    given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    return {name: defaults[name] if v is None else v for name, v in given.items()} | {"seed": seed}
 
 
 _DEFAULT = Generator()  # the one instance `generate` uses; `default_generator()` hands it out

@@ -37,9 +37,13 @@ def test_both_registries_flatten_a_state_to_the_same_leaves_in_the_same_order(ti
     state = _state(tiny_draft_cfg)
     ours = fspec.tree.tree_leaves(state)
     theirs = torch_pytree.tree_leaves(state)
-    assert len(ours) == len(theirs) == 12
+    assert len(ours) == len(theirs) == 17
     assert all(x is y for x, y in zip(ours, theirs))
-    assert ours[0] is state.input_ids and ours[2] is state.attn.positions and ours[-1] is state.sampling.seed
+    assert (
+        ours[0] is state.input_ids
+        and ours[2] is state.attn.positions
+        and ours[-1] is state.sampling.suppress_until
+    )
     # Without the namespace optree sees an opaque leaf: the registration really is namespaced.
     assert optree.tree_leaves(state) == [state]
 

@@ -140,10 +140,12 @@ def _sample_inputs(n: int, v: int, seed: int):
 
 def _into(fn, logits, temperature, seeds, positions, opts, **kw):
     n, v = logits.shape
-    out_tokens, out_probs = torch.full((n, 3), -7, dtype=torch.int64), torch.full((n, 3, v), -1.0)
+    dev = logits.device
+    out_tokens = torch.full((n, 3), -7, dtype=torch.int64, device=dev)
+    out_probs = torch.full((n, 3, v), -1.0, device=dev)
     tokens = fn(
         logits, temperature, seeds, positions, out_tokens=out_tokens, out_probs=out_probs,
-        col=torch.tensor(1), top_k=opts[0], top_p=opts[1], min_p=opts[2], **kw,
+        col=torch.tensor(1, device=dev), top_k=opts[0], top_p=opts[1], min_p=opts[2], **kw,
     )  # fmt: skip
     return tokens, out_tokens, out_probs
 

@@ -144,6 +144,9 @@ def test_apply_chat_template_rejects_bad_arguments(toy):
         ChatTokenizer("vocab.json")
 
 
+# slow: loads the 98 MB GGUF (12 s); the wrapper's rendering and ids against transformers' are checked on a
+# saved directory by test_apply_chat_template_equals_transformers, and `fspec demo` renders this template
+@pytest.mark.slow
 def test_default_model_tokenizer_applies_smollm2s_template():
     """The GGUF-loaded default target: its tokenizer is a ChatTokenizer whose ids are the demo's (render_chat,
     then encode without special tokens), starting with <|im_start|>."""

@@ -136,8 +136,7 @@ def test_blocks_are_freed_when_requests_finish():
         target,
         draft,
         PROMPTS,
-        [0.0] * 5,
-        [0] * 5,
+        dict(temperature=[0.0] * 5, seed=[0] * 5),
         max_new_tokens=9,
         compile=False,
         stats=Stats(3),
@@ -163,6 +162,14 @@ def test_blocks_are_freed_when_requests_finish():
         ({"seed": 1.5}, r"seed\[0\]: expected an int, got 1.5"),
         ({"max_new_tokens": 0}, "max_new_tokens: expected a positive int"),
         ({"num_speculative_steps": 0}, r"num_speculative_steps: expected an int in \[1, 16\]"),
+        ({"top_k": -1}, r"top_k\[0\]: expected an int >= 0"),
+        ({"top_k": 2.0}, r"top_k\[0\]: expected an int, got 2.0"),
+        ({"top_k": True}, r"top_k\[0\]: expected an int, got True"),
+        ({"top_p": 0.0}, r"top_p\[0\]: expected a value in \(0, 1\]"),
+        ({"top_p": 1.01}, r"top_p\[0\]: expected a value in \(0, 1\]"),
+        ({"top_p": float("nan")}, r"top_p\[0\]: expected a value in \(0, 1\]"),
+        ({"min_p": 1.0}, r"min_p\[0\]: expected a value in \[0, 1\)"),
+        ({"min_p": [0.1, 0.2]}, "min_p: expected one value or 1"),
     ],
 )
 def test_bad_requests_raise_value_errors_naming_the_argument(kwargs, match):
@@ -283,8 +290,7 @@ def test_pipelined_and_synchronous_round_loops_agree_and_free_every_block(pipeli
         target,
         draft,
         PROMPTS,
-        [0.0, 0.8, 0.0, 1.0, 0.5],
-        [3, 1, 4, 1, 5],
+        dict(temperature=[0.0, 0.8, 0.0, 1.0, 0.5], seed=[3, 1, 4, 1, 5]),
         max_new_tokens=14,
         compile=False,
         stats=Stats(3),
@@ -305,8 +311,9 @@ def test_compiled_caches_come_in_few_sizes_so_nearby_calls_share_graphs():
     target, draft = aligned_pair(k=3)
 
     def run(max_new: int) -> Run:
-        return Run(target, draft, PROMPTS, [0.0] * 5, [0] * 5, max_new_tokens=max_new, compile=True,
-                   stats=Stats(3), progress=False)  # fmt: skip
+        greedy = dict(temperature=[0.0] * 5, seed=[0] * 5)
+        return Run(target, draft, PROMPTS, greedy, max_new_tokens=max_new, compile=True, stats=Stats(3),
+                   progress=False)  # fmt: skip
 
     runs = [run(m) for m in range(4, 12)]
     needs = {r.alloc.num_blocks for r in runs}  # 49, 51, ..., 57: five different needs ...
@@ -399,3 +406,12 @@ def test_compiled_target_only_decoding_equals_eager_and_keeps_its_graph_across_c
     assert second.tokens == fspec.generate(target, None, other, **sampled).tokens
     greedy = fspec.generate(target, None, other, max_new_tokens=9).tokens
     assert second.tokens != greedy  # the sampled rows did sample
+
+
+def test_k_defaults_to_the_heads_recorded_k():
+    """num_speculative_steps=None (the default) drafts the K the head's config records."""
+    target, draft = aligned_pair(k=4)
+    res = fspec.generate(target, draft, PROMPTS[:2], max_new_tokens=6)
+    assert res.stats["num_speculative_steps"] == 4
+    res = fspec.generate(target, draft, PROMPTS[:2], max_new_tokens=6, num_speculative_steps=2)
+    assert res.stats["num_speculative_steps"] == 2

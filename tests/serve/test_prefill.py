@@ -25,7 +25,14 @@ def test_prefill_then_propose_gives_the_engines_first_token_and_drafts():
     first = fspec.generate(target, draft, PROMPTS, max_new_tokens=1, temperature=temps, seed=seeds)
     assert pre.tokens.tolist() == [t[0] for t in first.tokens]
     run = Run(
-        target, draft, PROMPTS, temps, seeds, max_new_tokens=8, compile=False, stats=Stats(3), progress=False
+        target,
+        draft,
+        PROMPTS,
+        dict(temperature=temps, seed=seeds),
+        max_new_tokens=8,
+        compile=False,
+        stats=Stats(3),
+        progress=False,
     )
     d_tok, d_prob = run._prefill()
     assert torch.equal(state.draft_tokens, d_tok[: len(PROMPTS)])

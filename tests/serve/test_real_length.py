@@ -92,12 +92,12 @@ def test_generate_sizes_the_block_table_by_the_call_not_max_model_len():
     draft = eagle3_head(target)
     for d, k in ((None, 0), (draft, 3)):
         for compile in (False, True):
-            run = runner.Run(target, d, [PROMPTS[0]], [0.0], [0], max_new_tokens=12, compile=compile,
-                             stats=Stats(k), progress=False)  # fmt: skip
+            run = runner.Run(target, d, [PROMPTS[0]], dict(temperature=[0.0], seed=[0]), max_new_tokens=12,
+                             compile=compile, stats=Stats(k), progress=False)  # fmt: skip
             assert run.max_blocks * run.bs == CONTEXT_QUANTUM, (d is None, compile, run.max_blocks)
             assert run.tcache.num_blocks <= 16 + 4 * (not compile), run.tcache.num_blocks
-    long = runner.Run(target, None, [PROMPTS[0]], [0.0], [0], max_new_tokens=3000, compile=False,
-                      stats=Stats(0), progress=False)  # fmt: skip
+    long = runner.Run(target, None, [PROMPTS[0]], dict(temperature=[0.0], seed=[0]), max_new_tokens=3000,
+                      compile=False, stats=Stats(0), progress=False)  # fmt: skip
     assert long.max_blocks * long.bs == 4096  # 3005 tokens: eight quanta (a power of two)
 
 

@@ -168,18 +168,27 @@ def test_eos_override_ignore_eos_and_generation_config_default(tmp_path):
 
 
 def test_min_new_tokens_defers_every_stop_condition(toy, one_thread):
-    """Before min_new_tokens no EOS, stop token id or stop string ends a request: it ends at the first one
-    at or after that count."""
+    """Before min_new_tokens no EOS or stop token id can be emitted (they are masked in the target's logits,
+    as HF and vLLM do) and no stop string ends a request: it ends at the first one at or after that count.
+    Speculation stays exact: the same tokens as target-only decoding with the same settings."""
     target, draft = aligned_pair(k=3)
     free = fspec.generate(target, draft, PROMPTS, max_new_tokens=24)
     full = free.tokens[3]
     tok = next(t for t in full[:6] if full.count(t) >= 2)
-    first, second = full.index(tok), full.index(tok, full.index(tok) + 1)
+    first = full.index(tok)
     for kw in ({"eos_token_id": tok}, {"stop_token_ids": [tok]}):
-        got = fspec.generate(target, draft, PROMPTS[3:], max_new_tokens=24, min_new_tokens=first + 2, **kw)
-        assert got.tokens[0] == full[: second + 1], kw
-        early = fspec.generate(target, draft, PROMPTS[3:], max_new_tokens=24, min_new_tokens=first + 1, **kw)
-        assert early.tokens[0] == full[: first + 1], kw
+        m = first + 1
+        got = fspec.generate(target, draft, PROMPTS[3:], max_new_tokens=24, min_new_tokens=m, **kw)
+        plain = fspec.generate(target, None, PROMPTS[3:], max_new_tokens=24, min_new_tokens=m, **kw)
+        toks = got.tokens[0]
+        assert toks == plain.tokens[0] and toks[:first] == full[:first], kw
+        assert tok not in toks[:m] and toks[first] != tok, kw  # masked while fewer than m new tokens
+        if tok in toks:  # then it ended the request, at its first occurrence
+            assert toks.index(tok) == len(toks) - 1 and got.finish_reason[0] in ("eos", "stop"), kw
+        else:
+            assert len(toks) == 24 and got.finish_reason == ["length"], kw
+        early = fspec.generate(target, draft, PROMPTS[3:], max_new_tokens=24, min_new_tokens=first, **kw)
+        assert early.tokens[0] == full[: first + 1], kw  # the (first + 1)-th token may stop it
     target, draft = toy
     free = fspec.generate(target, draft, ["The cat"], max_new_tokens=40)
     text, toks = free.text[0], free.tokens[0]

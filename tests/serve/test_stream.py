@@ -86,7 +86,8 @@ def test_closing_a_stream_early_returns_every_block(toy, one_thread):
     """A stream dropped after two chunks returns all its blocks; the pipelined round loop is resumable."""
     target, draft = toy
     stops = stop_config(target, max_new_tokens=40)
-    run = Run(target, draft, [target.tokenizer.encode("The cat").ids], [0.0], [0], max_new_tokens=40,
+    run = Run(target, draft, [target.tokenizer.encode("The cat").ids], dict(temperature=[0.0], seed=[0]),
+              max_new_tokens=40,
               compile=False, stats=Stats(3), progress=False, stops=stops, detokenize=True)  # fmt: skip
     total = run.alloc.num_free
     chunks = stream_chunks(run)

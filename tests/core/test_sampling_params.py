@@ -1,0 +1,62 @@
+"""fspec/core/sampling_params.py: the per-request sampling settings pytree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fspec
+
+
+def test_create_broadcasts_scalars_takes_lists_and_tensors_and_pads_with_the_off_values():
+    sp = fspec.SamplingParams.create(
+        3, temperature=[0.0, 0.7, 1.0], seed=torch.tensor([1, 2, 3]), top_k=40, top_p=[0.9, 1.0, 0.5],
+        min_p=0.05, suppress_ids=[2, 7], suppress_until=[10, 0, 5],
+    )  # fmt: skip
+    assert sp.top_k.dtype == torch.int32 and sp.top_k.tolist() == [40, 40, 40]
+    assert sp.suppress_ids.shape == (3, 2) and sp.suppress_ids.tolist() == [[2, 7]] * 3
+    padded = sp.pad(2)
+    assert padded.batch_size == 5 and padded.temperature.tolist()[3:] == [0.0, 0.0]
+    assert padded.top_p.tolist()[3:] == [1.0, 1.0] and padded.top_k.tolist()[3:] == [0, 0]
+    assert padded.suppress_ids.tolist()[3:] == [[-1, -1]] * 2 and padded.min_p.tolist()[3:] == [0.0, 0.0]
+    back = padded.take(3)
+    for x, y in zip(fspec.tree.tree_leaves(back), fspec.tree.tree_leaves(sp)):
+        assert torch.equal(x, y)
+    assert fspec.SamplingParams.create(2, top_k=2**40).top_k.tolist() == [2**31 - 1] * 2  # "keep all"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"top_p": 0.0}, r"sampling.top_p: expected values in \(0, 1\]"),
+        ({"top_p": 1.5}, r"sampling.top_p: expected values in \(0, 1\]"),
+        ({"top_p": float("nan")}, r"sampling.top_p: expected values in \(0, 1\]"),
+        ({"min_p": 1.0}, r"sampling.min_p: expected values in \[0, 1\)"),
+        ({"min_p": -0.1}, r"sampling.min_p: expected values in \[0, 1\)"),
+        ({"top_k": -1}, r"sampling.top_k: expected values >= 0"),
+        ({"top_k": 2.5}, r"top_k: expected an int"),
+        ({"top_k": [1, 2]}, r"top_k: expected 3 values \(one per request\), got 2"),
+        ({"temperature": -1.0}, r"sampling.temperature: expected finite values >= 0"),
+        ({"seed": [1.0, 2.0, 3.0]}, r"seed\[0\]: expected an int"),
+        ({"suppress_ids": [1.5]}, r"suppress_ids: expected a list of token ids"),
+        ({"suppress_ids": [-2]}, r"sampling.suppress_ids: expected token ids or -1"),
+        (
+            {"suppress_ids": torch.zeros(2, 1, dtype=torch.int64)},
+            r"suppress_ids: expected a \[3, E\] integer",
+        ),
+    ],
+)
+def test_bad_values_name_the_option(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fspec.SamplingParams.create(3, **kwargs)
+
+
+def test_a_state_refuses_a_strided_or_mis_shaped_setting():
+    sp = fspec.SamplingParams.create(2)
+    strided = fspec.replace(sp, top_p=torch.ones(4)[::2])
+    with pytest.raises(ValueError, match=r"sampling.top_p: expected a contiguous tensor"):
+        fspec.core.sampling_params.validate_sampling_params(strided, batch_size=2, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"state.sampling.temperature: expected a \[3\] torch.float32"):
+        fspec.core.sampling_params.validate_sampling_params(
+            sp, batch_size=3, device=torch.device("cpu"), name="state.sampling"
+        )
