@@ -69,6 +69,7 @@ import torch
 
 import fspec
 from fspec.compile import compile_propose, jit
+from fspec.compile.graph_capture import GraphCapture
 from fspec.core.config import ModelConfig, env_switches
 from fspec.core.metadata import first_step_metadata
 from fspec.core.state import init_draft_state
@@ -553,7 +554,9 @@ def engine_round_us(target, draft, b: int, s: Setup) -> float:
         args = (target.params, draft.params, cur, n, live, table, d_tok, d_prob, run.sampling)
         args += (run.tcache, run.dcache)
         if s.compile:
-            fn = run.res.graph(rounds.compiled_spec_round, target.cfg, dcfg, run.max_len)
+            fn = run.res.graph(rounds.compiled_spec_round, target.cfg, dcfg, run.max_len, run.captured)
+            if run.captured:  # fspec's own graph, keyed once as the engine does (`Run._replay`)
+                fn = functools.partial(fn, key=GraphCapture.layout_key(args))
         else:
             fn = functools.partial(rounds.spec_round, tcfg=target.cfg, dcfg=dcfg, max_len=run.max_len)
 

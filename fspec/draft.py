@@ -113,9 +113,7 @@ def _step(
             state.step,
             d2t,
             1,
-            sp.top_k,
-            sp.top_p,
-            sp.min_p,
+            *sp.filters(),
         )
     # 5. the next state; its metadata is a pure function of this step's.
     if nxt is None:

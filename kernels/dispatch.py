@@ -84,4 +84,3 @@ def direct(args: Iterable[object]) -> bool:
         if isinstance(a, Tensor) and (type(a) not in _PLAIN or a.requires_grad):
             return False
     return True
-

@@ -206,6 +206,30 @@ def test_compiled_generate_on_gpu_equals_eager_greedy():
 
 
 @pytest.mark.parametrize("speculative", [True, False])
+def test_compiled_rounds_replay_their_own_graphs_captured_once_per_layout(speculative):
+    """On CUDA a compiled `generate` replays its rounds from fspec's own graphs (`GraphCapture`): sampled and
+    greedy tokens equal the eager run's, a second call of the same shapes captures nothing new, and the
+    capture's warm-up calls leave the target-only round's in-place position and token as they were (the
+    tokens would shift otherwise)."""
+    from fspec.compile.graph_capture import GraphCapture
+
+    target, draft = _on_cuda(*aligned_pair(k=4))
+    draft = draft if speculative else None
+    prompts = [[1, 2, 3], [5, 6], [7]]
+    kw = dict(max_new_tokens=20, temperature=[0.0, 0.9, 0.0], seed=[1, 2, 3])
+    if speculative:
+        kw["num_speculative_steps"] = 4
+    want = fspec.generate(target, draft, prompts, **kw).tokens
+    gen = fspec.Generator()
+    assert gen.generate(target, draft, prompts, compile=True, **kw).tokens == want
+    rounds = [g for g in gen.resources.graphs.values() if isinstance(g, GraphCapture)]
+    assert len(rounds) == 1 and rounds[0].captures == 1
+    replays = rounds[0].replays
+    assert gen.generate(target, draft, prompts, compile=True, **kw).tokens == want
+    assert rounds[0].captures == 1 and rounds[0].replays > replays
+
+
+@pytest.mark.parametrize("speculative", [True, False])
 def test_same_seeds_give_the_same_tokens_on_gpu_across_runs_and_batch_compositions(speculative):
     """On the H200, as on the CPU (tests/test_reliability.py): a request's tokens depend on its prompt,
     temperature and seed only: the same in a repeated run, in a reversed batch, alone, and among strangers

@@ -35,15 +35,29 @@ class GraphCapture:
     `captures` and `replays` count what happened (tests and benchmarks read them).
     """
 
-    def __init__(self, fn: Callable, *, warmup: int = 2) -> None:
+    def __init__(
+        self, fn: Callable, *, warmup: int = 2, preserve: Callable[[tuple], list[torch.Tensor]] | None = None
+    ) -> None:
+        """preserve(args): the argument tensors `fn` writes in place that the warm-up calls must leave as they
+        were (copied aside before them and back after the capture), e.g. a position that each call advances.
+        Writes that a repeated call makes again with the same values (a KV cache's slots) need no keeping."""
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"warmup: expected an int >= 1 (the first call compiles), got {warmup!r}")
+        if preserve is not None and not callable(preserve):
+            raise ValueError(f"preserve: expected None or a callable of the arguments, got {preserve!r}")
         self._fn = fn
         self._warmup = warmup
+        self._preserve = preserve
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self._pool = None
         self.captures = 0
         self.replays = 0
+
+    @staticmethod
+    def layout_key(args: tuple) -> tuple:
+        """The key of `args`' layout (tree structure; each leaf's address, shape, stride and dtype): what a
+        caller that passes the same tensors every call computes once and hands to `__call__` as `key`."""
+        return GraphCapture._key(args)
 
     @staticmethod
     def _key(args: tuple) -> tuple:
@@ -71,11 +85,14 @@ class GraphCapture:
         return out
 
     def _capture(self, args: tuple) -> tuple[torch.cuda.CUDAGraph, Any]:
+        kept = [(t, t.clone()) for t in self._preserve(args)] if self._preserve is not None else []
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(self._warmup):
                 self._fn(*args)
+                for t, saved in kept:
+                    t.copy_(saved)
         torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()

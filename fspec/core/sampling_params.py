@@ -12,7 +12,7 @@ import numbers
 
 import torch
 
-from fspec.core.pytree import pytree_dataclass
+from fspec.core.pytree import pytree_dataclass, static_field
 
 
 @pytree_dataclass
@@ -39,6 +39,11 @@ class SamplingParams:
     min_p: torch.Tensor
     suppress_ids: torch.Tensor
     suppress_until: torch.Tensor
+    # Static: whether any request may filter (top_k > 0, top_p < 1 or min_p > 0). `create` sets it from the
+    # values; with False the samplers skip the filter (its launch on the GPU; the CPU reference's sort of
+    # every row), exactly as with every option off. A different value is a different tree: a compiled call
+    # keeps one graph for calls without filters and one for calls with them, whatever the values.
+    filtered: bool = static_field(default=True)
 
     @property
     def batch_size(self) -> int:
@@ -67,17 +72,25 @@ class SamplingParams:
         device = torch.device(device) if device is not None else None
         temperature = per_request("temperature", temperature, b, device, floating=True)
         device = temperature.device
+        top_k = per_request("top_k", top_k, b, device, floating=False).clamp(max=2**31 - 1).to(torch.int32)
+        top_p = per_request("top_p", top_p, b, device, floating=True)
+        min_p = per_request("min_p", min_p, b, device, floating=True)
         made = cls(
             temperature=temperature,
             seed=per_request("seed", seed, b, device, floating=False),
-            top_k=per_request("top_k", top_k, b, device, floating=False).clamp(max=2**31 - 1).to(torch.int32),
-            top_p=per_request("top_p", top_p, b, device, floating=True),
-            min_p=per_request("min_p", min_p, b, device, floating=True),
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
             suppress_ids=_suppress_ids(suppress_ids, b, device),
             suppress_until=per_request("suppress_until", suppress_until, b, device, floating=False),
+            filtered=bool(((top_k > 0) | (top_p < 1) | (min_p > 0)).any()),
         )
         validate_sampling_params(made, batch_size=b, device=device)
         return made
+
+    def filters(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[None, None, None]:
+        """(top_k, top_p, min_p) for the samplers, or three None when no request filters (`filtered`)."""
+        return (self.top_k, self.top_p, self.min_p) if self.filtered else (None, None, None)
 
     def pad(self, extra: int) -> SamplingParams:
         """These settings followed by `extra` padding requests' (every option at its default: greedy)."""
@@ -85,12 +98,21 @@ class SamplingParams:
             **{
                 name: torch.cat([t, t.new_full((extra, *t.shape[1:]), _PAD[name])])
                 for name, t in self._fields().items()
-            }
+            },
+            filtered=self.filtered,
         )
 
     def take(self, batch_size: int) -> SamplingParams:
         """The first `batch_size` requests' settings (views)."""
-        return SamplingParams(**{name: t[:batch_size] for name, t in self._fields().items()})
+        return SamplingParams(
+            **{name: t[:batch_size] for name, t in self._fields().items()}, filtered=self.filtered
+        )
+
+    def copy_into(self, buffers: SamplingParams) -> SamplingParams:
+        """These settings written into `buffers` (the same shapes: static buffers a CUDA graph reads) in
+        place; returns the buffers, with this `filtered`."""
+        fields = {name: getattr(buffers, name).copy_(t) for name, t in self._fields().items()}
+        return SamplingParams(**fields, filtered=self.filtered)
 
     def _fields(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in _PAD}
@@ -203,3 +225,12 @@ def validate_sampling_params(
         bad = ~ok(t)
         if bool(bad.any()):
             raise ValueError(f"{name}.{field}: expected {want}, got {t[bad][:4].tolist()} (first bad values)")
+    if not isinstance(sp.filtered, bool):
+        raise ValueError(f"{name}.filtered: expected a bool, got {_describe(sp.filtered)}")
+    if not sp.filtered:  # the samplers would skip the filter: no request may ask for one
+        off = (sp.top_k == 0) & (sp.top_p == 1) & (sp.min_p == 0)
+        if not bool(off.all()):
+            raise ValueError(
+                f"{name}.filtered: expected True when a request filters (top_k > 0, top_p < 1 or min_p > 0), "
+                f"got False with requests {torch.nonzero(~off).flatten()[:4].tolist()} filtering"
+            )

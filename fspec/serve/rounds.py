@@ -17,6 +17,7 @@ import functools
 import torch
 
 from fspec.compile import jit
+from fspec.compile.graph_capture import GraphCapture
 from fspec.core.cache import KVCache
 from fspec.core.config import DraftConfig, ModelConfig
 from fspec.core.metadata import _decode_metadata, _first_step_metadata
@@ -214,9 +215,7 @@ def spec_round(
         sampling.temperature,
         sampling.seed,
         n + 1,
-        sampling.top_k,
-        sampling.top_p,
-        sampling.min_p,
+        *sampling.filters(),
     )  # against the target's processed p' (the request's filters)
     # 3. The next proposal: the head's first step pairs the target hidden of positions n..n+a with the
     #    emitted tokens at n+1..n+a+1 (a = accepted), then K - 1 decode steps.
@@ -262,9 +261,7 @@ def sample_tokens(logits, sampling: SamplingParams, positions, *, greedy: bool) 
     if greedy:
         return greedy_tokens(logits)
     sp = sampling
-    return kops.gumbel_sample(
-        logits, sp.temperature, sp.seed, positions, SALT_BONUS, sp.top_k, sp.top_p, sp.min_p
-    )
+    return kops.gumbel_sample(logits, sp.temperature, sp.seed, positions, SALT_BONUS, *sp.filters())
 
 
 def decode_step(
@@ -303,9 +300,14 @@ def decode_round(tparams: dict, cur: torch.Tensor, n: torch.Tensor, *inputs, **o
     return torch.stack([new, torch.zeros_like(new)], 1)
 
 
-def compiled_spec_round(tcfg: ModelConfig, dcfg: DraftConfig, max_len: int):
-    """`spec_round` as one CUDA graph per batch bucket (torch.compile, reduce-overhead, fullgraph)."""
-    return jit(functools.partial(spec_round, tcfg=tcfg, dcfg=dcfg, max_len=max_len))
+def compiled_spec_round(tcfg: ModelConfig, dcfg: DraftConfig, max_len: int, captured: bool = False):
+    """`spec_round` as one CUDA graph per batch bucket: torch.compile in reduce-overhead mode, or with
+    `captured` (CUDA) compiled in Inductor's default mode and replayed from fspec's own graphs
+    (`GraphCapture`: no dynamo guards and graph-tree bookkeeping per round; every argument must stay at its
+    address, so the caller keeps the drafts in static buffers). Its only in-place writes are the caches',
+    which a repeated call makes again with the same values, so the capture's warm-up calls need no undo."""
+    fn = functools.partial(spec_round, tcfg=tcfg, dcfg=dcfg, max_len=max_len)
+    return GraphCapture(jit(fn, "cuda-graph")) if captured else jit(fn)
 
 
 def compiled_decode_step(tcfg: ModelConfig, block_size: int, max_len: int):
@@ -313,7 +315,11 @@ def compiled_decode_step(tcfg: ModelConfig, block_size: int, max_len: int):
     return jit(functools.partial(decode_step, tcfg=tcfg, block_size=block_size, max_len=max_len))
 
 
-def compiled_decode_round(tcfg: ModelConfig, block_size: int, max_len: int):
+def compiled_decode_round(tcfg: ModelConfig, block_size: int, max_len: int, captured: bool = False):
     """`decode_round` as one CUDA graph per batch bucket; `cur` and `n` must have static addresses (the graph
-    writes them in place)."""
-    return jit(functools.partial(decode_round, tcfg=tcfg, block_size=block_size, max_len=max_len))
+    writes them in place). `captured`: replayed from fspec's own graphs, as `compiled_spec_round`; the
+    capture's warm-up calls put `cur` and `n` back as they found them."""
+    fn = functools.partial(decode_round, tcfg=tcfg, block_size=block_size, max_len=max_len)
+    if not captured:
+        return jit(fn)
+    return GraphCapture(jit(fn, "cuda-graph"), preserve=lambda args: [args[1], args[2]])

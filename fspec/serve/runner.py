@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from fspec.compile.graph_capture import GraphCapture
 from fspec.core.cache import BlockAllocator, KVCache, mark_static, table_width
 from fspec.core.config import bucket_for, size_bucket
 from fspec.core.pytree import tree
@@ -92,6 +93,21 @@ class Resources:
                 torch._dynamo.mark_static_address(t)
             self.buffers[key] = bufs
         return self.buffers[key]
+
+    def draft_buffers(self, b: int, k: int, vd: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Static homes for a round's proposal (draft_tokens [b, k], draft_probs [b, k, vd]): a captured round
+        (`compiled_spec_round(captured=True)`) reads its inputs where they lay when it was captured, so each
+        round's proposal is copied here rather than cloned to a new address."""
+        key = ("drafts", b, k, vd, str(device))
+        if key not in self.buffers:
+            if len(self.buffers) >= self.max_shapes:
+                self.buffers.pop(next(iter(self.buffers)))
+            self.buffers[key] = {
+                "tokens": torch.zeros(b, k, dtype=torch.int64, device=device),
+                "probs": torch.zeros(b, k, vd, dtype=torch.float32, device=device),
+            }
+        bufs = self.buffers[key]
+        return bufs["tokens"], bufs["probs"]
 
     def graph(self, factory, *key):
         """`factory(*key)` (a compiled round function), made once per key and kept."""
@@ -166,8 +182,12 @@ class Run:
         self.stops = stop_config(target, max_new_tokens=max_new_tokens) if stops is None else stops
         host = SamplingParams.create(self.n_real, **options, **self._suppression()).pad(pad)
         self.bufs = self.res.device_buffers(self.b, self.max_blocks, self.device) if compile else None
+        # Compiled rounds on CUDA replay fspec's own graphs (`GraphCapture`): a round's host cost is one
+        # replay, not dynamo's guards over ~300 argument tensors and the graph tree's bookkeeping.
+        self.captured = compile and self.device.type == "cuda"
+        self.graph_key = None  # the rounds' argument layout, the same every round of a run (`_launch`)
         if self.bufs is not None:  # static buffers: written in place, read by the graphs where they lie
-            self.sampling = tree.tree_map(lambda buf, t: buf.copy_(t), self.bufs["sampling"], host)
+            self.sampling = host.copy_into(self.bufs["sampling"])
         else:
             self.sampling = tree.tree_map(lambda t: t.to(self.device), host)
         # A greedy batch run eagerly off CUDA takes its tokens by argmax (`fspec.serve.rounds.sample_tokens`:
@@ -381,10 +401,16 @@ class Run:
                 self.dcache,
             )
             if self.compile:
-                fn = self.res.graph(compiled_spec_round, self.target.cfg, self.draft.cfg, self.max_len)
-                tokens, accepted, d_tok, d_prob = fn(*args)
-                # The next replay overwrites this one's outputs, and the drafts are its inputs: copy them.
-                drafts = (d_tok.clone(), d_prob.clone())
+                fn = self.res.graph(
+                    compiled_spec_round, self.target.cfg, self.draft.cfg, self.max_len, self.captured
+                )
+                tokens, accepted, d_tok, d_prob = self._replay(fn, args)
+                # The next replay overwrites this one's outputs, and the drafts are its inputs: copy them
+                # (to their static homes when captured: the next replay reads them there).
+                if self.captured:
+                    drafts = tuple(home.copy_(d) for home, d in zip(drafts, (d_tok, d_prob)))
+                else:
+                    drafts = (d_tok.clone(), d_prob.clone())
             else:
                 tokens, accepted, d_tok, d_prob = spec_round(
                     *args, tcfg=self.target.cfg, dcfg=self.draft.cfg, max_len=self.max_len
@@ -401,8 +427,10 @@ class Run:
                 self.tcache,
             )
             if self.compile:  # the graph advances cur_d and n_d in place and returns (token, 0)
-                graph = self.res.graph(compiled_decode_round, self.target.cfg, self.bs, self.max_len)
-                both = graph(*args)
+                graph = self.res.graph(
+                    compiled_decode_round, self.target.cfg, self.bs, self.max_len, self.captured
+                )
+                both = self._replay(graph, args)
                 return self._read_back(both), drafts
             new = decode_step(
                 *args, tcfg=self.target.cfg, block_size=self.bs, max_len=self.max_len, greedy=self.greedy
@@ -415,6 +443,16 @@ class Run:
             self.n_d = self.n_d + accepted + 1
             self.cur_d = tokens.gather(1, accepted[:, None]).squeeze(1)
         return self._read_back(torch.cat([tokens, accepted[:, None]], 1)), drafts
+
+    def _replay(self, fn, args: tuple):
+        """fn(*args) for a compiled round; a captured one gets the run's layout key, computed on the first
+        round (every later round passes the same tensors: the static buffers, the kept caches, the draft
+        homes), so a round does not flatten and inspect its ~300 argument tensors again."""
+        if not self.captured:
+            return fn(*args)
+        if self.graph_key is None:
+            self.graph_key = GraphCapture.layout_key(args)
+        return fn(*args, key=self.graph_key)
 
     def _read_back(self, both: torch.Tensor):
         """Queue the copy of a round's (tokens [B, K + 1], accepted [B]) as one [B, K + 2] tensor to the host;
@@ -460,6 +498,9 @@ class Run:
         processed round, with every request's `track` (tokens, text, reason) up to date; ends when every
         request has. Closing it early (a stream dropped half-way) still returns every block."""
         drafts = self._prefill()
+        if drafts is not None and self.captured:  # the captured rounds read the proposal at fixed addresses
+            homes = self.res.draft_buffers(self.b, *drafts[1].shape[1:], self.device)
+            drafts = tuple(home.copy_(d) for home, d in zip(homes, drafts))
         self._device_state()
         self._keep: list[torch.Tensor] = []
         self.rounds_launched = 0

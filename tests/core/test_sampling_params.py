@@ -60,3 +60,28 @@ def test_a_state_refuses_a_strided_or_mis_shaped_setting():
         fspec.core.sampling_params.validate_sampling_params(
             sp, batch_size=3, device=torch.device("cpu"), name="state.sampling"
         )
+
+
+def test_filtered_says_whether_any_request_filters_and_travels_in_the_tree_structure():
+    """`filtered` is static (the samplers skip the filter without it): set by `create` from the values,
+    kept by pad / take / copy_into, part of the tree structure (a compiled call keys its graph on it), and a
+    False beside an active filter is refused rather than silently ignored."""
+    off = fspec.SamplingParams.create(3, temperature=0.8)
+    assert off.filtered is False and off.filters() == (None, None, None)
+    for kw in ({"top_k": [0, 5, 0]}, {"top_p": 0.9}, {"min_p": [0.0, 0.0, 0.1]}):
+        on = fspec.SamplingParams.create(3, **kw)
+        assert on.filtered is True and on.filters() == (on.top_k, on.top_p, on.min_p)
+        assert on.pad(2).filtered and on.take(2).filtered
+        home = fspec.SamplingParams.create(3)
+        copied = on.copy_into(home)
+        assert copied.filtered and copied.top_k is home.top_k and torch.equal(home.top_k, on.top_k)
+        assert fspec.tree.tree_structure(on) != fspec.tree.tree_structure(off)
+    assert not off.pad(1).filtered and fspec.tree.tree_leaves(off.pad(1))[0].shape == (4,)
+    lying = fspec.replace(fspec.SamplingParams.create(2, top_p=0.5), filtered=False)
+    expected = r"sampling.filtered: expected True when a request filters .* \[0, 1\]"
+    with pytest.raises(ValueError, match=expected):
+        fspec.core.sampling_params.validate_sampling_params(lying, batch_size=2, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"sampling.filtered: expected a bool, got int 1"):
+        fspec.core.sampling_params.validate_sampling_params(
+            fspec.replace(off, filtered=1), batch_size=3, device=torch.device("cpu")
+        )
