@@ -26,7 +26,15 @@ from fspec.core.metadata import (
 
 # Models, checkpoints, KV cache, attention.
 from fspec.ops.attention import attention, dense_attention
-from fspec.core.cache import BlockAllocator, KVCache, block_table_row, blocks_needed, mark_static, write_kv
+from fspec.core.cache import (
+    BlockAllocator,
+    DenseKVCache,
+    KVCache,
+    block_table_row,
+    blocks_needed,
+    mark_static,
+    write_kv,
+)
 from fspec.models.checkpoint import Draft, Target, init_draft, load_draft, load_target, save_draft
 from fspec.models.checkpoint import render_chat, save_target
 from fspec.models.heads import (
@@ -94,6 +102,7 @@ __all__ = [
     "head_init",
     "init_draft",
     "init_draft_state",
+    "DenseKVCache",
     "KVCache",
     "load_default",
     "load_toy",

@@ -67,6 +67,139 @@ class KVCache:
         return cls(k=k, v=v)
 
 
+@pytree_dataclass
+class DenseKVCache:
+    """A functional K/V cache: one dense row of `max_len` positions per request, updated out of place.
+
+    The paged `KVCache` is for serving (written in place, donated); this one is for training and research:
+    a step returns a NEW cache (`torch.where` over a position one-hot), so `draft_step` / `propose` over it
+    are pure functions that compose with `torch.func.grad`, `vmap` and `torch.compile`. Request b's K/V of
+    position j lie at `k[b, :, :, j]`; no block table, no slots (the state's metadata still carries them, and
+    they are ignored on this path).
+
+    Attributes:
+        k: [B, L, Nkv, max_len, D]; position j of request b at k[b, layer, :, j] (zeros before it is written).
+        v: same shape and dtype as `k`.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    @classmethod
+    def create(
+        cls,
+        cfg: ModelConfig,
+        *,
+        batch_size: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> DenseKVCache:
+        """Zeroed [B, L, Nkv, max_len, D] buffers for `cfg`'s layers, KV heads and head dim."""
+        if not isinstance(cfg, ModelConfig):
+            raise ValueError(f"cfg: expected a ModelConfig, got {type(cfg).__name__}")
+        for name, value in (("batch_size", batch_size), ("max_len", max_len)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype: expected a floating-point torch.dtype for K/V, got {dtype!r}")
+        shape = (batch_size, cfg.num_hidden_layers, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        return cls(
+            k=torch.zeros(shape, dtype=dtype, device=device), v=torch.zeros(shape, dtype=dtype, device=device)
+        )
+
+
+@pytree_dataclass
+class ChainKVCache:
+    """The dense cache of EAGLE-3's training-time test: B sequences of S positions, each position forking its
+    own chain of K drafts, updated out of place like `DenseKVCache`.
+
+    The draft state over it has R = B·S requests of one row each, request r = b·S + i being the chain that
+    starts at position i of sequence b. Step 0 writes every request's K/V into the shared `k` / `v` at its
+    position and attends causally there; step j >= 1 writes `chain_k[r, :, :, j - 1]` and attends over the
+    shared positions <= i plus its own chain's steps 1..j (`fspec.train.ttt.ttt_mask`).
+
+    Attributes:
+        k: [B, L, Nkv, S, D], the sequences' step-0 K/V.
+        v: same shape and dtype as `k`.
+        chain_k: [B·S, L, Nkv, K, D], each chain's own K/V of steps 1..K (slot j - 1 for step j).
+        chain_v: same shape and dtype as `chain_k`.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    chain_k: torch.Tensor
+    chain_v: torch.Tensor
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[1]
+
+    @classmethod
+    def create(
+        cls,
+        cfg: ModelConfig,
+        *,
+        batch_size: int,
+        seq_len: int,
+        chain_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> ChainKVCache:
+        """Zeroed buffers for B = batch_size sequences of seq_len positions and chains of chain_len drafts."""
+        if not isinstance(cfg, ModelConfig):
+            raise ValueError(f"cfg: expected a ModelConfig, got {type(cfg).__name__}")
+        for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("chain_len", chain_len)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        lay, nkv, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        kw = dict(dtype=dtype, device=device)
+        shared, chain = (batch_size, lay, nkv, seq_len, d), (batch_size * seq_len, lay, nkv, chain_len, d)
+        return cls(
+            k=torch.zeros(shared, **kw),
+            v=torch.zeros(shared, **kw),
+            chain_k=torch.zeros(chain, **kw),
+            chain_v=torch.zeros(chain, **kw),
+        )
+
+
+def check_dense_cache(
+    cache: object, *, cfg: ModelConfig, batch_size: int, device: torch.device, name: str = "cache"
+) -> None:
+    """ValueError naming `name` unless `cache` is a DenseKVCache of `batch_size` requests laid out for `cfg`
+    on `device` (shapes, dtypes and devices only: safe under torch.func transforms)."""
+    if not isinstance(cache, DenseKVCache):
+        raise ValueError(f"{name}: expected a DenseKVCache, got {type(cache).__name__}")
+    k, v = cache.k, cache.v
+    if (
+        not isinstance(k, torch.Tensor)
+        or not isinstance(v, torch.Tensor)
+        or k.dim() != 5
+        or k.shape != v.shape
+    ):
+        raise ValueError(f"{name}: expected k and v of one shape [B, L, Nkv, max_len, D]")
+    want = (batch_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    got = (k.shape[0], k.shape[1], k.shape[2], k.shape[4])
+    if got != want:
+        raise ValueError(f"{name}: expected (requests, layers, kv heads, head_dim) = {want}, got {got}")
+    if not k.is_floating_point() or k.dtype != v.dtype:
+        raise ValueError(f"{name}: expected k and v of one float dtype, got {k.dtype} and {v.dtype}")
+    if k.device != device or v.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {k.device}")
+
+
 def check_cache(
     cache: object, *, cfg: ModelConfig, block_size: int, device: torch.device, name: str = "cache"
 ) -> None:

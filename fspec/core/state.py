@@ -269,8 +269,13 @@ def _used_blocks(seq_lens: torch.Tensor, max_blocks: int, block_size: int) -> to
     return torch.arange(max_blocks, device=seq_lens.device)[None, :] < n_used[:, None]  # [B, max_blocks]
 
 
-def validate_draft_state(state: DraftState, *, cfg: DraftConfig, num_blocks: int | None = None) -> None:
-    """Check every leaf of `state` against `cfg`; raise ValueError naming the field. Eager only."""
+def validate_draft_state(
+    state: DraftState, *, cfg: DraftConfig, num_blocks: int | None = None, float64: bool = False
+) -> None:
+    """Check every leaf of `state` against `cfg`; raise ValueError naming the field. Eager only.
+
+    float64: also accept float64 `hidden` and `draft_probs` (the dense-cache path, for finite
+    differences)."""
     _check_cfg(cfg)
     if not isinstance(state, DraftState):
         raise ValueError(f"state: expected a DraftState, got {type(state).__name__}")
@@ -285,7 +290,7 @@ def validate_draft_state(state: DraftState, *, cfg: DraftConfig, num_blocks: int
     if t == 0 or t % b:
         raise ValueError(f"state.input_ids: expected T = B·Q tokens for B={b} requests, got T={t}")
     vd = 0 if cfg.greedy_drafts else cfg.draft_vocab_size
-    floats = (torch.float32, torch.bfloat16, torch.float16)
+    floats = (torch.float32, torch.bfloat16, torch.float16) + ((torch.float64,) if float64 else ())
     _expect("state.hidden", state.hidden, shape=(t, None), dtype=floats, device=dev)
     if state.hidden.shape[1] != cfg.model.hidden_size:
         raise ValueError(
@@ -296,7 +301,8 @@ def validate_draft_state(state: DraftState, *, cfg: DraftConfig, num_blocks: int
     # The draft buffers are written in place, one column per step, by the sampling kernel.
     buf = dict(device=dev, contiguous=True)
     _expect("state.draft_tokens", state.draft_tokens, shape=(b, k), dtype=torch.int64, **buf)
-    _expect("state.draft_probs", state.draft_probs, shape=(b, k, vd), dtype=torch.float32, **buf)
+    probs = (torch.float32, torch.float64) if float64 else torch.float32
+    _expect("state.draft_probs", state.draft_probs, shape=(b, k, vd), dtype=probs, **buf)
     validate_sampling_params(state.sampling, batch_size=b, device=dev, name="state.sampling")
     ids = state.input_ids
     if bool((ids < 0).any()) or bool((ids >= cfg.model.vocab_size).any()):

@@ -70,8 +70,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last axis, computed in fp32 like HF's LlamaRMSNorm; result in x's dtype."""
-    x32 = x.float()
+    """RMSNorm over the last axis, computed in fp32 like HF's LlamaRMSNorm (fp64 stays fp64: gradient checks
+    by finite differences); result in x's dtype."""
+    x32 = x.to(torch.promote_types(x.dtype, torch.float32))
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fspec.core.cache import KVCache, table_width
+from fspec.core.cache import DenseKVCache, KVCache, table_width
 from fspec.core.config import DraftConfig
 from fspec.core.pytree import tree
 from fspec.core.sampling_params import SamplingParams
@@ -40,7 +40,8 @@ class Prefill:
             pairing the final hidden with the new token), ready for `fspec.propose` / `fspec.draft_step`;
             None without a head.
         target_cache, draft_cache: the KV caches holding the prompts (the draft cache is written by propose;
-            None without a head). Both use `block_table`.
+            None without a head). Both use `block_table`; with cache="dense" the draft cache is a
+            `DenseKVCache` instead (one row of positions per request).
         block_table: [B, M] int32: request b owns the blocks of its row (-1 past them), enough for its
             prompt plus `room` tokens; M = `fspec.core.cache.table_width` of the longest (a power of two of
             512 tokens' worth, at most what max_model_len allows).
@@ -52,7 +53,7 @@ class Prefill:
     logits: torch.Tensor
     state: DraftState | None
     target_cache: KVCache
-    draft_cache: KVCache | None
+    draft_cache: KVCache | DenseKVCache | None
     block_table: torch.Tensor
     draft_cfg: DraftConfig | None
 
@@ -104,15 +105,20 @@ def prefill(
     min_p: float | Sequence[float] = 0.0,
     num_speculative_steps: int | None = None,
     room: int = 64,
+    cache: str = "paged",
 ) -> Prefill:
     """Run the target over `prompts`, sample each request's first new token, and build the head's first state.
 
     prompts and the sampling options: as in `fspec.generate` (same validation and errors).
     num_speculative_steps: K of the returned state (default: the head's). room: new tokens each request's
     blocks can hold beyond its prompt (capped at max_model_len); one propose writes K + 1 positions, one
-    verification K + 1 more.
+    verification K + 1 more. cache: the head's cache, "paged" (a `KVCache` on `block_table`, for serving) or
+    "dense" (a `DenseKVCache` of [B, L, Nkv, M·block_size, D], written out of place: `propose` over it is a
+    pure function for torch.func.grad / vmap, see `fspec.draft`).
     Fresh caches on the target's device; nothing is compiled.
     """
+    if cache not in ("paged", "dense"):
+        raise ValueError(f"cache: expected 'paged' or 'dense', got {cache!r}")
     if isinstance(room, bool) or not isinstance(room, int) or room < 1:
         raise ValueError(f"room: expected a positive int (new tokens per request), got {room!r}")
     options = dict(temperature=temperature, seed=seed, top_k=top_k, top_p=top_p, min_p=min_p)
@@ -136,7 +142,14 @@ def prefill(
     dcache = None
     if draft is not None:
         dtype = draft.params["embed"].dtype
-        dcache = KVCache.create(draft.cfg.model, num_blocks=offset, block_size=bs, dtype=dtype, device=device)
+        if cache == "dense":  # positions reach at most the table's capacity, as in the paged cache
+            dcache = DenseKVCache.create(
+                draft.cfg.model, batch_size=len(ids), max_len=width * bs, dtype=dtype, device=device
+            )
+        else:
+            dcache = KVCache.create(
+                draft.cfg.model, num_blocks=offset, block_size=bs, dtype=dtype, device=device
+            )
     padded = torch.zeros(len(ids), max(map(len, ids)), dtype=torch.int64)
     for b, p in enumerate(ids):
         padded[b, : len(p)] = torch.tensor(p)

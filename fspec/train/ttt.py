@@ -37,9 +37,15 @@ import math
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
+from fspec.core.cache import ChainKVCache
 from fspec.core.config import DraftConfig
+from fspec.core.metadata import _first_step_metadata, decode_rollout
 from fspec.core.pytree import tree
+from fspec.core.sampling_params import SamplingParams
+from fspec.core.state import DraftState
+from fspec.draft import dense_step
 from fspec.models import llama
 from fspec.models.checkpoint import Draft, Target
 from fspec.models.heads import (
@@ -229,6 +235,59 @@ def _unroll(params: dict, batch: dict, *, cfg: DraftConfig, ttt_steps: int, feed
         hidden = out
 
 
+def ttt_start(
+    params: dict, batch: dict, *, cfg: DraftConfig, ttt_steps: int
+) -> tuple[DraftState, ChainKVCache, DraftConfig]:
+    """(state, cache, cfg) of the training-time test as a draft loop: R = B·S one-row requests, request
+    b·S + i the chain forked at position i of sequence b (its step-0 row pairs hidden i with token i + 1),
+    over a zeroed `ChainKVCache`, with greedy drafts (the argmax feeds the next step) and room for K steps.
+    The metadata's block table is a formality (the chain cache has no blocks): distinct ids per request."""
+    ids = batch["input_ids"]  # [B, S]
+    b, s = ids.shape
+    r, device = b * s, ids.device
+    hidden = project_target_hidden(params, as_target_hidden(batch["hidden"], cfg=cfg), cfg=cfg)  # [B, S, H]
+    scfg = dataclasses.replace(
+        cfg, num_speculative_steps=ttt_steps, greedy_drafts=True, max_model_len=s + ttt_steps
+    )
+    m = scfg.max_blocks_per_request
+    table = torch.arange(r * m, dtype=torch.int32, device=device).view(r, m)
+    starts = torch.arange(s, device=device).repeat(b)  # [R]: chain b·S + i starts at position i
+    meta = _first_step_metadata(
+        starts, torch.ones_like(starts), table, num_query=1, block_size=scfg.block_size
+    )
+    state = DraftState(
+        input_ids=torch.cat((ids[:, 1:], ids.new_zeros(b, 1)), 1).flatten(),  # row i reads token i + 1
+        hidden=rearrange(hidden, "b s h -> (b s) h"),
+        attn=meta,
+        step=torch.zeros((), dtype=torch.int64, device=device),
+        draft_tokens=torch.full((r, ttt_steps), -1, dtype=torch.int64, device=device),
+        draft_probs=torch.zeros((r, ttt_steps, 0), dtype=torch.float32, device=device),
+        sampling=SamplingParams.create(r, device=device),
+    )
+    cache = ChainKVCache.create(
+        cfg.model, batch_size=b, seq_len=s, chain_len=ttt_steps, dtype=hidden.dtype, device=device
+    )
+    return state, cache, scfg
+
+
+def _unroll_steps(params: dict, batch: dict, *, cfg: DraftConfig, ttt_steps: int, feed: str, score) -> None:
+    """`_unroll` as K calls of the draft loop's own step (`fspec.draft.dense_step`, what `draft_step`
+    runs over a dense cache) over a `ChainKVCache`: `score(j, out)` sees step j's output hidden [B, S, H];
+    the next step reads the step's own argmax (feed "prediction") or the data's next token ("data")."""
+    ids = batch["input_ids"]  # [B, S]
+    b, s = ids.shape
+    state, cache, scfg = ttt_start(params, batch, cfg=cfg, ttt_steps=ttt_steps)
+    nexts = decode_rollout(
+        state.attn, ttt_steps, block_size=scfg.block_size, max_model_len=scfg.max_model_len
+    )
+    for j, nxt in enumerate(nexts):
+        state, cache = dense_step(params, state, cache, cfg=scfg, nxt=nxt)
+        score(j, rearrange(state.hidden, "(b s) h -> b s h", b=b))
+        if feed == "data":  # the data's token after the one this step read: position i + (j + 1) + 1
+            data = torch.cat((ids[:, j + 2 :], ids.new_zeros(b, min(j + 2, s))), 1)[:, :s]
+            state = dataclasses.replace(state, input_ids=data.flatten())
+
+
 def unroll(
     params: dict, batch: dict, *, cfg: DraftConfig, ttt_steps: int, feed: str = "prediction"
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -380,10 +439,17 @@ def ttt_loss(
     ttt_steps: int = 7,
     step_weight: float = 0.8,
     feed: str = "prediction",
+    via_draft_step: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss, metrics): loss = sum_j w^j CE(p_j, q_j); metrics "loss" [K] (CE per step) and "agreement" [K]
     (fraction of rows where argmax q == argmax p), detached. Differentiable in `trainable`; composes with
-    torch.func.grad and vmap (vmap over stacked `trainable` with in_dims None for `frozen` and `batch`)."""
+    torch.func.grad and vmap (vmap over stacked `trainable` with in_dims None for `frozen` and `batch`).
+
+    via_draft_step: unroll with the draft loop's own step over a `ChainKVCache` (`_unroll_steps`) instead of
+    the layers with `ttt_attend`; equal loss and gradients (tests/train/test_ttt_draft_step.py), but its
+    attention keeps the [B, N, S, S + K] scores of each step for the backward pass and each step computes
+    all rows' logits once more for its argmax, where the default keeps neither (`ttt_attention`, chunked CE).
+    """
     check_ttt(ttt_steps, step_weight, feed)
     s = batch["input_ids"].shape[1]
     if s <= ttt_steps:
@@ -402,7 +468,8 @@ def ttt_loss(
         # rows past n have no target at this step or later ones (a row's chain is its own): any token will do
         return F.pad(pred, (0, s - n))
 
-    _unroll(params, batch, cfg=cfg, ttt_steps=ttt_steps, feed=feed, score=score)
+    unroll_fn = _unroll_steps if via_draft_step else _unroll
+    unroll_fn(params, batch, cfg=cfg, ttt_steps=ttt_steps, feed=feed, score=score)
     total = torch.stack(terms).sum()
     return total, {"loss": torch.stack(losses), "agreement": torch.stack(agree)}
 
