@@ -192,3 +192,108 @@ def test_sampled_tokens_depend_only_on_prompt_temperature_and_seed(speculative, 
     i = n - 1
     alone = fspec.generate(target, head, [prompts[i]], max_new_tokens=8, temperature=temps[i], seed=seeds[i])
     assert alone.tokens[0] == batch.tokens[i]
+
+
+# --- checkpoint directories: one mutated config.json field or one truncated file ----------------------------
+
+JSON_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([-1, 0, 1, 2, 3, 97]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=6),
+    st.lists(st.one_of(st.none(), st.integers(-3, 100), st.text(max_size=2)), max_size=3),
+    st.dictionaries(st.sampled_from(["rope_type", "factor", "kind", "type"]), st.integers(-2, 3), max_size=2),
+)
+EXTRA_FIELDS = ["hidden_act", "mlp_bias", "rope_parameters", "rope_scaling", "head_dim", "eos_token_id"]
+
+
+@functools.cache
+def _checkpoint_dirs() -> dict:
+    """A toy target (with tokenizer.json) and an EAGLE-3 head, written once for the whole module."""
+    import tempfile
+
+    from tokenizers import Tokenizer, models
+
+    from draft_setup import tiny_target
+
+    root = tempfile.mkdtemp(prefix="fspec-fuzz-")
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(97)}, unk_token="w0"))
+    target = dataclasses.replace(tiny_target(), tokenizer=tok)
+    fspec.save_target(target, f"{root}/target")
+    fspec.save_draft(tiny_draft(target, kind="eagle3", k=2), f"{root}/eagle3")
+    return {"root": root, "target": target}
+
+
+@st.composite
+def checkpoint_mutations(draw, which: str):
+    """("field", dotted key, JSON value) or ("truncate", file name, fraction kept)."""
+    import json
+    from pathlib import Path
+
+    path = Path(_checkpoint_dirs()["root"]) / which
+    config = json.loads((path / "config.json").read_text())
+    if draw(st.booleans()):
+        keys = sorted(config) + EXTRA_FIELDS
+        if which != "target":
+            keys += [f"fspec_draft.{k}" for k in sorted(config["fspec_draft"])]
+        return ("field", draw(st.sampled_from(keys)), draw(JSON_VALUES))
+    files = ["config.json", "model.safetensors"] + (["tokenizer.json"] if which == "target" else [])
+    return ("truncate", draw(st.sampled_from(files)), draw(st.floats(0, 1, exclude_max=True)))
+
+
+def _mutated_load(which: str, mutation) -> None:
+    """Copy the saved checkpoint, apply `mutation`, load it: success, ValueError or FileNotFoundError only,
+    within a few seconds."""
+    import json
+    import shutil
+    import tempfile
+    import time
+    from pathlib import Path
+
+    dirs = _checkpoint_dirs()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / which
+        shutil.copytree(Path(dirs["root"]) / which, path)
+        kind, name, value = mutation
+        if kind == "field":
+            config = json.loads((path / "config.json").read_text())
+            *parents, leaf = name.split(".")
+            node = config
+            for p in parents:
+                node = node[p]
+            node[leaf] = value
+            (path / "config.json").write_text(json.dumps(config))
+        else:
+            data = (path / name).read_bytes()
+            (path / name).write_bytes(data[: int(len(data) * value)])
+        began = time.perf_counter()
+        try:
+            if which == "target":
+                fspec.load_target(path)
+            else:
+                fspec.load_draft(path, target=dirs["target"])
+        except (ValueError, FileNotFoundError):
+            pass
+        assert time.perf_counter() - began < 5.0, f"{mutation} took {time.perf_counter() - began:.1f} s"
+
+
+@settings(FUZZ, max_examples=60)
+@given(checkpoint_mutations("target"))
+@example(("field", "num_attention_heads", 0))
+@example(("field", "eos_token_id", [1, None]))
+@example(("truncate", "model.safetensors", 0.5))
+def test_load_target_of_a_mutated_checkpoint_loads_or_names_the_problem(mutation):
+    """One config.json field set to any JSON value, or one file cut anywhere: load_target succeeds or raises
+    ValueError / FileNotFoundError (never TypeError, KeyError, a library error or a hang)."""
+    _mutated_load("target", mutation)
+
+
+@settings(FUZZ, max_examples=60)
+@given(checkpoint_mutations("eagle3"))
+@example(("field", "fspec_draft", [1]))
+@example(("field", "fspec_draft.target_layer_ids", "abc"))
+def test_load_draft_of_a_mutated_checkpoint_loads_or_names_the_problem(mutation):
+    """The same for an EAGLE-3 head's directory (its fspec_draft record included)."""
+    _mutated_load("eagle3", mutation)

@@ -108,6 +108,9 @@ class ModelConfig:
                 "rope_original_max_position_embeddings",
             ),
         )
+        for name in ("tie_word_embeddings", "attention_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(owner, name, "True or False", getattr(self, name))
         if self.num_attention_heads % self.num_key_value_heads:
             raise _bad(
                 owner,
@@ -139,12 +142,17 @@ class ModelConfig:
         if self.torch_dtype not in ("float32", "bfloat16", "float16"):
             raise _bad(owner, "torch_dtype", "'float32', 'bfloat16' or 'float16'", self.torch_dtype)
         if not isinstance(self.eos_token_ids, tuple) or any(
-            not isinstance(t, int) or not 0 <= t < self.vocab_size for t in self.eos_token_ids
+            isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size
+            for t in self.eos_token_ids
         ):
             raise _bad(
                 owner, "eos_token_ids", f"a tuple of ints in [0, {self.vocab_size})", self.eos_token_ids
             )
-        if not isinstance(self.bos_token_id, int) or not -1 <= self.bos_token_id < self.vocab_size:
+        if (
+            isinstance(self.bos_token_id, bool)
+            or not isinstance(self.bos_token_id, int)
+            or not -1 <= self.bos_token_id < self.vocab_size
+        ):
             raise _bad(owner, "bos_token_id", f"-1 or an int in [0, {self.vocab_size})", self.bos_token_id)
 
     @property
@@ -178,29 +186,34 @@ class ModelConfig:
         ):
             if key not in config:
                 raise ValueError(f"config.{key}: expected a value in config.json, got no such key")
+            _hf_int(config, key, positive=True)
+        _check_unread_fields(config)
         heads = config["num_attention_heads"]
         rope = _rope_from_hf(config)
         eos = config.get("eos_token_id")
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-        bos = config.get("bos_token_id")
-        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in eos_ids):
+            raise ValueError(f"config.eos_token_id: expected an int, a list of ints or null, got {eos!r}")
+        bos = _hf_int(config, "bos_token_id", default=None)
+        head_dim = _hf_int(config, "head_dim", positive=True, default=None) or config["hidden_size"] // heads
+        qwen2 = model_type == "qwen2"
         return cls(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"],
             num_hidden_layers=config["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=config.get("num_key_value_heads") or heads,
+            num_key_value_heads=_hf_int(config, "num_key_value_heads", positive=True, default=None) or heads,
             head_dim=head_dim,
-            max_position_embeddings=config.get("max_position_embeddings", 4096),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
+            max_position_embeddings=_hf_int(config, "max_position_embeddings", positive=True, default=4096),
+            rms_norm_eps=_hf_float(config, "rms_norm_eps", default=1e-6),
+            tie_word_embeddings=_hf_bool(config, "tie_word_embeddings", default=False),
+            attention_bias=_hf_bool(config, "attention_bias", default=qwen2),
             qk_norm=model_type == "qwen3",
-            bos_token_id=-1 if bos is None else int(bos),
-            eos_token_ids=tuple(int(t) for t in eos_ids),
+            bos_token_id=-1 if bos is None else bos,
+            eos_token_ids=eos_ids,
             model_type=model_type,
-            torch_dtype=str(config.get("torch_dtype", config.get("dtype", "float32")) or "float32"),
+            torch_dtype=_hf_dtype(config),
             **rope,
         )
 
@@ -249,25 +262,88 @@ class ModelConfig:
         }
 
 
+_MISSING = object()
+
+
+def _hf_value(config: Mapping[str, Any], key: str, default: Any) -> Any:
+    """config[key]; `default` when the key is absent or null (HF's reading of a null field)."""
+    value = config.get(key, _MISSING)
+    return default if value is _MISSING or value is None else value
+
+
+def _hf_int(config: Mapping[str, Any], key: str, *, positive: bool = False, default: Any = _MISSING) -> Any:
+    """An int field of config.json (bools and floats refused, never truncated: 1.7 is not 1)."""
+    value = config[key] if default is _MISSING else _hf_value(config, key, default)
+    if value is default and default is not _MISSING:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or (positive and value <= 0):
+        raise ValueError(f"config.{key}: expected {'a positive' if positive else 'an'} int, got {value!r}")
+    return value
+
+
+def _hf_float(config: Mapping[str, Any], key: str, *, default: float, where: str = "config") -> float:
+    """A positive finite number field of config.json (null counts as absent for optional fields only)."""
+    value = config.get(key, default) if isinstance(config, Mapping) else default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{where}.{key}: expected a positive finite number, got {value!r}")
+    return float(value)
+
+
+def _hf_bool(config: Mapping[str, Any], key: str, *, default: bool) -> bool:
+    """A true/false field of config.json ("no" is not True)."""
+    value = _hf_value(config, key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"config.{key}: expected true or false, got {value!r}")
+    return value
+
+
+def _hf_dtype(config: Mapping[str, Any]) -> str:
+    value = _hf_value(config, "torch_dtype", _hf_value(config, "dtype", "float32"))
+    if value not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"config.torch_dtype: expected 'float32', 'bfloat16' or 'float16', got {value!r}")
+    return value
+
+
+SUPPORTED_ACTIVATIONS = ("silu", "swish")  # SwiGLU; transformers' ACT2FN maps both to SiLU
+
+
+def _check_unread_fields(config: Mapping[str, Any]) -> None:
+    """Fields fspec does not implement, refused instead of silently ignored: another MLP activation and MLP
+    biases (fspec's layer is a bias-free SwiGLU)."""
+    act = _hf_value(config, "hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"config.hidden_act: expected one of {SUPPORTED_ACTIVATIONS}, got {act!r}")
+    if _hf_bool(config, "mlp_bias", default=False):
+        raise ValueError("config.mlp_bias: expected false (fspec's MLP has no biases), got True")
+
+
 def _rope_from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
     params = config.get("rope_parameters")
     if params is not None:
+        if not isinstance(params, Mapping):
+            raise ValueError(f"config.rope_parameters: expected an object or null, got {params!r}")
         scaling = dict(params)
         theta = scaling.get("rope_theta", config.get("rope_theta", 10000.0))
+        where = "config.rope_parameters"
     else:
-        scaling = dict(config.get("rope_scaling") or {})
+        scaling = config.get("rope_scaling") or {}
+        if not isinstance(scaling, Mapping):
+            raise ValueError(f"config.rope_scaling: expected an object or null, got {scaling!r}")
+        scaling = dict(scaling)
         theta = config.get("rope_theta", 10000.0)
+        where = "config.rope_scaling"
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"config.rope_scaling.rope_type: expected one of {ROPE_TYPES}, got {rope_type!r}")
-    out: dict[str, Any] = {"rope_theta": float(theta), "rope_type": rope_type}
+    if not isinstance(rope_type, str) or rope_type not in ROPE_TYPES:
+        raise ValueError(f"{where}.rope_type: expected one of {ROPE_TYPES}, got {rope_type!r}")
+    out: dict[str, Any] = {"rope_theta": _hf_float({"rope_theta": theta}, "rope_theta", default=1e4)}
+    out["rope_type"] = rope_type
     if rope_type in ("linear", "llama3"):
-        out["rope_factor"] = float(scaling.get("factor", 1.0))
+        out["rope_factor"] = _hf_float(scaling, "factor", default=1.0, where=where)
     if rope_type == "llama3":
-        out["rope_low_freq_factor"] = float(scaling.get("low_freq_factor", 1.0))
-        out["rope_high_freq_factor"] = float(scaling.get("high_freq_factor", 4.0))
-        out["rope_original_max_position_embeddings"] = int(
-            scaling.get("original_max_position_embeddings", 8192)
+        out["rope_low_freq_factor"] = _hf_float(scaling, "low_freq_factor", default=1.0, where=where)
+        out["rope_high_freq_factor"] = _hf_float(scaling, "high_freq_factor", default=4.0, where=where)
+        out["rope_original_max_position_embeddings"] = _hf_int(
+            scaling, "original_max_position_embeddings", positive=True, default=8192
         )
     return out
 
@@ -330,6 +406,8 @@ class DraftConfig:
                 "max_model_len",
             ),
         )
+        if not isinstance(self.greedy_drafts, bool):
+            raise _bad(owner, "greedy_drafts", "True or False", self.greedy_drafts)
         if self.num_speculative_steps > 16:
             raise _bad(owner, "num_speculative_steps", "an int in [1, 16]", self.num_speculative_steps)
         if self.draft_vocab_size > self.model.vocab_size:

@@ -262,11 +262,14 @@ def decode_rollout(
     to `meta` (entry 0 is `decode_after(meta)`). A draft rollout knows all K of its steps' metadata before it
     samples anything (positions do not depend on tokens), so `propose` takes them from here instead of one
     `decode_after` launch per step. The entries are views into one set of buffers (query_start_loc and the
-    block table shared). Eager calls check what `decode_after` checks and that steps is an int >= 1.
+    block table shared). Eager calls check what `decode_after` checks and that steps is an int in
+    [1, max_model_len].
     """
     if not torch.compiler.is_compiling():
         _check_algebra_args(meta, block_size, max_model_len, decode=False)
         check_positive_int("steps", steps)
+        if steps > max_model_len:  # past it every step is a padding step: 2^62 steps would never return
+            raise ValueError(f"steps: expected at most max_model_len={max_model_len}, got {steps}")
     b = meta.seq_lens.shape[0]
     args = (meta.seq_lens, None, meta.block_table, 1, block_size, max_model_len, MODE_AFTER, steps)
     positions, query_start_loc, seq_lens, slots = kops.step_metadata(*args)

@@ -259,9 +259,11 @@ def validate_attn_metadata(
 
 
 def check_positive_int(name: str, value: object) -> None:
-    """ValueError naming `name` unless `value` is a positive Python int (bools refused)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    """ValueError naming `name` unless `value` is a positive Python int below 2^31 (bools refused). Every
+    such size (block_size, max_model_len, num_blocks, steps, max_context) indexes int32 metadata; 2^70 would
+    otherwise escape as torch's OverflowError."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31:
+        raise ValueError(f"{name}: expected a positive int below 2^31, got {value!r}")
 
 
 def _used_blocks(seq_lens: torch.Tensor, max_blocks: int, block_size: int) -> torch.Tensor:

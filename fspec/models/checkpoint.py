@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +120,7 @@ def _set(tree, path: tuple, value) -> None:
 
 
 def _directory(path) -> Path:
-    path = Path(path)
+    path = _as_path(path)
     if not path.is_dir():
         raise FileNotFoundError(
             f"path: expected a checkpoint directory, got {str(path)!r} (no such directory)"
@@ -127,30 +128,66 @@ def _directory(path) -> Path:
     return path
 
 
+def _as_path(path) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path: expected a str or os.PathLike, got {type(path).__name__} {path!r}")
+    return Path(path)
+
+
+def _read_json(file: Path, what: str = "a JSON object") -> dict:
+    """A JSON object from `file`; ValueError naming the file for unreadable, invalid or non-object JSON."""
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file}: expected {what}, got invalid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected {what}, got a JSON {type(data).__name__}")
+    return data
+
+
 def _read_config(path: Path) -> dict:
     file = path / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"{file}: expected an HF config.json in the checkpoint directory, found none")
-    return json.loads(file.read_text())
+    return _read_json(file, "an HF config.json (a JSON object)")
+
+
+def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(file)
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError) for a bad header
+        raise ValueError(f"{file}: expected a safetensors file, got an unreadable one ({e})") from None
+
+
+def _load_bin(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        tensors = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated zip / pickle raises RuntimeError, EOFError, UnpicklingError, ...
+        raise ValueError(f"{file}: expected a torch state dict, got an unreadable file ({e})") from None
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise ValueError(f"{file}: expected a dict of tensors, got {type(tensors).__name__}")
+    return tensors
 
 
 def _read_tensors(path: Path, *, allow_bin: bool = False) -> dict[str, torch.Tensor]:
     """All tensors of `model.safetensors`, or of the shards listed in `model.safetensors.index.json`."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index}: expected a 'weight_map' object, got {type(weight_map).__name__}")
         tensors = {}
+        if not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: expected 'weight_map' values to be shard file names")
         for shard in sorted(set(weight_map.values())):
             if not (path / shard).is_file():
                 raise FileNotFoundError(f"{path / shard}: listed in {index.name}, but no such file")
-            tensors.update(load_file(path / shard))
+            tensors.update(_load_safetensors(path / shard))
         return tensors
     if (path / "model.safetensors").is_file():
-        return load_file(path / "model.safetensors")
+        return _load_safetensors(path / "model.safetensors")
     if allow_bin and (path / "pytorch_model.bin").is_file():  # published EAGLE heads ship this
-        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        return _load_bin(path / "pytorch_model.bin")
     raise FileNotFoundError(
         f"{path}: expected model.safetensors or model.safetensors.index.json with its shards, found neither"
     )
@@ -233,7 +270,10 @@ def load_target(
     generation_config.json (the file and key named).
     """
     _check_fuse(fuse)
-    if Path(path).suffix.lower() == ".gguf" and not Path(path).is_dir():
+    path = _as_path(path)
+    dtype = _check_dtype(dtype)
+    device = _check_device(device)
+    if path.suffix.lower() == ".gguf" and not path.is_dir():
         gguf = read_gguf(path, dtype=dtype)
         cfg = ModelConfig.from_hf(gguf.config)
         params = _target_params(cfg, gguf.tensors, where=Path(path), dtype=dtype, device=device, fuse=fuse)
@@ -247,7 +287,12 @@ def load_target(
     if (path / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
 
-        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        try:
+            tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as e:  # tokenizers raises a bare Exception for bad JSON or a bad model
+            raise ValueError(
+                f"{path / 'tokenizer.json'}: expected a tokenizers JSON file, got an unreadable one ({e})"
+            ) from None
     chat_template = _read_chat_template(path)
     return Target(
         cfg=cfg, params=params, tokenizer=tokenizer, chat_template=chat_template, generation=generation
@@ -283,7 +328,7 @@ def _read_chat_template(path: Path) -> str | None:
     file = path / "tokenizer_config.json"
     if not file.is_file():
         return None
-    template = json.loads(file.read_text(encoding="utf-8")).get("chat_template")
+    template = _read_json(file).get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
@@ -362,6 +407,7 @@ def init_draft(
     draft_vocab_size (EAGLE-3 only; default V) with draft_ids, the target ids of the draft vocabulary
     (default 0..Vd-1). max_model_len defaults to the target's max_position_embeddings.
     """
+    _check_target(target)
     hk = lookup(kind)
     tc = target.cfg
     head = dataclasses.replace(
@@ -381,12 +427,13 @@ def init_draft(
         target_hidden_size=tc.hidden_size,
         target_layer_ids=hk.target_layer_ids(target_layer_ids, tc.num_hidden_layers),
         block_size=block_size,
-        max_model_len=max_model_len or tc.max_position_embeddings,
+        max_model_len=tc.max_position_embeddings if max_model_len is None else max_model_len,
         greedy_drafts=greedy_drafts,
     )
     hk.check_config(cfg)
     kwargs = {"draft_ids": draft_ids} if hk.reduced_vocab else {}
     params = hk.init(cfg, target.params, seed=seed, **kwargs)
+    hk.check_params(cfg, params, "")
     return Draft(cfg=cfg, params=params, shared=_shared_names(params, target))
 
 
@@ -395,8 +442,11 @@ def save_draft(draft: Draft, path) -> None:
     not written."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    if not isinstance(draft, Draft):
+        raise ValueError(f"draft: expected a Draft, got {type(draft).__name__}")
     cfg = draft.cfg
     hk = head_kind(cfg)
+    hk.check_params(cfg, draft.params, "draft.params.")
     params = L.unfuse_projections(draft.params, cfg.model)
     keys = hk.key_map(params)
     tensors = {k: _get(params, p) for k, p in keys.items() if p[0] not in draft.shared}
@@ -419,7 +469,7 @@ def save_draft(draft: Draft, path) -> None:
 def _draft_kind(config: dict, tensors: dict, path: Path) -> HeadKind:
     """The kind config.json records under "fspec_draft", else the first kind that recognises the checkpoint
     (`HeadKind.recognizes`, in `recognize_order`)."""
-    recorded = (config.get("fspec_draft") or {}).get("kind")
+    recorded = _recorded(config, path).get("kind")
     if recorded is not None:
         if recorded not in names():
             raise ValueError(f"{path}: config.fspec_draft.kind: expected one of {names()}, got {recorded!r}")
@@ -453,11 +503,13 @@ def load_draft(
     `load_target`.
     """
     _check_fuse(fuse)
+    _check_target(target)
+    dtype = _check_dtype(dtype)
     path = _directory(path)
     config = _read_config(path)
     tensors = _read_tensors(path, allow_bin=True)
     hk = _draft_kind(config, tensors, path)
-    rec = config.get("fspec_draft") or {}
+    rec = _recorded(config, path)
     tc = target.cfg
     model = ModelConfig.from_hf(config)
     if model.vocab_size != tc.vocab_size:
@@ -489,6 +541,9 @@ def load_draft(
     if unexpected:
         raise ValueError(f"{path}: unexpected keys {unexpected[:4]} for a {hk.name!r} head")
     key_of = {p[0]: k for k, p in keys.items() if len(p) == 1}
+    # Value checks on the file's own tensors, before `_fill` casts them (a float or bool d2t would become
+    # int64 there).
+    hk.check_params(cfg, {n: tensors[k] for n, k in key_of.items() if k in tensors}, f"{path}: ")
     # A shareable weight the file does not carry is the target's own Parameter (already in the template).
     shared = tuple(n for n in _shared_names(template, target) if key_of[n] not in tensors)
     own = {k: p for k, p in keys.items() if p[0] not in shared}
@@ -503,6 +558,52 @@ def load_draft(
     if fuse:
         L.fuse_projections_(params)
     return Draft(cfg=cfg, params=params, shared=shared)
+
+
+def _recorded(config: dict, path: Path) -> dict:
+    """config.json's "fspec_draft" object (what `save_draft` recorded), {} when absent or null."""
+    rec = config.get("fspec_draft")
+    if rec is None:
+        return {}
+    if not isinstance(rec, dict):
+        raise ValueError(f"{path}: config.fspec_draft: expected an object or null, got {rec!r}")
+    return rec
+
+
+def _check_target(target) -> None:
+    if not isinstance(target, Target):
+        raise ValueError(f"target: expected a Target (fspec.load_target), got {type(target).__name__}")
+
+
+LOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_dtype(dtype) -> torch.dtype | None:
+    if dtype is not None and dtype not in LOAD_DTYPES:
+        allowed = ", ".join(map(str, LOAD_DTYPES))
+        raise ValueError(f"dtype: expected None or one of {allowed} (a torch.dtype), got {dtype!r}")
+    return dtype
+
+
+def _check_device(device) -> torch.device:
+    """`device` as a torch.device that exists here (ValueError, not torch's AssertionError, for CUDA
+    without CUDA)."""
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"device: expected a str or torch.device, got {type(device).__name__} {device!r}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(
+            f"device: expected a device name such as 'cpu' or 'cuda:0', got {device!r} ({e})"
+        ) from None
+    if dev.type == "cuda" and (
+        not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()
+    ):
+        raise ValueError(
+            f"device: expected an available device, got {device!r} "
+            f"({torch.cuda.device_count()} CUDA devices here)"
+        )
+    return dev
 
 
 def _check_fuse(fuse) -> None:

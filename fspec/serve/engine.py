@@ -28,11 +28,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from fspec.models.checkpoint import Draft, Target
-from fspec.serve.prefill import MIN_TEMPERATURE, max_model_len
+from fspec.serve.prefill import MAX_TEMPERATURE, MIN_TEMPERATURE, max_model_len
 from fspec.serve.runner import _DEFAULT, GenerateResult, Generator, Stats, default_generator
 from fspec.serve.stream import StreamChunk
 
 __all__ = [
+    "MAX_TEMPERATURE",
     "MIN_TEMPERATURE",
     "GenerateResult",
     "Generator",
@@ -69,7 +70,8 @@ def generate(
 
     prompts: strings (the target needs a tokenizer) or token-id lists. The sampling options, each one for all
     requests or one per prompt, mixed freely in a batch (read by the kernels from tensors: changing them never
-    recompiles): temperature (0 = greedy, the default; else >= MIN_TEMPERATURE, 1e-6), seed (64-bit ints),
+    recompiles): temperature (0 = greedy, the default; else in [MIN_TEMPERATURE, MAX_TEMPERATURE] = [1e-6,
+    1e4]), seed (64-bit ints; a 0-d tensor is one value, a [B] tensor one per prompt),
     top_k (keep the k most likely tokens; 0 = off), top_p (the shortest most-likely prefix of mass >= top_p;
     1 = off), min_p (drop tokens less likely than min_p times the most likely; 0 = off), composed as vLLM
     composes them (min_p, top_k, then top_p over what is left). Speculation stays lossless under all of

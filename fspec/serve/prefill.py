@@ -182,6 +182,9 @@ def prefill(
 # --- the checks at the public boundary: fspec.prefill, fspec.generate (runner.py, engine.py) ----------------
 
 MIN_TEMPERATURE = 1e-6  # smallest positive temperature `generate` accepts (see `_validate`)
+# Largest temperature `generate` accepts: at T = 1e4 logits of a few hundred are flat to within 5% (already
+# uniform sampling); 1e39 passes a finite check but is no setting anyone means, and overflows float32 itself.
+MAX_TEMPERATURE = 1e4
 
 
 def max_model_len(target: Target, draft: Draft | None) -> int:
@@ -248,6 +251,10 @@ def _validate(target, draft, prompts, max_new_tokens, options: dict, k, compile=
     for i, t in enumerate(temps):
         if not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature[{i}]: expected a finite value >= 0, got {t!r}")
+        if t > MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature[{i}]: expected at most MAX_TEMPERATURE={MAX_TEMPERATURE:g}, got {t!r}"
+            )
         if 0 < t < MIN_TEMPERATURE:
             # The samplers divide logits by T: at T = 1e-38 a logit of 1000 overflows to inf, the softmax
             # turns NaN and the kernels return token 0. Below 1e-6 sampling is greedy for sane logits anyway.
@@ -275,6 +282,12 @@ def _validate(target, draft, prompts, max_new_tokens, options: dict, k, compile=
 
 
 def _per_request(name: str, value, n: int, kind: type) -> list:
+    if isinstance(value, torch.Tensor) and value.dim() == 0:  # a 0-d tensor is one number (as HF takes it)
+        value = value.item()
+    if isinstance(value, torch.Tensor) and value.dim() != 1:
+        raise ValueError(
+            f"{name}: expected a number, a list or a 0-d / 1-D tensor, got shape {tuple(value.shape)}"
+        )
     if isinstance(value, (list, tuple, torch.Tensor)):
         values = value.tolist() if isinstance(value, torch.Tensor) else list(value)
         if len(values) != n:

@@ -25,6 +25,12 @@ def prompt_ids(target: Target, prompt, i: int) -> list[int]:
     if isinstance(prompt, str):
         if target.tokenizer is None:
             raise ValueError(f"prompts[{i}]: expected token ids (the target has no tokenizer), got a string")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate ("\ud800"): the tokenizer's Rust side panics
+            raise ValueError(
+                f"prompts[{i}]: expected a valid Unicode string, got {prompt!r:.40} ({e})"
+            ) from None
         ids = target.tokenizer.encode(prompt).ids
     elif is_chat(prompt):
         ids = _chat_ids(target, prompt, i)

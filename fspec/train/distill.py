@@ -124,11 +124,8 @@ def online_batches(
     rows = _rows(cfg.batch_size, rank, world)
     device = target.params["embed"].device
     v = target.cfg.vocab_size
-    if (
-        isinstance(tokens, torch.Tensor)
-        and tokens.numel()
-        and (int(tokens.min()) < 0 or int(tokens.max()) >= v)
-    ):
+    _check_tokens(tokens, longer_than=cfg.seq_len)
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= v):
         raise ValueError(
             f"tokens: expected token ids in [0, {v}) (the target's vocabulary), "
             f"got min {int(tokens.min())}, max {int(tokens.max())}"
@@ -141,6 +138,24 @@ def online_batches(
         return target_batch(target, draft, ids, autocast=cfg.autocast)
 
     return batches
+
+
+def _check_tokens(tokens: object, *, longer_than: int) -> None:
+    """ValueError naming `tokens` unless it is a 1-D integer tensor of more than `longer_than` ids."""
+    if (
+        not isinstance(tokens, torch.Tensor)
+        or tokens.dim() != 1
+        or tokens.is_floating_point()
+        or tokens.is_complex()
+        or tokens.dtype == torch.bool
+        or tokens.numel() <= longer_than
+    ):
+        got = (
+            f"shape {tuple(tokens.shape)}, {tokens.dtype}"
+            if isinstance(tokens, torch.Tensor)
+            else type(tokens).__name__
+        )
+        raise ValueError(f"tokens: expected a 1-D integer tensor of more than {longer_than} ids, got {got}")
 
 
 def _bf16_bits(t: torch.Tensor) -> np.ndarray:
@@ -165,6 +180,11 @@ def precompute(
     """
     from tqdm.auto import tqdm
 
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+        raise ValueError(f"seq_len: expected a positive int, got {seq_len!r}")
+    if isinstance(num_sequences, bool) or not isinstance(num_sequences, int) or num_sequences <= 0:
+        raise ValueError(f"num_sequences: expected a positive int, got {num_sequences!r}")
+    _check_tokens(tokens, longer_than=0)
     n = min(num_sequences, tokens.numel() // seq_len)
     if n <= 0:
         raise ValueError(f"tokens: expected at least seq_len={seq_len} tokens, got {tokens.numel()}")
@@ -295,8 +315,57 @@ def load_train_state(path, *, device) -> dict:
         raise FileNotFoundError(
             f"resume: expected a checkpoint directory with {STATE_FILE}, got {str(path)!r}"
         )
-    state = torch.load(file, map_location=device, weights_only=True)
+    try:
+        state = torch.load(file, map_location=device, weights_only=True)
+    except Exception as e:  # truncated / empty / not a torch file: RuntimeError, EOFError, UnpicklingError
+        raise ValueError(f"resume: expected a readable {file}, got an unreadable file ({e})") from None
     return state
+
+
+def check_train_state(state: object, trainable: dict, *, file, steps: int) -> None:
+    """ValueError naming `resume` unless `state` (a loaded train_state.pt) fits the head being trained: the
+    keys save_checkpoint writes, trainable weights and AdamW moments of the head's names, shapes and float
+    dtypes (an EAGLE-3 state cannot resume an EAGLE-1 head), a step in [0, steps], before training starts."""
+    if not isinstance(state, dict):
+        raise ValueError(f"resume: expected {file} to hold a dict, got {type(state).__name__}")
+    missing = [k for k in ("step", "trainable", "opt", "config") if k not in state]
+    if missing:
+        raise ValueError(f"resume: expected {file} with keys step, trainable, opt, config, missing {missing}")
+    step = state["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= steps:
+        raise ValueError(f"resume: expected {file} 'step' an int in [0, cfg.steps={steps}], got {step!r}")
+    if not isinstance(state["config"], dict):
+        raise ValueError(f"resume: expected {file} 'config' a dict, got {type(state['config']).__name__}")
+    opt = state["opt"]
+    if not isinstance(opt, dict) or sorted(opt) != ["count", "m", "v"]:
+        got = sorted(opt) if isinstance(opt, dict) else type(opt).__name__
+        raise ValueError(f"resume: expected {file} 'opt' with keys count, m, v, got {got}")
+    count = opt["count"]
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"resume: expected {file} opt['count'] an int >= 0, got {count!r}")
+    for name in ("trainable", "m", "v"):
+        saved = state["trainable"] if name == "trainable" else opt[name]
+        _check_like(saved, trainable, f"resume: {file} {name}")
+
+
+def _check_like(saved: object, want: object, where: str) -> None:
+    """`saved` has `want`'s dict / list structure and, at each leaf, a float tensor of its shape."""
+    if isinstance(want, dict):
+        if not isinstance(saved, dict) or sorted(saved) != sorted(want):
+            got = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+            raise ValueError(f"{where}: expected keys {sorted(want)} (this head's), got {got}")
+        for k in want:
+            _check_like(saved[k], want[k], f"{where}[{k!r}]")
+    elif isinstance(want, (list, tuple)):
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(want):
+            raise ValueError(
+                f"{where}: expected a list of {len(want)} (this head's), got {type(saved).__name__}"
+            )
+        for i, (s, w) in enumerate(zip(saved, want)):
+            _check_like(s, w, f"{where}[{i}]")
+    elif not isinstance(saved, torch.Tensor) or not saved.is_floating_point() or saved.shape != want.shape:
+        got = f"shape {list(saved.shape)}, {saved.dtype}" if isinstance(saved, torch.Tensor) else saved
+        raise ValueError(f"{where}: expected a float tensor of shape {list(want.shape)}, got {got}")
 
 
 def agreement(draft: Draft, batches: Batches, *, cfg: DistillConfig, steps: range) -> dict:
@@ -354,6 +423,7 @@ def distill_head(
     opt_state, start = adamw_init(trainable), 0
     if resume is not None:
         state = load_train_state(resume, device=device)
+        check_train_state(state, trainable, file=Path(resume) / STATE_FILE, steps=cfg.steps)
         trainable, opt_state, start = state["trainable"], state["opt"], state["step"]
         _warn_if_changed(state["config"], dataclasses.asdict(cfg))
     reduce = all_reduce_mean if world > 1 else None

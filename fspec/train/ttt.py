@@ -120,17 +120,37 @@ class DistillConfig:
                 f"DistillConfig.seq_len: expected more than ttt_steps={self.ttt_steps} tokens, "
                 f"got {self.seq_len}"
             )
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"DistillConfig.lr: expected a positive finite number, got {self.lr!r}")
-        if not 0 <= self.min_lr_ratio <= 1:
+        _check_number("lr", self.lr, low=0.0, low_open=True)
+        _check_number("min_lr_ratio", self.min_lr_ratio, low=0.0, high=1.0)
+        _check_number("eps", self.eps, low=0.0, low_open=True)
+        _check_number("weight_decay", self.weight_decay, low=0.0)
+        _check_number("max_grad_norm", self.max_grad_norm, low=0.0)
+        betas = self.betas
+        if (
+            not isinstance(betas, tuple)
+            or len(betas) != 2
+            or any(isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < 1 for b in betas)
+        ):
+            raise ValueError(f"DistillConfig.betas: expected a tuple of two numbers in [0, 1), got {betas!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
             raise ValueError(
-                f"DistillConfig.min_lr_ratio: expected a value in [0, 1], got {self.min_lr_ratio}"
+                "DistillConfig.seed: expected an int in [0, 2^32) (step_generator seeds with "
+                f"seed · 2^32 + step), got {self.seed!r}"
             )
-        if self.max_grad_norm < 0 or self.weight_decay < 0:
-            raise ValueError(
-                f"DistillConfig.max_grad_norm / weight_decay: expected values >= 0, got "
-                f"{self.max_grad_norm!r} / {self.weight_decay!r}"
-            )
+        if not isinstance(self.autocast, bool):
+            raise ValueError(f"DistillConfig.autocast: expected True or False, got {self.autocast!r}")
+
+
+def _check_number(
+    name: str, value: object, *, low: float, high: float = math.inf, low_open: bool = False
+) -> None:
+    """ValueError naming DistillConfig.<name> unless value is a finite real number in its range."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        lo = f"({low}" if low_open else f"[{low}"
+        hi = f"{high}]" if math.isfinite(high) else "inf)"
+        raise ValueError(f"DistillConfig.{name}: expected a finite number in {lo}, {hi}, got {value!r}")
 
 
 def check_ttt(ttt_steps: int, step_weight: float, feed: str = "prediction") -> None:

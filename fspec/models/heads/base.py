@@ -44,6 +44,10 @@ def _no_fields(*args) -> dict:
     return {}
 
 
+def _no_params_check(*args) -> None:
+    return None
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class HeadKind:
     """One kind of draft head (EAGLE-1, EAGLE-3, MTP, ...), as the rest of fspec sees it.
@@ -75,6 +79,9 @@ class HeadKind:
         read_hf_config: ``(config, recorded, target_cfg, where) -> dict``, DraftConfig fields read from a
             checkpoint's config.json (`recorded`: its "fspec_draft" object or {}) beyond the shared ones
             (EAGLE-3: target_layer_ids, draft_vocab_size); ValueError naming `where` for a bad value.
+        check_params: ``(cfg, params, where) -> None``, the kind's checks of its parameter VALUES that shapes
+            cannot catch (EAGLE-3: d2t), run by `init_draft`, `save_draft` and `load_draft` (there on the
+            file's tensors, before any cast); ValueError naming `where` and the param.
         init_kwargs: ``(config) -> dict``, keyword arguments of `init` that a checkpoint's config.json decides
             (EAGLE-1: fc_bias from "bias").
         recognizes: ``(config, tensors) -> bool``, whether a checkpoint without "fspec_draft" metadata (a
@@ -101,6 +108,7 @@ class HeadKind:
     hf_config: Callable[[DraftConfig, dict], dict] = _no_fields
     read_hf_config: Callable[[dict, dict, ModelConfig, Path], dict] = _no_fields
     init_kwargs: Callable[[dict], dict] = _no_fields
+    check_params: Callable[[DraftConfig, dict, str], None] = _no_params_check
     recognizes: Callable[[dict, dict], bool] | None = None
     recognized_by: str = ""
     recognize_order: int = 0

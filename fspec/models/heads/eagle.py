@@ -115,6 +115,14 @@ def _hf_config(cfg: DraftConfig, params: dict) -> dict:
     return {"architectures": ["LlamaForCausalLM"], "bias": "fc_bias" in params}
 
 
+def _init_kwargs(config: dict) -> dict:
+    """fc_bias from config.json's "bias" (a real bool: "no" is not True; default true, as published)."""
+    bias = config.get("bias", True)
+    if not isinstance(bias, bool):
+        raise ValueError(f"config.bias: expected true or false, got {bias!r}")
+    return {"fc_bias": bias}
+
+
 KIND = register(
     HeadKind(
         name="eagle",
@@ -132,7 +140,7 @@ KIND = register(
         },
         dtype_key="fc",
         hf_config=_hf_config,
-        init_kwargs=lambda config: {"fc_bias": bool(config.get("bias", True))},
+        init_kwargs=_init_kwargs,
         recognizes=lambda config, tensors: "fc.weight" in tensors,
         recognized_by="'fc.weight' keys",
         recognize_order=1,  # EAGLE-3 heads have fc.weight too

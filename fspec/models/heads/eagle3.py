@@ -55,6 +55,43 @@ def _describe(x: object) -> str:
     return type(x).__name__
 
 
+def check_d2t(d2t: object, *, draft_vocab_size: int, vocab_size: int, name: str = "d2t") -> None:
+    """ValueError naming `name` unless d2t is an integer [Vd] tensor of offsets mapping every draft id t to
+    t + d2t[t] in [0, V), no two draft ids to one target id (a repeated id would merge two draft tokens'
+    probabilities: sampled speculation stops being lossless)."""
+    if not isinstance(d2t, torch.Tensor) or not _is_int(d2t):
+        raise ValueError(f"{name}: expected an integer tensor of id offsets, got {_describe(d2t)}")
+    if tuple(d2t.shape) != (draft_vocab_size,):
+        raise ValueError(
+            f"{name}: expected shape [{draft_vocab_size}] (draft_vocab_size), got {list(d2t.shape)}"
+        )
+    ids = torch.arange(draft_vocab_size, device=d2t.device) + d2t.long()  # [Vd] target ids
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"{name}: expected t + d2t[t] in [0, {vocab_size}) (the target vocabulary) for every draft id t, "
+            f"got d2t[{t}] = {int(d2t[t])} (target id {int(ids[t])})"
+        )
+    values, counts = ids.unique(return_counts=True)
+    if values.numel() != ids.numel():
+        raise ValueError(
+            f"{name}: expected distinct target ids t + d2t[t] (an injective map), got target ids "
+            f"{values[counts > 1][:4].tolist()} mapped from more than one draft id"
+        )
+
+
+def _check_params(cfg: DraftConfig, params: dict, where: str) -> None:
+    """The d2t of `params` (when present: a published file may lack it) against cfg's Vd and V."""
+    if "d2t" in params:
+        check_d2t(
+            params["d2t"],
+            draft_vocab_size=cfg.draft_vocab_size,
+            vocab_size=cfg.model.vocab_size,
+            name=f"{where}d2t",
+        )
+
+
 def _draft_to_target(ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
     """`draft_to_target` without validation (branch-free; inside compiled steps and training)."""
     mapped = ids + d2t[ids.clamp(min=0)]
@@ -205,6 +242,8 @@ def _read_hf_config(config: dict, recorded: dict, tc: ModelConfig, where: Path) 
     each in [0, L]) and draft_vocab_size (default V) of a checkpoint's config.json."""
     ids = recorded.get("target_layer_ids") or config.get("eagle_aux_hidden_state_layer_ids")
     ids = ids or (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids and (not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids)):
+        raise ValueError(f"{where}: target_layer_ids: expected a list of ints, got {ids!r}")
     layer_ids = tuple(ids) if ids else llama.eagle3_layer_ids(tc.num_hidden_layers)
     if any(not 0 <= i <= tc.num_hidden_layers for i in layer_ids):
         raise ValueError(
@@ -247,6 +286,7 @@ KIND = register(
         layer_prefix="midlayer.",
         hf_config=_hf_config,
         read_hf_config=_read_hf_config,
+        check_params=_check_params,
         recognizes=_recognizes,
         recognized_by="an Eagle3 architecture, 'draft_vocab_size' or 'midlayer.*' keys",
     )
