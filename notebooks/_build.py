@@ -48,8 +48,13 @@ NB01: list[tuple[str, str]] = [
        argument);
     3. the attention metadata advancing on the device: positions, `seq_lens` and the slot mapping crossing
        KV-cache block boundaries;
-    4. `torch.func.vmap` over a batch of metadata states, and over several heads;
-    5. `torch.func.grad` through one step of the dense head with respect to the head's parameters.
+    4. the functional dense KV cache (`fspec.DenseKVCache`), over which `draft_step` and `propose` are pure
+       and draft what the paged path drafts;
+    5. `torch.func.vmap` of `propose` itself over an ensemble of three heads and over a batch of
+       (state, cache);
+    6. `torch.func.grad_and_value` through `propose` of an acceptance-weighted loss against the target's
+       probabilities, w.r.t. the head's parameters, and `torch.compile` of the dense `propose`;
+    7. what composes with what: the dense cache for torch.func, the paged cache for serving.
 
     Every claim in the text is an `assert` in a code cell, so CI fails when one stops being true. CI runs the
     notebook at tiny sizes; `FSPEC_NOTEBOOK_FULL=1` selects the size of the committed outputs.
@@ -348,109 +353,227 @@ NB01: list[tuple[str, str]] = [
     plt.show()
     """),
     md("""
-    ## `vmap` over a batch of states
+    ## The dense KV cache: the same step, out of place
 
-    `torch.func.vmap` walks the same pytree. Stack the decode metadata of steps 1 .. K-1 into one
-    `AttnMetadata` with a leading batch axis and advance all of them in a single call: the result equals the
-    stacked metadata of steps 2 .. K.
+    The paged cache above is donated: written in place, which is what serving wants and what `torch.func`
+    cannot trace. `fspec.DenseKVCache` — `[B, layers, Nkv, max_len, D]` buffers, one row of positions per
+    request, made by `DenseKVCache.create(cfg, batch_size=, max_len=)` or by
+    `fspec.prefill(..., cache="dense")` — is the functional twin: `draft_step` and `propose` dispatch on the cache's type, write K/V out of place
+    (`torch.where` over a position one-hot) and attend with a masked softmax, so `(params, state, cache) ->
+    (state, new cache)` is a pure function. Same seeds, same sampler arithmetic: over the same prompts its
+    drafts are the paged path's, token for token (q to float32 rounding), and the input cache is untouched.
+    """),
+    code("""
+    R = len(PROMPT_LENS)
+    prompt_lists = [prompts[b, :n].tolist() for b, n in enumerate(PROMPT_LENS)]
+    TEMPS, SEEDS = [0.0, 0.8, 1.0], [11, 12, 13]
+    pre_p = fspec.prefill(target, draft, prompt_lists, temperature=TEMPS, seed=SEEDS)
+    pre_d = fspec.prefill(target, draft, prompt_lists, temperature=TEMPS, seed=SEEDS, cache="dense")
+    kcfg, dense0 = pre_d.draft_cfg, pre_d.draft_cache
+    assert isinstance(dense0, fspec.DenseKVCache) and dense0.batch_size == R
+    print("DenseKVCache k and v [B, layers, Nkv, max_len, D]:", list(dense0.k.shape))
+
+    cache_bits = bits(dense0)
+    out_d, dense1 = fspec.propose(dparams, pre_d.state, dense0, cfg=kcfg)
+    out_p, _ = fspec.propose(dparams, pre_p.state, pre_p.draft_cache, cfg=pre_p.draft_cfg)
+    assert all(torch.equal(x, y) for x, y in zip(cache_bits, bits(dense0))), "the input cache is untouched"
+    assert dense1 is not dense0 and not torch.equal(dense1.k, dense0.k), "a new cache comes back"
+    assert torch.equal(out_d.draft_tokens, out_p.draft_tokens), "the paged path's drafts, token for token"
+    torch.testing.assert_close(out_d.draft_probs, out_p.draft_probs, rtol=0, atol=1e-5)
+    again, _ = fspec.propose(dparams, pre_d.state, dense0, cfg=kcfg)
+    assert same(again, out_d), "same inputs, same outputs"
+    print("draft_tokens [B, K] over the dense cache (= over the paged one):")
+    print(out_d.draft_tokens)
+    """),
+    md("""
+    ## `vmap` of `propose` over an ensemble of heads
+
+    Stack the parameters of three heads (seeds 1, 2, 3; fspec's parameters are a dict pytree, so stacking is a
+    `tree_map`) and `vmap` the whole K-step `propose` over them, with one state and one dense cache shared by
+    all three: three heads' drafts, q and new caches in one call, equal to a Python loop over the heads. (The
+    state's hidden rows were projected by head 1's `fc` in `prefill`; the ensemble shares them.)
     """),
     code("""
     stack = lambda trees: fspec.tree.tree_map(lambda *xs: torch.stack(xs), *trees)
-    batched = stack([s.attn for s in states[1:K]])
-    advanced = torch.func.vmap(lambda m: fspec.advance(m, block_size=BS, max_model_len=MAX_LEN))(batched)
-    assert same(advanced, stack([s.attn for s in states[2 : K + 1]]))
-    show_table(["leaf", "batched shape"],
-               [(".".join(map(str, p)), list(x.shape))
-                for p, x in zip(*fspec.tree.tree_flatten_with_path(advanced)[:2])])
-    """),
-    md("""
-    Several heads at once: stack the parameters of three heads (seeds 1, 2, 3) and `vmap` the dense,
-    differentiable head step over them — the pattern for training several heads in one program
-    (`torch.func.stack_module_state` does this for modules; fspec's parameters are already a dict pytree).
-    The inputs are what distillation feeds a head: tokens at i + 1 paired with the target's hidden states at
-    i, from the target's dense forward.
-    """),
-    code("""
-    S = 16 if FULL else 6
-    seqs = torch.randint(0, V, (2, S + 1), generator=gen)  # 2 training sequences of S + 1 tokens
-    target_logits, th = fspec.models.llama.forward_dense(
-        target.params, seqs, cfg=cfg, aux_layer_ids=dcfg.target_layer_ids
-    )  # [2, S+1, V], TargetHidden(aux [2, S+1, 3H])
-    ids_in = seqs[:, 1:]  # [2, S]: the token at i + 1 ...
-    aux_in = fspec.models.heads.TargetHidden(last=th.last[:, :-1], aux=th.aux[:, :-1])  # ... with the target at i
+    unstack = lambda tree, i: fspec.tree.tree_map(lambda x: x[i], tree)
+
+
+    def assert_close_states(got, want):
+        assert torch.equal(got.draft_tokens, want.draft_tokens) and torch.equal(got.step, want.step)
+        torch.testing.assert_close(got.draft_probs, want.draft_probs, rtol=0, atol=1e-5)
+        torch.testing.assert_close(got.hidden, want.hidden, rtol=0, atol=1e-5)
+        assert same(got.attn, want.attn)
+
 
     heads = [make_head(seed).params for seed in (1, 2, 3)]
-    dense = lambda p: fspec.head_forward_dense(
-        p, ids_in, fspec.project_target_hidden(p, aux_in, cfg=dcfg), cfg=dcfg
-    )
-    logits_v, out_v = torch.func.vmap(dense)(stack(heads))  # [3, 2, S, Vd], [3, 2, S, H]
+    ensemble = lambda p: fspec.propose(p, pre_d.state, dense0, cfg=kcfg)
+    states_e, caches_e = torch.func.vmap(ensemble)(stack(heads))
     for i, p in enumerate(heads):
-        lg, out = dense(p)
-        assert torch.allclose(logits_v[i], lg, atol=1e-5) and torch.allclose(out_v[i], out, atol=1e-5)
-    print("vmapped logits", list(logits_v.shape), "= 3 heads x 2 sequences x S positions x Vd")
+        want, want_cache = ensemble(p)  # the loop
+        assert_close_states(unstack(states_e, i), want)
+        torch.testing.assert_close(caches_e.k[i], want_cache.k, rtol=0, atol=1e-5)
+    print("vmapped draft_tokens", list(states_e.draft_tokens.shape), "= 3 heads x B x K:")
+    print(states_e.draft_tokens)
     """),
     md("""
-    ## `grad` through one step of the dense head
+    ## `vmap` over a batch of (state, cache)
 
-    The loss is the cross-entropy of the head's draft-vocabulary logits against the target's next-token
-    distribution over the same ids (row i predicts the token at i + 2, which the target predicts at i + 1) —
-    one step of EAGLE-3's training-time test. `torch.func.grad` differentiates with respect to the head's own
-    float parameters (the fc over the target's three layers, the decoder layer, the norm and the lm_head); the
-    shared target embedding and the integer `d2t` / `t2d` maps stay fixed. The gradient equals
-    `torch.autograd`'s, leaves the parameters untouched, and one small step along it lowers the loss.
+    The other axis: one head, three independent batches — three `prefill` calls over fresh random prompts of
+    the same lengths, so their states and dense caches have equal shapes — stacked leaf by leaf into one
+    `DraftState` and one `DenseKVCache` with a leading axis. `vmap(propose)` over them equals three calls, and
+    so does one vmapped `draft_step` (column 0 of the same drafts).
     """),
     code("""
-    p_target = target_logits[:, 1:].softmax(-1)[..., draft_ids]  # [2, S, Vd]
-    fixed = {k: v for k, v in dparams.items() if k in ("embed", "d2t", "t2d")}
+    def dense_batch(seed):
+        g = torch.Generator().manual_seed(seed)
+        ps = [torch.randint(0, V, (n,), generator=g).tolist() for n in PROMPT_LENS]
+        pre = fspec.prefill(target, draft, ps, temperature=TEMPS, seed=[10 * seed + b for b in range(R)],
+                            cache="dense")
+        return pre.state, pre.draft_cache
+
+
+    batches = [dense_batch(seed) for seed in (3, 4, 5)]
+    states_b, caches_b = stack([s for s, _ in batches]), stack([c for _, c in batches])
+    run = lambda s, c: fspec.propose(dparams, s, c, cfg=kcfg)
+    out_b, new_caches_b = torch.func.vmap(run)(states_b, caches_b)
+    for i, (s, c) in enumerate(batches):
+        want, want_cache = run(s, c)  # the loop
+        assert_close_states(unstack(out_b, i), want)
+        torch.testing.assert_close(new_caches_b.v[i], want_cache.v, rtol=0, atol=1e-5)
+    one, _ = torch.func.vmap(lambda s, c: fspec.draft_step(dparams, s, c, cfg=kcfg))(states_b, caches_b)
+    assert torch.equal(one.step, torch.ones(3, dtype=torch.int64))
+    assert torch.equal(one.draft_tokens[..., 0], out_b.draft_tokens[..., 0])
+    show_table(["leaf", "batched shape"],
+               [(".".join(map(str, p)), list(x.shape))
+                for p, x in zip(*fspec.tree.tree_flatten_with_path((out_b, new_caches_b))[:2])])
+    """),
+    md("""
+    ## `grad` through `propose`: an acceptance-weighted loss
+
+    A head is useful in proportion to how many of its drafts the target accepts. With rejection sampling,
+    draft k (drawn from q_k) is accepted with probability a_k = min(1, p_k(x_k) / q_k(x_k)) once drafts
+    1 .. k-1 were, so step k is verified at all with probability r_k = a_1 ⋯ a_{k-1}, and Σ_k a_1 ⋯ a_k is
+    the expected number of accepted drafts along this draft path. The loss weights each step's cross-entropy
+    of q_k to the target's p_k by r_k, computed once at the current parameters and held constant:
+
+    L(θ) = mean over requests of Σ_k r_k · H(p_k, q_k(θ)).
+
+    p_k is the target's real distribution at the draft positions: the tiny target runs over each prompt, its
+    first new token and the K drafts (`fspec.models.llama.forward_dense`), and its next-token probabilities
+    at positions n .. n + K - 1 are restricted to the draft vocabulary (not renormalised: the head
+    can never draft the rest). Every request samples at temperature
+    1 here (a greedy row's q is one-hot and carries no gradient). `torch.func.grad_and_value`
+    differentiates `propose` itself w.r.t. the head's decoder layer, norm and lm_head: the gradient flows
+    through the hidden states and q, not through the sampled tokens (Gumbel-max is piecewise constant; the
+    noise is fixed by the state's seeds, so the drafts under `grad` are the ones drafted without it). The
+    shared embedding, the integer vocabulary maps and `fc` (which projects the target's hidden states in
+    `prefill`, before the first step) stay fixed. The gradient equals `torch.autograd`'s, leaves the
+    parameters untouched, and a small step along it lowers the loss.
+    """),
+    code("""
+    pre_g = fspec.prefill(target, draft, prompt_lists, temperature=1.0, seed=[21, 22, 23], cache="dense")
+    drafted, _ = fspec.propose(dparams, pre_g.state, pre_g.draft_cache, cfg=kcfg)
+
+
+    def target_p(b):
+        \"\"\"[K, Vd]: the target's p at request b's K draft positions, over the draft vocabulary.\"\"\"
+        seq = prompt_lists[b] + [int(pre_g.tokens[b])] + drafted.draft_tokens[b].tolist()
+        logits, _ = fspec.models.llama.forward_dense(target.params, torch.tensor([seq]), cfg=cfg)
+        n = PROMPT_LENS[b]  # position n holds the first new token; its logits give p of draft 1
+        return logits[0, n : n + K].softmax(-1)[:, draft_ids]
+
+
+    p_target = torch.stack([target_p(b) for b in range(R)])  # [B, K, Vd]
+    xi = torch.searchsorted(draft_ids, drafted.draft_tokens)  # [B, K]: each draft's draft-vocabulary index
+    assert torch.equal(draft_ids[xi], drafted.draft_tokens)
+    p_x = p_target.gather(-1, xi[..., None]).squeeze(-1)  # [B, K]: p of each draft
+    q_x = drafted.draft_probs.gather(-1, xi[..., None]).squeeze(-1)  # [B, K]: q of each draft
+    accept = (p_x / q_x).clamp(max=1)  # a_k
+    reach = torch.cat([torch.ones(R, 1), accept[:, :-1].cumprod(-1)], dim=1)  # r_k = a_1 ... a_{k-1}
+    accepted = accept.cumprod(-1).sum(-1)  # [B]: expected accepted drafts along these draft paths
+    fixed = {k: v for k, v in dparams.items() if k in ("embed", "fc", "d2t", "t2d")}
     trainable = {k: v for k, v in dparams.items() if k not in fixed}
 
 
     def loss_fn(trainable):
-        logits, _ = dense({**fixed, **trainable})  # [2, S, Vd]
-        return -(p_target * logits.log_softmax(-1)).sum(-1).mean()
+        out, _ = fspec.propose({**fixed, **trainable}, pre_g.state, pre_g.draft_cache, cfg=kcfg)
+        cross_entropy = -(p_target * out.draft_probs.log()).sum(-1)  # [B, K]: H(p_k, q_k), differentiable
+        return (reach * cross_entropy).sum(-1).mean(), out.draft_tokens
 
 
     params_before = bits(trainable)
-    grads, loss = torch.func.grad_and_value(loss_fn)(trainable)
+    grads, (loss, tokens) = torch.func.grad_and_value(loss_fn, has_aux=True)(trainable)
     assert all(torch.equal(x, y) for x, y in zip(params_before, bits(trainable))), "parameters untouched"
+    assert torch.equal(tokens, drafted.draft_tokens), "the same drafts under grad: the noise is the seeds'"
 
     gpaths, gleaves, _ = fspec.tree.tree_flatten_with_path(grads)
     norms = [float(g.norm()) for g in gleaves]
     names = [".".join(map(str, p)) for p in gpaths]
     show_table(["parameter", "shape", "grad norm"],
                [(n, list(g.shape), f"{x:.3e}") for n, g, x in zip(names, gleaves, norms)])
-    print(f"\\nloss {float(loss):.4f}")
+    print(f"\\nloss {float(loss):.4f}; expected accepted drafts along these paths (of K={K}):",
+          [round(float(a), 3) for a in accepted])
 
     for g, w in zip(gleaves, fspec.tree.tree_leaves(trainable)):
         assert g.shape == w.shape and torch.isfinite(g).all() and g.norm() > 0
     leaf_copies = fspec.tree.tree_map(lambda w: w.detach().clone().requires_grad_(), trainable)
-    loss_fn(leaf_copies).backward()
+    loss_fn(leaf_copies)[0].backward()
     for g, w in zip(gleaves, fspec.tree.tree_leaves(leaf_copies)):
         assert torch.allclose(g, w.grad, rtol=1e-4, atol=1e-7), "torch.func.grad == torch.autograd"
     lr = 1e-2 / max(norms)
     stepped = fspec.tree.tree_map(lambda w, g: w - lr * g, trainable, grads)
-    assert loss_fn(stepped) < loss, "a small step along -grad lowers the loss"
+    new_loss, new_tokens = loss_fn(stepped)
+    assert torch.equal(new_tokens, tokens) and new_loss < loss, "a small step along -grad lowers the loss"
+    print(f"after one step of lr {lr:.2e} along -grad: loss {float(new_loss):.4f}")
     """),
     code("""
     fig, ax = plt.subplots(figsize=(8, 0.3 * len(names) + 1.2))
     ax.barh(names, norms)
     ax.set_xscale("log")
     ax.invert_yaxis()
-    ax.set(title="gradient norm per head parameter (one dense step, EAGLE-3 head)",
+    ax.set(title="gradient norm per head parameter (acceptance-weighted loss through propose, EAGLE-3)",
            xlabel="||dL/dw|| (log scale)")
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     plt.show()
     """),
     md("""
+    ## `torch.compile` of the dense `propose`
+
+    The dense step has no custom op, no in-place write, no host read and no Python branch on tensor values,
+    so the whole K-step rollout compiles as one graph (`fullgraph=True`; the `aot_eager` backend here keeps
+    the CPU run short: it traces through AOTAutograd without generating code) and gives the eager drafts.
+    """),
+    code("""
+    compiled = torch.compile(lambda p, s, c: fspec.propose(p, s, c, cfg=kcfg), fullgraph=True,
+                             backend="aot_eager")
+    got, _ = compiled(dparams, pre_d.state, dense0)
+    assert_close_states(got, out_d)
+    print("compiled dense propose == eager:", got.draft_tokens.tolist() == out_d.draft_tokens.tolist())
+    """),
+    md("""
+    ## What composes with what
+
+    | cache | the step | composes with |
+    |---|---|---|
+    | `fspec.DenseKVCache` (`DenseKVCache.create`, `prefill(..., cache="dense")`) | out of place: a new cache comes back, the input is untouched; masked-softmax attention, O(B·Q·max_len) a layer | `torch.func.grad` / `grad_and_value` (through the hidden states and q, not through the argmax / Gumbel-max token choice); `torch.func.vmap` over a stacked (state, cache) or over stacked params; `torch.compile` |
+    | `fspec.KVCache` (paged; `prefill`'s default) | donated: K/V and the draft buffers written in place by fused kernels | serving (`fspec.generate`); `torch.compile` and CUDA graphs (`fspec.compile`, reduce-overhead); no grad |
+
+    This notebook asserts the dense row (grad, both vmaps, compile). The paged row's compile and CUDA-graph
+    claims are checked by `tests/compile/` and the GPU tests; its gradient is not defined (in-place custom
+    ops): train through the dense cache. Both caches draft the same tokens from the same state and seeds.
+    """),
+    md("""
     ## What this shows
 
     - A draft step is a function: the input state is bit-identical after the call, and the same inputs give
-      the same outputs. The KV cache is the one donated argument.
+      the same outputs. The paged KV cache is the one donated argument; with a `DenseKVCache` nothing is
+      donated and `(params, state, cache) -> (state, cache)` is pure.
     - The attention metadata of step i+1 is `advance` (or, after the first step, `decode_after`) of step i:
       computed on the device with fixed shapes, correct across block boundaries, with padding rows inert.
-    - fspec's pytrees — the state, its metadata, the parameter dicts — go straight through `fspec.tree`,
-      `torch.utils._pytree`, `torch.func.vmap` and `torch.func.grad`.
+    - `draft_step` and `propose` themselves — not a stand-in — go through `torch.func.vmap` (over an ensemble
+      of heads, or over a batch of states and caches), `torch.func.grad_and_value` (an acceptance-weighted
+      loss, equal to `torch.autograd`'s gradient) and `torch.compile`, over the dense cache.
     """),
 ]
 
