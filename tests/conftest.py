@@ -15,6 +15,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2` on 2 cores: one thread per worker
+    torch.set_num_threads(1)
+
 import pytest  # noqa: E402
 
 import fspec  # noqa: E402
