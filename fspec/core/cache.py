@@ -19,6 +19,20 @@ from fspec.core.config import ModelConfig
 from fspec.core.pytree import pytree_dataclass
 
 
+def _zeros_for(cfg: object, dtype: object, device, **sizes: object):
+    """The shared checks of the caches' `create` (cfg a ModelConfig, every size a positive int, dtype a
+    floating-point torch.dtype), then a function making zeroed K/V buffers of a shape in that dtype on
+    `device`."""
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"cfg: expected a ModelConfig, got {type(cfg).__name__}")
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype: expected a floating-point torch.dtype for K/V, got {dtype!r}")
+    return lambda shape: torch.zeros(shape, dtype=dtype, device=device)
+
+
 @pytree_dataclass
 class KVCache:
     """K/V buffers of every layer of one model.
@@ -55,16 +69,9 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> KVCache:
         """Zeroed buffers for `cfg`'s layers, KV heads and head dim, plus one scratch block."""
-        if not isinstance(cfg, ModelConfig):
-            raise ValueError(f"cfg: expected a ModelConfig, got {type(cfg).__name__}")
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"dtype: expected a floating-point torch.dtype for K/V, got {dtype!r}")
+        zeros = _zeros_for(cfg, dtype, device, num_blocks=num_blocks, block_size=block_size)
         shape = (cfg.num_hidden_layers, num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        k, v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
-        return cls(k=k, v=v)
+        return cls(k=zeros(shape), v=zeros(shape))
 
 
 @pytree_dataclass
@@ -108,17 +115,9 @@ class DenseKVCache:
         device: torch.device | str = "cpu",
     ) -> DenseKVCache:
         """Zeroed [B, L, Nkv, max_len, D] buffers for `cfg`'s layers, KV heads and head dim."""
-        if not isinstance(cfg, ModelConfig):
-            raise ValueError(f"cfg: expected a ModelConfig, got {type(cfg).__name__}")
-        for name, value in (("batch_size", batch_size), ("max_len", max_len)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"dtype: expected a floating-point torch.dtype for K/V, got {dtype!r}")
+        zeros = _zeros_for(cfg, dtype, device, batch_size=batch_size, max_len=max_len)
         shape = (batch_size, cfg.num_hidden_layers, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        return cls(
-            k=torch.zeros(shape, dtype=dtype, device=device), v=torch.zeros(shape, dtype=dtype, device=device)
-        )
+        return cls(k=zeros(shape), v=zeros(shape))
 
 
 @pytree_dataclass
@@ -159,20 +158,11 @@ class ChainKVCache:
         device: torch.device | str = "cpu",
     ) -> ChainKVCache:
         """Zeroed buffers for B = batch_size sequences of seq_len positions and chains of chain_len drafts."""
-        if not isinstance(cfg, ModelConfig):
-            raise ValueError(f"cfg: expected a ModelConfig, got {type(cfg).__name__}")
-        for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("chain_len", chain_len)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        sizes = dict(batch_size=batch_size, seq_len=seq_len, chain_len=chain_len)
+        zeros = _zeros_for(cfg, dtype, device, **sizes)
         lay, nkv, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-        kw = dict(dtype=dtype, device=device)
         shared, chain = (batch_size, lay, nkv, seq_len, d), (batch_size * seq_len, lay, nkv, chain_len, d)
-        return cls(
-            k=torch.zeros(shared, **kw),
-            v=torch.zeros(shared, **kw),
-            chain_k=torch.zeros(chain, **kw),
-            chain_v=torch.zeros(chain, **kw),
-        )
+        return cls(k=zeros(shared), v=zeros(shared), chain_k=zeros(chain), chain_v=zeros(chain))
 
 
 def check_dense_cache(

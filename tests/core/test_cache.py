@@ -106,3 +106,25 @@ def test_block_table_row_pads_with_minus_one():
     assert blocks_needed(9, 4) == 3 and blocks_needed(8, 4) == 2 and blocks_needed(0, 4) == 0
     with pytest.raises(ValueError, match="max_blocks=2"):
         block_table_row([1, 2, 3], max_blocks=2)
+
+
+@pytest.mark.parametrize("kind", ["paged", "dense", "chain"])
+def test_every_cache_constructor_refuses_bad_sizes_and_non_float_dtypes(kind, tiny_model_cfg):
+    """KVCache, DenseKVCache and ChainKVCache share their checks: a non-config, a size that is not a positive
+    int, and an integer dtype are refused by name (ChainKVCache used to take an integer dtype)."""
+    from fspec.core.cache import ChainKVCache, DenseKVCache, KVCache
+
+    make = {
+        "paged": lambda cfg, n=2, **kw: KVCache.create(cfg, num_blocks=n, block_size=4, **kw),
+        "dense": lambda cfg, n=2, **kw: DenseKVCache.create(cfg, batch_size=n, max_len=8, **kw),
+        "chain": lambda cfg, n=2, **kw: ChainKVCache.create(cfg, batch_size=n, seq_len=8, chain_len=3, **kw),
+    }[kind]
+    assert make(tiny_model_cfg).k.dtype == torch.float32
+    with pytest.raises(ValueError, match=r"^cfg: expected a ModelConfig, got dict"):
+        make({})
+    with pytest.raises(ValueError, match=r"expected a positive int, got 0"):
+        make(tiny_model_cfg, n=0)
+    with pytest.raises(
+        ValueError, match=r"^dtype: expected a floating-point torch.dtype for K/V, got torch.int8"
+    ):  # noqa: E501
+        make(tiny_model_cfg, dtype=torch.int8)
