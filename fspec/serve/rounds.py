@@ -21,6 +21,7 @@ from fspec.compile.graph_capture import GraphCapture
 from fspec.core.cache import KVCache
 from fspec.core.config import DraftConfig, ModelConfig
 from fspec.core.metadata import _decode_metadata, _first_step_metadata
+from fspec.core.pytree import pytree_dataclass
 from fspec.core.sampling_params import SamplingParams
 from fspec.core.state import DraftState
 from fspec.draft import _rollout, last_live_rows
@@ -72,24 +73,6 @@ def run_drafts(dparams: dict, state: DraftState, dcache: KVCache, *, cfg: DraftC
     return state.draft_tokens, state.draft_probs
 
 
-def later_drafts(
-    dparams: dict, state: DraftState, dcache: KVCache, *, cfg: DraftConfig, backend: str = "auto"
-):
-    """Draft steps 2..K from the state after the first step (one row per request): `run_drafts` minus its
-    first step. After prefill the first step is shaped by the prompts; these are not, so they compile once
-    per batch bucket (`compiled_later_drafts`) whatever the prompt lengths."""
-    state, dcache = _rollout(
-        dparams, state, dcache, cfg.num_speculative_steps - 1, cfg=cfg, backend=backend, max_context=None
-    )
-    return state.draft_tokens, state.draft_probs
-
-
-def compiled_later_drafts(dcfg: DraftConfig):
-    """`later_drafts` as one CUDA graph per batch bucket (a new compiled function per call: `fspec.Generator`
-    keeps one per config)."""
-    return jit(functools.partial(later_drafts, cfg=dcfg))
-
-
 def prefill_forward(
     tparams: dict,
     dparams: dict | None,
@@ -105,28 +88,58 @@ def prefill_forward(
     block_size: int,
     backend: str = "auto",
     greedy: bool = False,
+    chunk: PrefillChunk | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, DraftState | None]:
     """The target's prefill of B padded prompts, unvalidated: ids [B, Q] (request b's prompt in its first
     counts[b] columns), live [B] bool (False: a padding request). Returns (the first new tokens [B], the
     last prompt position's logits [B, V] float32, the head's first state, or None when dcfg is None).
-    The target cache is donated. greedy (static): every temperature is 0 (`sample_tokens`)."""
+    The target cache is donated. greedy (static): every temperature is 0 (`sample_tokens`).
+
+    chunk: one chunk of longer prompts instead (`PrefillChunk`): ids [B, Q] are the tokens at positions
+    chunk.starts .. + Q - 1 of which counts[b] are request b's, attending to the earlier chunks in the cache;
+    the first token and the head's pairing with it count only where chunk.final."""
     b, q = ids.shape
-    starts = torch.where(live, torch.zeros_like(counts), torch.full_like(counts, -1))
+    zero = torch.zeros_like(counts)
+    starts = zero if chunk is None else chunk.starts
+    starts = torch.where(live, starts, torch.full_like(counts, -1))
     meta = _first_step_metadata(starts, counts, table, num_query=q, block_size=block_size)
     aux = lookup(dcfg.kind).aux_layer_ids(dcfg) if dcfg is not None else ()
-    logits, hidden, _ = llama.forward(
-        tparams, ids.reshape(-1), meta, tcache, cfg=tcfg, backend=backend, aux_layer_ids=aux, max_query_len=q
-    )
-    last = logits.index_select(0, last_live_rows(meta)).float()  # [B, V]
-    first = sample_tokens(suppress_tokens(last, sampling, counts), sampling, counts, greedy=greedy)
+    rows = last_live_rows(meta)
+    last, hidden, _ = llama.forward(
+        tparams, ids.reshape(-1), meta, tcache, cfg=tcfg, backend=backend, aux_layer_ids=aux, max_query_len=q,
+        logit_rows=rows,
+    )  # fmt: skip
+    last = last.float()  # [B, V]
+    positions = counts if chunk is None else chunk.starts + counts  # the first new token's position
+    first = sample_tokens(suppress_tokens(last, sampling, positions), sampling, positions, greedy=greedy)
     if dcfg is None:
         return first, last, None
     # The head's rows are positions 0..n-1, pairing hidden i with token i + 1 (last: the new token).
-    rows = torch.arange(q, device=ids.device)
-    shifted = torch.cat([ids[:, 1:], ids.new_zeros(b, 1)], 1)
-    shifted = torch.where(rows == (counts - 1).clamp(min=0)[:, None], first[:, None], shifted)
+    cols = torch.arange(q, device=ids.device)
+    after = ids.new_zeros(b, 1) if chunk is None else chunk.lookahead[:, None]
+    shifted = torch.cat([ids[:, 1:], after], 1)
+    final = cols == (counts - 1).clamp(min=0)[:, None]
+    if chunk is not None:
+        final = final & chunk.final[:, None]
+    shifted = torch.where(final, first[:, None], shifted)
     h = project_target_hidden(dparams, hidden, cfg=dcfg)
     return first, last, first_draft_state(shifted.reshape(-1), h, meta, sampling, cfg=dcfg)
+
+
+@pytree_dataclass
+class PrefillChunk:
+    """Where one chunk of a chunked prefill sits (`prefill_forward(chunk=...)`), [B] tensors.
+
+    Attributes:
+        starts: int64, the position of each request's first row in this chunk.
+        lookahead: int64, the prompt token right after the chunk (the head pairs the chunk's last hidden
+            with it; any value where the prompt ends in this chunk).
+        final: bool, the prompt ends in this chunk: its first new token is sampled here.
+    """
+
+    starts: torch.Tensor
+    lookahead: torch.Tensor
+    final: torch.Tensor
 
 
 def prefill_round(
@@ -144,23 +157,38 @@ def prefill_round(
     dcfg: DraftConfig | None,
     block_size: int,
     backend: str = "auto",
+    greedy: bool = False,
+    chunk: PrefillChunk | None = None,
 ):
     """`prefill_forward` and, with a head, its first K drafts: (first tokens [B], draft_tokens [B, K],
-    draft_probs [B, K, Vd]); without one, (first tokens [B],). What `generate` runs before its first round,
-    one CUDA graph per batch and prompt-length bucket when compiled (`compiled_prefill_round`)."""
+    draft_probs [B, K, Vd]); without one, (first tokens [B],). What `generate` runs before a request's first
+    round: chunk by chunk on CUDA (`captured_prefill_chunk`), whole prompts at once elsewhere.
+
+    With `chunk`, a chunk that does not end a request's prompt still runs the head over its rows (the head's
+    cache needs them) and the K steps after them: their drafts are ignored, their K - 1 cache positions past
+    the chunk are rewritten by the next chunk."""
     first, _, state = prefill_forward(
         tparams, dparams, ids, counts, live, table, sampling, tcache,
-        tcfg=tcfg, dcfg=dcfg, block_size=block_size, backend=backend,
+        tcfg=tcfg, dcfg=dcfg, block_size=block_size, backend=backend, greedy=greedy, chunk=chunk,
     )  # fmt: skip
     if state is None:
         return (first,)
     return (first, *run_drafts(dparams, state, dcache, cfg=dcfg, backend=backend))
 
 
-def compiled_prefill_round(tcfg: ModelConfig, dcfg: DraftConfig | None, block_size: int):
-    """`prefill_round` as one CUDA graph per batch bucket and prompt-length bucket
-    (`fspec.core.config.size_bucket`)."""
-    return jit(functools.partial(prefill_round, tcfg=tcfg, dcfg=dcfg, block_size=block_size))
+def prefill_chunk_round(*args, **static):
+    """`prefill_round(*args[:9], chunk=args[9], ...)`: the chunk as a positional argument (what `GraphCapture`
+    takes)."""
+    return prefill_round(*args[:9], chunk=args[9], **static)
+
+
+def captured_prefill_chunk(tcfg: ModelConfig, dcfg: DraftConfig | None, block_size: int) -> GraphCapture:
+    """`prefill_round` over one `PrefillChunk`, eager code captured into one CUDA graph per layout (group
+    bucket, chunk length, table width; `GraphCapture`) and replayed: chunks of fixed lengths make the graphs
+    few whatever the prompt lengths, and capturing eager code (no Inductor compile) makes each one cost three
+    eager calls instead of a compile. Prefill runs once per request, so its fusion matters less than the
+    rounds'. Its only in-place writes are the caches' (the same values on every warm-up call)."""
+    return GraphCapture(functools.partial(prefill_chunk_round, tcfg=tcfg, dcfg=dcfg, block_size=block_size))
 
 
 def spec_round(

@@ -1,137 +1,64 @@
-"""One batch of `fspec.generate`: host bookkeeping between rounds; each round's device work is one call.
+"""One `fspec.generate` call: host bookkeeping between rounds, with continuous batching; each round's device
+work is one call.
 
 The host side (`Run`) holds what legitimately changes between rounds and is cheap on the host: each
-request's emitted tokens, its position, its blocks. A round's device work is one pure function
-(`fspec.serve.rounds.spec_round` / `decode_step`), one CUDA graph when compiled; the host reads the round's
-tokens once (one sync per round) and updates the device copies of (current token, position, live) with device
-ops. The block table goes to the device only when a request crosses into a new block or finishes. What
-compiled runs keep between calls (caches, static buffers, compiled rounds) is a `Resources` of the
-`fspec.Generator` that runs them. The `Generator` (and its `GenerateResult`) is defined here, beside the `Run`
-it drives, and so is the default one (`default_generator()`), which a `Run` given no resources uses:
-fspec/serve/engine.py (`fspec.generate`) builds on this module, never the other way round.
+request's emitted tokens, its position, its blocks, and the queue of requests not yet admitted. The batch has
+a fixed number of slots (a batch bucket); a request that finishes frees its slot and its KV blocks, and the
+next waiting request is prefilled into the slot while the others go on (`_admit`), so a call of many prompts
+of mixed lengths keeps the batch full instead of waiting for its slowest request. A round's device work is
+one pure function (`fspec.serve.rounds.spec_round` / `decode_step`), one CUDA graph when compiled; the host
+reads the round's tokens once (one sync per round) and updates the device copies of (current token,
+position, live) with device ops. The block table goes to the device only when a request crosses into a new
+block, finishes or is admitted. What compiled runs keep between calls (caches, static buffers, compiled
+rounds) is a `fspec.serve.resources.Resources` of the `fspec.Generator` that runs them.
+
+On CUDA a prefill runs in chunks of a few fixed lengths (`fspec.serve.resources.chunk_sizes`) through the
+same paged kernels as the rounds, so no shape depends on a prompt's length: compiled calls replay one
+captured graph per chunk shape, eager calls meet the same few Triton specialisations. Elsewhere (the CPU) a
+prefill runs whole prompts at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from fspec.compile.graph_capture import GraphCapture
-from fspec.core.cache import BlockAllocator, KVCache, mark_static, table_width
-from fspec.core.config import bucket_for, size_bucket
+from fspec.core.cache import BlockAllocator, table_width
+from fspec.core.config import bucket_for
 from fspec.core.pytree import tree
 from fspec.core.sampling_params import SamplingParams
-from fspec.draft import _step
-from fspec.models.checkpoint import Draft, Target
-from fspec.models.generation_config import sampling_defaults
-from fspec.serve.prefill import _validate, max_model_len, prefill_batch
+from fspec.serve.prefill import max_model_len, prefill_batch
+from fspec.serve.resources import Resources, chunk_sizes, pick_chunk
 from fspec.serve.rounds import (
+    PrefillChunk,
+    captured_prefill_chunk,
     compiled_decode_round,
-    compiled_later_drafts,
-    compiled_prefill_round,
     compiled_spec_round,
     decode_step,
+    prefill_round,
     run_drafts,
     spec_round,
 )
 from fspec.serve.stops import StopConfig, StopTracker, stop_config
-from fspec.serve.stream import StreamChunk, stream_chunks
 
 # Blocks allocated ahead of need, so the block table (a host-to-device copy) changes every few rounds, not
 # every round a request crosses a block boundary.
 _LOOKAHEAD = 4
-
-
-class Resources:
-    """What compiled generation keeps between calls, owned by a `fspec.Generator`: KV caches, the rounds'
-    static input buffers and the compiled round functions.
-
-    CUDA graphs record the addresses of their static inputs, so fresh caches and buffers on every call would
-    make every call record its graphs anew; a compiled function per config keeps its graphs. Caches and
-    buffers are bounded to the `max_shapes` most recent shapes each. Stale cache contents are harmless:
-    nothing past a request's seq_lens is ever read."""
-
-    def __init__(self, *, max_shapes: int = 4) -> None:
-        self.max_shapes = max_shapes
-        self.caches: dict[tuple, KVCache] = {}
-        self.buffers: dict[tuple, dict[str, torch.Tensor]] = {}
-        self.graphs: dict[tuple, object] = {}
-
-    def cache(self, cfg, num_blocks: int, block_size: int, dtype, device, compiled: bool) -> KVCache:
-        """A KV cache of this shape: a fresh one eagerly, the kept one (static addresses) when compiled."""
-        shape = dict(num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device)
-        if not compiled:
-            return KVCache.create(cfg, **shape)
-        key = (cfg, num_blocks, block_size, dtype, str(device))
-        if key not in self.caches:
-            if len(self.caches) >= self.max_shapes:  # keep the most recent shapes only
-                self.caches.pop(next(iter(self.caches)))
-            self.caches[key] = mark_static(KVCache.create(cfg, **shape))
-        return self.caches[key]
-
-    def device_buffers(self, b: int, max_blocks: int, device: torch.device) -> dict[str, torch.Tensor]:
-        """The compiled rounds' per-request inputs (current token, position, live flag, block table, sampling
-        settings) in buffers with static addresses: a CUDA graph reads them where they lie instead
-        of copying each one in before every replay (six launches per target-only token on the H200), and the
-        target-only round writes the current token and position back in place."""
-        key = (b, max_blocks, str(device))
-        if key not in self.buffers:
-            if len(self.buffers) >= self.max_shapes:
-                self.buffers.pop(next(iter(self.buffers)))
-            bufs = {
-                "cur": torch.zeros(b, dtype=torch.int64, device=device),
-                "n": torch.zeros(b, dtype=torch.int64, device=device),
-                "live": torch.zeros(b, dtype=torch.bool, device=device),
-                "table": torch.full((b, max_blocks), -1, dtype=torch.int32, device=device),
-                "sampling": SamplingParams.create(b, device=device),
-            }
-            for t in tree.tree_leaves(bufs):
-                torch._dynamo.mark_static_address(t)
-            self.buffers[key] = bufs
-        return self.buffers[key]
-
-    def draft_buffers(self, b: int, k: int, vd: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """Static homes for a round's proposal (draft_tokens [b, k], draft_probs [b, k, vd]): a captured round
-        (`compiled_spec_round(captured=True)`) reads its inputs where they lay when it was captured, so each
-        round's proposal is copied here rather than cloned to a new address."""
-        key = ("drafts", b, k, vd, str(device))
-        if key not in self.buffers:
-            if len(self.buffers) >= self.max_shapes:
-                self.buffers.pop(next(iter(self.buffers)))
-            self.buffers[key] = {
-                "tokens": torch.zeros(b, k, dtype=torch.int64, device=device),
-                "probs": torch.zeros(b, k, vd, dtype=torch.float32, device=device),
-            }
-        bufs = self.buffers[key]
-        return bufs["tokens"], bufs["probs"]
-
-    def graph(self, factory, *key):
-        """`factory(*key)` (a compiled round function), made once per key and kept."""
-        k = (factory, *key)
-        if k not in self.graphs:
-            self.graphs[k] = factory(*key)
-        return self.graphs[k]
-
-
-def compile_prefill(device: torch.device) -> bool:
-    """Whether a compiled `generate` runs its prefill as a graph too (`compiled_prefill_round`).
-
-    On CUDA by default: the eager prefill and first proposal cost ~39 ms per call at 1B shapes on the H200,
-    launch overhead that one graph replay removes. Not on CPU, where there is no launch overhead to save and
-    each prompt-length bucket would cost a compile."""
-    return device.type == "cuda"
+MAX_SLOTS = 256  # the largest batch bucket
 
 
 class Run:
-    """Generation for up to 256 requests, padded to their batch bucket.
+    """Generation for any number of requests, at most `max_slots` at once in a batch bucket of slots.
 
     stops: the call's `fspec.serve.stops.StopConfig` (default: the target's EOS ids only). detokenize: build
     each request's text as it grows (`StopTracker.text`; always when there are stop strings): a stream reads
-    it between rounds (`rounds()`)."""
+    it between rounds (`rounds()`). resources: what compiled calls keep (a `fspec.Generator`'s; None: fresh
+    ones for this run only)."""
 
     def __init__(
         self,
@@ -144,12 +71,12 @@ class Run:
         compile,
         stats,
         progress,
-        resources=None,
+        resources: Resources | None = None,
         stops: StopConfig | None = None,
         detokenize: bool = False,
+        max_slots: int = MAX_SLOTS,
     ):
-        # what compiled calls keep between calls: a `fspec.Generator`'s (the default one's unless given)
-        self.res = default_generator().resources if resources is None else resources
+        self.res = Resources() if resources is None else resources
         self.target, self.draft, self.stats = target, draft, stats
         self.compile, self.progress = compile, progress
         # Pipelined rounds (launch r + 1 before reading r) hide the host's per-round work: on the H200 they
@@ -161,35 +88,43 @@ class Run:
         self.bs = draft.cfg.block_size if draft is not None else 16
         self.max_len = max_model_len(target, draft)
         self.prompts = [list(p) for p in prompts]
-        # Every request's worst case fits; blocks are still allocated as requests grow and freed as they end.
-        # The worst case is what `_ensure` can hand out: `_launch` asks for n + 3K + 2 tokens while the
-        # request is live (n <= prompt + max_new_tokens - 2), plus _LOOKAHEAD blocks, capped at the table.
+        self.n_real = len(self.prompts)  # requests
+        # Every request's worst case: what `_ensure` can hand out. `_launch` asks for n + 3K + 2 tokens while
+        # the request is live (n <= prompt + max_new_tokens - 2), plus _LOOKAHEAD blocks, capped at the table.
         # (Capping the tokens at max_len before adding the look-ahead under-counted: one prompt of 1 token,
         # max_new_tokens=15, K=3 ran out of blocks; tests/test_fuzz.py found it.)
         full = -(-self.max_len // self.bs)  # what max_model_len allows
-        worst = [
+        self.worst = [
             min(-(-(len(p) + max_new_tokens + 3 * self.k + 2) // self.bs) + _LOOKAHEAD, full)
             for p in self.prompts
         ]
         # The block table is as wide as this call can need (`table_width`), not max_model_len: attention
         # reads the whole table where it cannot read lengths (compiled code, the kernels' launch grid).
-        self.max_blocks = table_width(max(worst) * self.bs, block_size=self.bs, max_blocks=full)
-        self.n_real = len(prompts)
-        self.b = bucket_for(self.n_real)
+        # Compiled calls never go narrower than what the generator's warm-up recorded.
+        self.max_blocks = table_width(max(self.worst) * self.bs, block_size=self.bs, max_blocks=full)
+        if compile:
+            self.max_blocks = max(self.max_blocks, min(self.res.min_width(target.cfg, self.bs), full))
+        self.b = bucket_for(min(self.n_real, max_slots))  # slots
+        slots = min(self.n_real, self.b)
         self.device = target.params["embed"].device
-        pad = self.b - self.n_real
         temps = options["temperature"]
         self.stops = stop_config(target, max_new_tokens=max_new_tokens) if stops is None else stops
-        host = SamplingParams.create(self.n_real, **options, **self._suppression()).pad(pad)
-        self.bufs = self.res.device_buffers(self.b, self.max_blocks, self.device) if compile else None
+        # every request's settings, on the host; a slot's row of the device copy is written at admission
+        self.host_sampling = SamplingParams.create(self.n_real, **options, **self._suppression())
+        self.suppress = self.host_sampling.suppress_ids.shape[1]
+        self.bufs = None
+        if compile:
+            self.bufs = self.res.device_buffers(self.b, self.max_blocks, self.suppress, self.device)
         # Compiled rounds on CUDA replay fspec's own graphs (`GraphCapture`): a round's host cost is one
         # replay, not dynamo's guards over ~300 argument tensors and the graph tree's bookkeeping.
         self.captured = compile and self.device.type == "cuda"
+        self.chunked = self.device.type == "cuda"  # prefill in fixed-length chunks (module docstring)
         self.graph_key = None  # the rounds' argument layout, the same every round of a run (`_launch`)
+        start = self.host_sampling.take(slots).pad(self.b - slots).to_device(self.device)
         if self.bufs is not None:  # static buffers: written in place, read by the graphs where they lie
-            self.sampling = host.copy_into(self.bufs["sampling"])
+            self.sampling = start.copy_into(self.bufs["sampling"])
         else:
-            self.sampling = tree.tree_map(lambda t: t.to(self.device), host)
+            self.sampling = tree.tree_map(lambda t: t.clone(), start)
         # A greedy batch run eagerly off CUDA takes its tokens by argmax (`fspec.serve.rounds.sample_tokens`:
         # the same tokens, without the CPU reference sampler's noise); compiled rounds keep one graph for all.
         self.greedy = not compile and self.device.type != "cuda" and all(t == 0 for t in temps)
@@ -197,22 +132,28 @@ class Run:
         tok = target.tokenizer
         self.track = [StopTracker(self.stops, tok, detokenize=detokenize) for _ in range(self.n_real)]
         self.out: list[list[int]] = [t.tokens for t in self.track]  # the trackers' own lists
-        self.done = [False] * self.n_real + [True] * pad
-        self.n = [len(p) for p in self.prompts] + [0] * pad  # position of each request's current token
+        self.waiting = deque(range(self.n_real))  # requests not yet admitted, in order
+        self.req = [-1] * self.b  # the request in each slot (-1: never used)
+        self.done = [True] * self.b  # slot idle: its request finished, or none admitted yet
+        self.admitted_at = [0] * self.b  # the first round whose rows are the slot's current request's
+        self.n = [0] * self.b  # position of each slot's current token
         self.cur = [0] * self.b  # the current token (emitted, not yet in the target cache)
         self.blocks: list[list[int]] = [[] for _ in range(self.b)]
-        need = sum(worst)
-        self.table_dirty = True
+        # Enough blocks for the `slots` largest worst cases at once: any set of concurrent requests fits, so
+        # a free slot waits for blocks only while a finished request's blocks are still in flight.
+        need = sum(sorted(self.worst, reverse=True)[:slots])
+        self.table_dirty = self.live_dirty = True
         self.free_at: dict[int, list[int]] = {}  # round index -> blocks to free once that round is processed
         self.processing = -1
+        self.rounds_launched = 0
+        self.in_flight = False  # a launched round not yet processed
         self.alloc = BlockAllocator(need)  # hands out what the requests can use; the cache may hold more
-        blocks = size_bucket(need) if compile else need  # nearby sizes share graphs
         tdtype = target.params["embed"].dtype
-        self.tcache = self.res.cache(target.cfg, blocks, self.bs, tdtype, self.device, compile)
+        self.tcache = self.res.cache(target.cfg, need, self.bs, tdtype, self.device, compile)
         self.dcache = None
         if draft is not None:
             dtype = draft.params["embed"].dtype
-            self.dcache = self.res.cache(draft.cfg.model, blocks, self.bs, dtype, self.device, compile)
+            self.dcache = self.res.cache(draft.cfg.model, need, self.bs, dtype, self.device, compile)
             if all(t == 0 for t in temps) and not draft.cfg.greedy_drafts:
                 # A greedy batch verifies by argmax: q is one-hot, so skip building [B, K, V] probabilities.
                 cfg = dataclasses.replace(draft.cfg, greedy_drafts=True)
@@ -241,18 +182,18 @@ class Run:
             self.blocks[b] += self.alloc.allocate(want - len(self.blocks[b]))
             self.table_dirty = True
 
-    def _table_host(self) -> torch.Tensor:
-        table = torch.full((self.b, self.max_blocks), -1, dtype=torch.int32)
-        for b, blocks in enumerate(self.blocks):
+    def _table_host(self, slots=None) -> torch.Tensor:
+        """The block table of `slots` (default: every slot), one row each, -1 past a request's blocks."""
+        slots = range(self.b) if slots is None else slots
+        table = torch.full((len(slots), self.max_blocks), -1, dtype=torch.int32)
+        for row, b in enumerate(slots):
+            blocks = self.blocks[b] if b >= 0 else []
             if blocks:
-                table[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+                table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         return table
 
-    def _table(self) -> torch.Tensor:
-        return self._table_host().to(self.device)
-
     def _emit(self, b: int, new: list[int], *, first: bool = False) -> None:
-        """Append new tokens to request b and make the last one its current token.
+        """Append new tokens to slot b's request and make the last one its current token.
 
         The current token sits at position n; new tokens take positions n + 1, ... (the prefill's first token
         takes n itself). A sequence holds at most max_model_len tokens: tokens past it are dropped, exactly
@@ -262,7 +203,7 @@ class Run:
         """
         if not first:
             new = new[: self.max_len - 1 - self.n[b]]
-        track = self.track[b]
+        track = self.track[self.req[b]]
         for t in new:
             if track.add(t) or len(track.tokens) >= self.max_new:
                 self._finish(b)
@@ -274,7 +215,7 @@ class Run:
             self._finish(b)
 
     def _finish(self, b: int) -> None:
-        self.track[b].end()
+        self.track[self.req[b]].end()
         self.done[b] = True
         # The round launched after the one being processed may still use these blocks: free them once it
         # has been processed (`_process` frees `free_at[index]` after waiting for round `index`).
@@ -282,75 +223,164 @@ class Run:
         self.blocks[b] = []
         self.table_dirty = self.live_dirty = True
 
+    def _live(self) -> bool:
+        return not all(self.done)
+
+    # -- admission: prefill waiting requests into free slots --
+
+    def _admissible(self) -> list[tuple[int, int]]:
+        """(slot, request) pairs to admit now, in request order: free slots, and blocks for each request's
+        worst case beyond what the live requests may still claim (their worst cases)."""
+        if not self.in_flight:  # nothing on the device can still use blocks that wait to be freed
+            for blocks in self.free_at.values():
+                self.alloc.free(blocks)
+            self.free_at.clear()
+        free = [b for b in range(self.b) if self.done[b] and not self.blocks[b]]
+        budget = self.alloc.num_free - sum(
+            self.worst[self.req[b]] - len(self.blocks[b]) for b in range(self.b) if not self.done[b]
+        )
+        pairs = []
+        while self.waiting and free and self.worst[self.waiting[0]] <= budget:
+            r = self.waiting.popleft()
+            budget -= self.worst[r]
+            pairs.append((free.pop(0), r))
+        return pairs
+
+    def _admit(self, drafts):
+        """Prefill the admissible waiting requests into free slots and merge their first token, position,
+        settings and first drafts into the batch's device state. Returns the batch's drafts."""
+        pairs = self._admissible()
+        if not pairs:
+            return drafts
+        slots = [s for s, _ in pairs]
+        reqs = [r for _, r in pairs]
+        for s, r in pairs:
+            self.req[s], self.done[s] = r, False
+            self.n[s] = len(self.prompts[r])
+            self.admitted_at[s] = self.rounds_launched  # rounds launched before now are not this request's
+            self._ensure(s, self.n[s] + 2 * self.k + 1)
+        group = bucket_for(len(reqs))
+        sampling = self.host_sampling.rows(reqs).pad(group - len(reqs)).to_device(self.device)
+        first, new = self._prefill(slots, reqs, group, sampling)
+        index = torch.tensor(slots, dtype=torch.int64).to(self.device)
+        g = len(reqs)
+        self.cur_d.index_copy_(0, index, first[:g])
+        lens = torch.tensor([self.n[s] for s in slots], dtype=torch.int64).to(self.device)
+        self.n_d.index_copy_(0, index, lens)
+        for name, t in self.sampling.fields().items():
+            t.index_copy_(0, index, getattr(sampling, name)[:g])
+        if new is not None:
+            for home, d in zip(drafts, new):
+                home.index_copy_(0, index, d[:g])
+        self.live_dirty = self.table_dirty = True
+        first_list = first.tolist()
+        for j, s in enumerate(slots):
+            self._emit(s, [first_list[j]], first=True)  # at position n, the prompt length
+        return drafts
+
+    def _prefill(self, slots, reqs, group: int, sampling: SamplingParams):
+        """The target prefill of requests `reqs` (into `slots`), their first tokens [group] and the head's
+        first K drafts ([group, K], [group, K, Vd]) or None; rows past len(reqs) are padding."""
+        prompts = [self.prompts[r] for r in reqs]
+        lens = [len(p) for p in prompts] + [0] * (group - len(reqs))
+        table = self._table_host([*slots, *[-1] * (group - len(slots))])
+        dcfg = self.draft.cfg if self.draft is not None else None
+        dparams = self.draft.params if self.draft is not None else None
+        if not self.chunked:  # whole prompts at once, eagerly (module docstring)
+            self.stats.target_forwards += 1
+            ids = torch.zeros(group, max(lens), dtype=torch.int64)
+            for b, p in enumerate(prompts):
+                ids[b, : len(p)] = torch.tensor(p)
+            live = [b < len(reqs) for b in range(group)]
+            first, _, state = prefill_batch(
+                self.target, self.draft, ids.to(self.device), lens, live, table.to(self.device), sampling,
+                self.tcache, block_size=self.bs, greedy=self.greedy,
+            )  # fmt: skip
+            if state is None:
+                return first, None
+            return first, run_drafts(dparams, state, self.dcache, cfg=dcfg)
+        fn = prefill_round
+        if self.compile:
+            fn = self.res.graph(captured_prefill_chunk, self.target.cfg, dcfg, self.bs)
+        sizes = chunk_sizes(group)
+        done_upto = [0] * group
+        out = None
+        table_d = self._to_device(table)
+        while True:
+            left = [lens[b] - done_upto[b] for b in range(group)]
+            if max(left) <= 0:
+                break
+            c = pick_chunk(sizes, max(left))
+            ids = torch.zeros(group, c, dtype=torch.int64)
+            counts = torch.zeros(group, dtype=torch.int64)
+            starts, ahead = torch.zeros_like(counts), torch.zeros_like(counts)
+            final = torch.zeros(group, dtype=torch.bool)
+            for b, p in enumerate(prompts):
+                lo = done_upto[b]
+                if lo >= lens[b]:
+                    continue
+                take = min(c, lens[b] - lo)
+                ids[b, :take] = torch.tensor(p[lo : lo + take])
+                counts[b], starts[b] = take, lo
+                ahead[b] = p[lo + c] if lo + c < lens[b] else 0
+                final[b] = lo + take == lens[b]
+                done_upto[b] = lo + take
+            live = counts > 0
+            self.stats.target_forwards += 1
+            if self.compile:
+                bufs = self.res.chunk_buffers(group, c, self.max_blocks, self.suppress, self.device)
+                for name, t in (("ids", ids), ("counts", counts), ("live", live), ("table", table)):
+                    self._to_device(t, bufs[name])
+                ch = bufs["chunk"]
+                for dst, t in ((ch.starts, starts), (ch.lookahead, ahead), (ch.final, final)):
+                    self._to_device(t, dst)
+                grp = sampling.copy_into(bufs["sampling"])
+                args = (self.target.params, dparams, bufs["ids"], bufs["counts"], bufs["live"], bufs["table"],
+                        grp, self.tcache, self.dcache)  # fmt: skip
+                result = fn(*args, ch)
+                final_d = ch.final
+            else:
+                ch = PrefillChunk(
+                    starts=self._to_device(starts), lookahead=self._to_device(ahead),
+                    final=self._to_device(final),
+                )  # fmt: skip
+                result = fn(
+                    self.target.params, dparams, self._to_device(ids), self._to_device(counts),
+                    self._to_device(live), table_d, sampling, self.tcache, self.dcache,
+                    tcfg=self.target.cfg, dcfg=dcfg, block_size=self.bs, chunk=ch,
+                )  # fmt: skip
+                final_d = ch.final
+            # keep each request's results from the chunk that ends its prompt (graph outputs: copied out)
+            if out is None:
+                out = [t.clone() for t in result]
+            else:
+                out = [_where_rows(final_d, new, old) for new, old in zip(result, out)]
+        return out[0], (tuple(out[1:]) if len(out) > 1 else None)
+
     # -- device work --
 
     def _device_state(self) -> None:
-        """Device copies of (current token, position, live); updated by device ops after each round (in place,
-        in the static buffers, when compiled)."""
+        """Device copies of (current token, position, live) and the proposal's homes; updated by device ops
+        after each round and at admission (in place, in the static buffers, when compiled)."""
         cur = torch.tensor(self.cur, dtype=torch.int64)
         n = torch.tensor(self.n, dtype=torch.int64)
         live = torch.tensor([not d for d in self.done])
         if self.bufs is None:
             self.cur_d, self.n_d, self.live_d = cur.to(self.device), n.to(self.device), live.to(self.device)
-            return
-        self.cur_d, self.n_d = self.bufs["cur"].copy_(cur), self.bufs["n"].copy_(n)
-        self.live_d, self.table_d = self.bufs["live"].copy_(live), self.bufs["table"]
-
-    def _prefill(self):
-        """Target prefill of the ragged prompts, the first token, and the head's prefill + first proposal."""
-        lens = list(self.n)
-        q = max(lens)
-        for b in range(self.n_real):
-            self._ensure(b, lens[b] + 2 * self.k + 1)
-        whole = self.compile and compile_prefill(self.device)
-        ids = torch.zeros(self.b, size_bucket(q) if whole else q, dtype=torch.int64)
-        for b, p in enumerate(self.prompts):
-            ids[b, : len(p)] = torch.tensor(p)
-        self.stats.target_forwards += 1
-        live = [not d for d in self.done]
-        drafts = None
-        if whole:  # one graph per batch and prompt-length bucket: prefill, first token, K drafts
-            torch.compiler.cudagraph_mark_step_begin()
-            dcfg = self.draft.cfg if self.draft is not None else None
-            out = self.res.graph(compiled_prefill_round, self.target.cfg, dcfg, self.bs)(
-                self.target.params,
-                self.draft.params if self.draft is not None else None,
-                ids.to(self.device),
-                torch.tensor(lens, dtype=torch.int64, device=self.device),
-                torch.tensor(live, device=self.device),
-                self._table(),
-                self.sampling,
-                self.tcache,
-                self.dcache,
-            )
-            first = out[0]
-            if self.draft is not None:
-                drafts = (out[1].clone(), out[2].clone())  # graph outputs: the next replay overwrites them
         else:
-            first, _, state = prefill_batch(
-                self.target,
-                self.draft,
-                ids.to(self.device),
-                lens,
-                live,
-                self._table(),
-                self.sampling,
-                self.tcache,
-                block_size=self.bs,
-                greedy=self.greedy,
-            )
-            if state is not None and self.compile and self.k > 1:
-                # The first step is shaped by the prompts (eager); steps 2..K are not: one graph per bucket.
-                dp, dcfg = self.draft.params, self.draft.cfg
-                state, _ = _step(dp, state, self.dcache, cfg=dcfg, backend="auto", max_context=None)
-                d_tok, d_prob = self.res.graph(compiled_later_drafts, dcfg)(dp, state, self.dcache)
-                drafts = (d_tok.clone(), d_prob.clone())  # graph outputs: the next replay overwrites them
-            elif state is not None:
-                drafts = run_drafts(self.draft.params, state, self.dcache, cfg=self.draft.cfg)
-        first_list = first.tolist()
-        for b in range(self.n_real):
-            self._emit(b, [first_list[b]], first=True)  # at position n, the prompt length
-        return drafts
+            self.cur_d, self.n_d = self.bufs["cur"].copy_(cur), self.bufs["n"].copy_(n)
+            self.live_d, self.table_d = self.bufs["live"].copy_(live), self.bufs["table"]
+        if self.draft is None:
+            return None
+        k, dcfg = self.k, self.draft.cfg
+        vd = 0 if dcfg.greedy_drafts else dcfg.draft_vocab_size
+        if self.captured:  # the captured rounds read the proposal at fixed addresses
+            homes = self.res.draft_buffers(self.b, k, vd, self.device)
+            return tuple(h.zero_() for h in homes)
+        return (
+            torch.zeros(self.b, k, dtype=torch.int64, device=self.device),
+            torch.zeros(self.b, k, vd, dtype=torch.float32, device=self.device),
+        )
 
     # -- the pipelined round loop --
     #
@@ -358,8 +388,9 @@ class Run:
     # come from round r's outputs through device ops, and the host copies round r's tokens out through pinned
     # memory while the GPU runs round r + 1. A request that finishes in round r has therefore run one extra,
     # ignored round (unless round r would end every request at full acceptance: `_pending_may_end_all`);
-    # its blocks are freed only once that round has completed. Host-to-device copies use pinned
-    # memory (a pageable copy waits for the stream to drain, which would serialise host and device again).
+    # its blocks are freed only once that round has completed, and a request admitted into its slot ignores
+    # that round's row (`admitted_at`). Host-to-device copies use pinned memory (a pageable copy waits for
+    # the stream to drain, which would serialise host and device again).
 
     def _to_device(self, t: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
         """t on the device: copied into `into` (a static buffer) when given, else a new tensor."""
@@ -439,8 +470,8 @@ class Run:
         if self.bufs is not None:  # static buffers: advanced in place
             self.n_d.add_(accepted + 1)
             self.cur_d.copy_(tokens.gather(1, accepted[:, None]).squeeze(1))
-        else:
-            self.n_d = self.n_d + accepted + 1
+        else:  # in place too: admission writes new requests' rows into them
+            self.n_d.add_(accepted + 1)
             self.cur_d = tokens.gather(1, accepted[:, None]).squeeze(1)
         return self._read_back(torch.cat([tokens, accepted[:, None]], 1)), drafts
 
@@ -474,7 +505,7 @@ class Run:
         self._keep.clear()
         self.alloc.free(self.free_at.pop(index, []))  # requests that finished two rounds ago
         rows = host.tolist()
-        live = [b for b in range(self.n_real) if not self.done[b]]
+        live = [b for b in range(self.b) if not self.done[b] and index >= self.admitted_at[b]]
         self.stats.record([rows[b][-1] for b in live])
         self.processing = index
         for b in live:
@@ -483,40 +514,39 @@ class Run:
 
     def _pending_may_end_all(self) -> bool:
         """Whether the round being waited for ends every live request if it accepts all its drafts (K + 1
-        tokens; 1 when decoding target-only). The next round is then launched only after reading it: at the
-        end of a run the pipelined loop would otherwise queue a round that is almost surely wasted (a whole
-        target forward and K draft steps: 2% of a 256-token run at full acceptance). Costs one host
-        round-trip without overlap when the round falls short."""
+        tokens; 1 when decoding target-only) and no request waits. The next round is then launched only
+        after reading it: at the end of a run the pipelined loop would otherwise queue a round that is almost
+        surely wasted (a whole target forward and K draft steps: 2% of a 256-token run at full acceptance).
+        Costs one host round-trip without overlap when the round falls short."""
+        if self.waiting:
+            return False
         step = self.k + 1
         return all(
-            self.done[b] or len(self.out[b]) + step >= self.max_new or self.n[b] + step + 1 >= self.max_len
-            for b in range(self.n_real)
+            self.done[b]
+            or len(self.out[self.req[b]]) + step >= self.max_new
+            or self.n[b] + step + 1 >= self.max_len
+            for b in range(self.b)
         )
 
     def rounds(self) -> Iterator[None]:
-        """The run, resumable: yields once the prefill's first tokens are emitted and again after each
-        processed round, with every request's `track` (tokens, text, reason) up to date; ends when every
-        request has. Closing it early (a stream dropped half-way) still returns every block."""
-        drafts = self._prefill()
-        if drafts is not None and self.captured:  # the captured rounds read the proposal at fixed addresses
-            homes = self.res.draft_buffers(self.b, *drafts[1].shape[1:], self.device)
-            drafts = tuple(home.copy_(d) for home, d in zip(homes, drafts))
-        self._device_state()
+        """The run, resumable: yields once the first admitted requests' first tokens are emitted and again
+        after each processed round, with every request's `track` (tokens, text, reason) up to date; ends when
+        every request has. Closing it early (a stream dropped half-way) still returns every block."""
         self._keep: list[torch.Tensor] = []
-        self.rounds_launched = 0
-        self.table_dirty = self.live_dirty = True
+        drafts = self._device_state()
         bar = None
         if self.progress:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=self.n_real * self.max_new, desc="fspec generate", unit="tok")
-        emitted = sum(map(len, self.out))
+        emitted = 0
         pending = None
         try:
+            drafts = self._admit(drafts)
             yield
-            while pending is not None or not all(self.done):
+            while pending is not None or self._live() or self.waiting:
                 launched = None
-                if not all(self.done) and (pending is None or not self._pending_may_end_all()):
+                if self._live() and (pending is None or not self._pending_may_end_all()):
                     launched, drafts = self._launch(drafts)
                     self.rounds_launched += 1
                 if not self.pipeline and launched is not None:
@@ -525,6 +555,9 @@ class Run:
                 if processed:
                     self._process(pending)
                 pending = launched
+                self.in_flight = pending is not None
+                if self.waiting:
+                    drafts = self._admit(drafts)
                 if bar is not None:
                     now = sum(map(len, self.out))
                     bar.update(max(now - emitted, 0))  # a stop string's cut can shorten an output
@@ -546,6 +579,11 @@ class Run:
         for _ in self.rounds():
             pass
         return self.out
+
+
+def _where_rows(mask: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """new where mask [B] else old, row by row (tensors [B, ...])."""
+    return torch.where(mask.view(-1, *[1] * (new.dim() - 1)), new, old)
 
 
 class Stats:
@@ -583,186 +621,3 @@ class Stats:
             "tokens_per_second": new_tokens / seconds if seconds > 0 else float("inf"),
             "num_speculative_steps": self.k,
         }
-
-
-@dataclasses.dataclass
-class GenerateResult:
-    """What `generate` returns.
-
-    Attributes:
-        tokens: new tokens per prompt (the EOS or stop token id included when one ended the request; cut
-            like the text at a stop string: the tokens whose text ends at or before the match start).
-        text: the decoded new tokens per prompt, or None when the target has no tokenizer; cut exactly
-            before a stop string that ended the request (`fspec.serve.stops`).
-        finish_reason: why each request ended: "stop" (a stop string or a stop token id), "eos", or
-            "length" (max_new_tokens, or the sequence reached max_model_len).
-        stats: acceptance_length (mean tokens per target verification forward), acceptance_rate_per_position
-            (P(draft k accepted) over request-rounds, k = 1..K), conditional_acceptance_per_position
-            (P(draft k accepted | draft k-1 accepted)), target_forwards, rounds, new_tokens, seconds,
-            tokens_per_second, num_speculative_steps.
-    """
-
-    tokens: list[list[int]]
-    text: list[str] | None
-    stats: dict[str, Any]
-    finish_reason: list[str]
-
-
-class Generator:
-    """What `generate` keeps between calls, in one object the caller holds: KV caches and the rounds' static
-    input buffers (compiled CUDA graphs record their addresses) and the compiled round functions, so that
-    warm compiled calls replay their graphs instead of recording them anew.
-
-    `fspec.generate(...)` is `fspec.default_generator().generate(...)`. A `Generator()` of one's own keeps its
-    graphs and buffers apart from the default's (for example one per model in a notebook) and frees them with
-    `clear()` or when dropped. Nothing else in fspec keeps state between calls.
-
-    max_shapes: how many KV-cache shapes and buffer shapes it keeps (the most recent ones)."""
-
-    def __init__(self, *, max_shapes: int = 4) -> None:
-        if isinstance(max_shapes, bool) or not isinstance(max_shapes, int) or max_shapes < 1:
-            raise ValueError(f"max_shapes: expected an int >= 1, got {max_shapes!r}")
-        self.resources = Resources(max_shapes=max_shapes)
-
-    def clear(self) -> None:
-        """Drop every kept cache, buffer and compiled function (their memory goes back on the next
-        collection; torch's own compile caches are torch's)."""
-        self.resources = Resources(max_shapes=self.resources.max_shapes)
-
-    def generate(
-        self,
-        target: Target,
-        draft: Draft | None,
-        prompts: Sequence[str] | Sequence[Sequence[int]],
-        *,
-        max_new_tokens: int,
-        temperature: float | Sequence[float] | None = None,
-        seed: int | Sequence[int] = 0,
-        top_k: int | Sequence[int] | None = None,
-        top_p: float | Sequence[float] | None = None,
-        min_p: float | Sequence[float] | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False,
-        eos_token_id: int | Sequence[int] | None = None,
-        min_new_tokens: int = 0,
-        num_speculative_steps: int | None = None,
-        compile: bool = False,
-        progress: bool = False,
-    ) -> GenerateResult:
-        """`fspec.generate` with this generator's caches, buffers and compiled rounds."""
-        options = _sampling_options(target, temperature, seed, top_k, top_p, min_p)
-        ids, options, k, draft = _validate(
-            target, draft, prompts, max_new_tokens, options, num_speculative_steps, compile, progress
-        )
-        stops = stop_config(
-            target,
-            max_new_tokens=max_new_tokens,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            eos_token_id=eos_token_id,
-            min_new_tokens=min_new_tokens,
-        )
-        start = time.perf_counter()
-        tracks: list[StopTracker] = []
-        stats = Stats(k if draft is not None else 0)
-        for lo in range(0, len(ids), 256):  # the largest batch bucket
-            run = Run(
-                target,
-                draft,
-                ids[lo : lo + 256],
-                {name: values[lo : lo + 256] for name, values in options.items()},
-                max_new_tokens=max_new_tokens,
-                compile=compile,
-                stats=stats,
-                progress=progress,
-                resources=self.resources,
-                stops=stops,
-            )
-            run.go()
-            tracks.extend(run.track)
-        seconds = time.perf_counter() - start
-        tokens = [t.tokens for t in tracks]
-        text = None
-        if target.tokenizer is not None:  # built as the requests grew when there are stop strings
-            text = [target.tokenizer.decode(t.tokens) if t.text is None else t.text.text for t in tracks]
-        return GenerateResult(
-            tokens=tokens,
-            text=text,
-            stats=stats.summary(sum(map(len, tokens)), seconds),
-            finish_reason=[t.reason for t in tracks],
-        )
-
-    def stream(
-        self,
-        target: Target,
-        draft: Draft | None,
-        prompt: str | Sequence[int],
-        *,
-        max_new_tokens: int,
-        temperature: float | None = None,
-        seed: int = 0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False,
-        eos_token_id: int | Sequence[int] | None = None,
-        min_new_tokens: int = 0,
-        num_speculative_steps: int | None = None,
-        compile: bool = False,
-        progress: bool = False,
-    ) -> Iterator[StreamChunk]:
-        """`fspec.stream` with this generator's caches, buffers and compiled rounds. The arguments are checked
-        here, before the first chunk is asked for."""
-        if not isinstance(prompt, str) and isinstance(prompt, Sequence) and prompt:
-            if all(isinstance(p, (str, Sequence)) for p in prompt):
-                raise ValueError(
-                    "prompt: expected one prompt (a string or a list of token ids), "
-                    f"got a list of {len(prompt)} prompts"
-                )
-        options = _sampling_options(target, temperature, seed, top_k, top_p, min_p)
-        ids, options, k, draft = _validate(
-            target, draft, [prompt], max_new_tokens, options, num_speculative_steps, compile, progress
-        )
-        stops = stop_config(
-            target,
-            max_new_tokens=max_new_tokens,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            eos_token_id=eos_token_id,
-            min_new_tokens=min_new_tokens,
-        )
-        run = Run(
-            target,
-            draft,
-            ids,
-            options,
-            max_new_tokens=max_new_tokens,
-            compile=compile,
-            stats=Stats(k if draft is not None else 0),
-            progress=progress,
-            resources=self.resources,
-            stops=stops,
-            detokenize=True,
-        )
-        return stream_chunks(run)
-
-
-def _sampling_options(target, temperature, seed, top_k, top_p, min_p) -> dict:
-    """The call's sampling options, each given one or, when None, the checkpoint's generation_config.json
-    default (`sampling_defaults`: greedy unless it says do_sample)."""
-    defaults = sampling_defaults(target)
-    given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    return {name: defaults[name] if v is None else v for name, v in given.items()} | {"seed": seed}
-
-
-_DEFAULT = Generator()  # the one instance `generate` uses; `default_generator()` hands it out
-
-
-def default_generator() -> Generator:
-    """The `Generator` behind `fspec.generate`: hold it to reach (or `clear()`) what the calls kept."""
-    return _DEFAULT

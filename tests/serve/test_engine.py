@@ -212,68 +212,83 @@ def test_compiled_generate_is_exact_when_greedy_and_lossless_when_sampled():
         assert p > 1e-3, f"position {pos}: compiled speculative marginals differ (p = {p:.2e})"
 
 
-def test_compiled_prefill_round_equals_eager_at_the_exact_prompt_width():
-    """`prefill_round` (prefill, first token, K sampled drafts) compiled, with the prompts padded to their
-    length bucket (22 -> 24 columns) and a padding request, equals the eager round at the prompts' own width:
-    the same first tokens and drafts, the same draft probabilities, the same caches for the real requests."""
-    from fspec.core.cache import KVCache, mark_static
-    from fspec.serve.rounds import compiled_prefill_round, prefill_round
+@pytest.mark.parametrize("sizes", [(4,), (3, 8), (64,)])
+def test_chunked_prefill_equals_whole_prompt_prefill(monkeypatch, sizes):
+    """The CUDA engine's prefill in chunks (`PrefillChunk`: each chunk attends to the earlier ones in the
+    cache, the head pairs a chunk's last hidden with the next chunk's first token, the first token and drafts
+    come from the chunk that ends each prompt) run here on the CPU with tiny chunk lengths: the same tokens
+    as whole-prompt prefill, greedy and sampled, for ragged prompts of 1 to 23 tokens and a padding row."""
+    from fspec.serve import runner
+    from fspec.serve.engine import Stats
+    from fspec.serve.rounds import prefill_chunk_round
 
-    target, draft = aligned_pair(k=3)
-    prompts = PROMPTS[:4] + [PROMPTS[4]]
-    b, bs = 8, draft.cfg.block_size
-    lens = [len(p) for p in prompts] + [0] * (b - len(prompts))
-    live = torch.tensor([n > 0 for n in lens])
-    table = torch.full((b, 8), -1, dtype=torch.int32)
-    for r in range(len(prompts)):
-        table[r, :4] = torch.arange(4 * r, 4 * r + 4)
-    sampling = fspec.SamplingParams.create(
-        b, temperature=[0.0, 1.0, 0.7, 1.3, 1.0, 0.0, 0.0, 0.0], seed=torch.arange(b) + 11
+    monkeypatch.setattr(runner, "chunk_sizes", lambda group: sizes)
+    # compiled calls replay the chunk from a CUDA graph; here the same static buffers feed the eager function
+    uncaptured = lambda tcfg, dcfg, bs: functools.partial(
+        prefill_chunk_round, tcfg=tcfg, dcfg=dcfg, block_size=bs
     )
+    monkeypatch.setattr(runner, "captured_prefill_chunk", uncaptured)
+    target, draft = aligned_pair(k=3)
+    prompts = [*PROMPTS, [7]]  # six requests: bucket 8
+    opts = dict(temperature=[0.0, 0.9, 0.0, 1.2, 0.7, 1.0], seed=[3, 1, 4, 1, 5, 9])
+    for head in (draft, None):
+        runs = []
+        modes = (
+            ((False, False), (True, False), (True, True))
+            if sizes == (3, 8)
+            else ((False, False), (True, False))
+        )
+        for chunked, compile in modes:
+            run = Run(target, head, prompts, opts, max_new_tokens=9, compile=compile,
+                      stats=Stats(3 if head else 0), progress=False)  # fmt: skip
+            run.chunked = chunked
+            runs.append(run.go())
+        assert all(r == runs[0] for r in runs[1:]), (head is None, sizes)
+    forwards = Stats(3)
+    run = Run(target, draft, prompts, opts, max_new_tokens=2, compile=False, stats=forwards, progress=False)
+    run.chunked = True
+    run.go()
+    chunks = 0 if sizes == (64,) else -(-max(map(len, prompts)) // sizes[-1])
+    assert forwards.target_forwards >= max(chunks, 1) + 1  # the chunk calls, then the rounds
 
-    def run(width, fn):
-        ids = torch.zeros(b, width, dtype=torch.int64)
-        for r, p in enumerate(prompts):
-            ids[r, : len(p)] = torch.tensor(p)
-        tc = KVCache.create(target.cfg, num_blocks=32, block_size=bs, dtype=torch.float32)
-        dc = KVCache.create(draft.cfg.model, num_blocks=32, block_size=bs, dtype=torch.float32)
-        tc, dc = mark_static(tc), mark_static(dc)
-        out = fn(target.params, draft.params, ids, torch.tensor(lens), live, table, sampling, tc, dc)
-        return [t.clone() for t in out], tc
 
-    eager, tc_e = run(max(lens), functools.partial(
-        prefill_round, tcfg=target.cfg, dcfg=draft.cfg, block_size=bs))  # fmt: skip
-    compiled, tc_c = run(24, compiled_prefill_round(target.cfg, draft.cfg, bs))
-    assert torch.equal(compiled[0][:5], eager[0][:5]) and torch.equal(compiled[1][:5], eager[1][:5])
-    torch.testing.assert_close(compiled[2][:5], eager[2][:5], atol=1e-5, rtol=1e-4)
-    used = table[:5, :4].flatten().long()
-    torch.testing.assert_close(tc_c.k[:, used], tc_e.k[:, used], atol=1e-5, rtol=1e-4)
-
-
-def test_compiled_generate_with_the_prefill_graph(monkeypatch):
-    """FSPEC_COMPILE_PREFILL=1 (the default on CUDA): prefill and first proposal as one graph. Greedy output
-    equals target-only greedy, and prompts of another length in the same length bucket (22 and 23 tokens:
-    24) compile nothing new; sampled output equals the eager engine's."""
+def test_compiled_calls_after_warmup_compile_nothing():
+    """`Generator.warmup(max_batch=8, max_len=...)` compiles every round graph compiled calls of up to 8
+    requests within max_len use; afterwards calls of 1 to 8 prompts of other lengths, greedy and sampled,
+    speculative and target-only, compile nothing (dynamo's graph count), and give target-only greedy's tokens
+    (greedy) and the eager engine's (sampled)."""
     from torch._dynamo.utils import counters
 
-    monkeypatch.setenv("FSPEC_COMPILE_PREFILL", "1")
     target, draft = aligned_pair(k=3)
+    gen = fspec.Generator()
     torch._dynamo.reset()
     counters.clear()
-    run = functools.partial(fspec.generate, target, draft, num_speculative_steps=3, compile=True)
-    first = run(PROMPTS, max_new_tokens=6)
+    for head in (draft, None):
+        report = gen.warmup(target, head, max_batch=8, max_len=40)
+        assert report["calls"] == 4 * 2 and report["seconds"] > 0  # buckets 1, 2, 4, 8; greedy, sampled
     graphs = counters["stats"]["unique_graphs"]
-    assert graphs == 2, dict(counters["stats"])  # the prefill round and the speculative round
-    other = [p[::-1] for p in PROMPTS[:4]] + [list(range(60, 83))]
-    second = run(other, max_new_tokens=5)
+    assert graphs >= 8, dict(counters["stats"])
+    rng = torch.Generator().manual_seed(0)
+    for b, n, new in ((1, 3, 5), (3, 17, 9), (8, 30, 6), (5, 1, 9), (2, 11, 20)):
+        prompts = [torch.randint(0, 97, (n + i,), generator=rng).tolist() for i in range(b)]
+        want = fspec.generate(target, None, prompts, max_new_tokens=new).tokens
+        for head in (draft, None):
+            got = gen.generate(target, head, prompts, max_new_tokens=new, compile=True)
+            assert got.tokens == want, (b, n, head is None)
+        temps, seeds = [0.8] * b, list(range(b))
+        sampled = gen.generate(target, draft, prompts, max_new_tokens=new, temperature=temps, seed=seeds,
+                               compile=True)  # fmt: skip
+        eager = fspec.generate(target, draft, prompts, max_new_tokens=new, temperature=temps, seed=seeds)
+        assert sampled.tokens == eager.tokens
     assert counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
-    assert first.tokens == fspec.generate(target, None, PROMPTS, max_new_tokens=6).tokens
-    assert second.tokens == fspec.generate(target, None, other, max_new_tokens=5).tokens
-    sampled = run(other, max_new_tokens=6, temperature=[1.0, 0.5, 1.0, 1.5, 1.0], seed=[3, 4, 5, 6, 7])
-    monkeypatch.setenv("FSPEC_COMPILE_PREFILL", "0")
-    eager = fspec.generate(target, draft, other, max_new_tokens=6, temperature=[1.0, 0.5, 1.0, 1.5, 1.0],
-                           seed=[3, 4, 5, 6, 7], num_speculative_steps=3)  # fmt: skip
-    assert sampled.tokens == eager.tokens
+    for bad in (0, 300, 1.0, True):
+        with pytest.raises(ValueError, match="max_batch"):
+            gen.warmup(target, draft, max_batch=bad)
+    for bad in (1, 10**6, 2.0):
+        with pytest.raises(ValueError, match="max_len"):
+            gen.warmup(target, draft, max_len=bad)
+    with pytest.raises(ValueError, match="target"):
+        gen.warmup(None, draft)
 
 
 @pytest.mark.parametrize("pipeline", [True, False])
@@ -302,23 +317,31 @@ def test_pipelined_and_synchronous_round_loops_agree_and_free_every_block(pipeli
     assert run.alloc.num_free == total
 
 
-def test_compiled_caches_come_in_few_sizes_so_nearby_calls_share_graphs():
+def test_compiled_calls_share_one_cache_pool_that_only_grows():
     """size_bucket (KV-cache blocks, prompt lengths): never below n, at most 25% above it (16 floor),
-    monotone, four sizes per power of two; nearby needs share one cache shape."""
+    monotone, four sizes per power of two. Compiled runs of one generator share one cache pool (the graphs
+    keep its address) while their needs fit, and a larger need replaces it with one of size_bucket(need)."""
+    from fspec.serve.resources import Resources
+
     sizes = [size_bucket(n) for n in range(1, 5000)]
     assert all(s >= n and (n <= 16 or s <= 1.25 * n) for n, s in enumerate(sizes, 1))
     assert sizes == sorted(sizes) and len(set(sizes)) <= 4 * 9 + 1
     target, draft = aligned_pair(k=3)
+    res = Resources()
 
-    def run(max_new: int) -> Run:
-        greedy = dict(temperature=[0.0] * 5, seed=[0] * 5)
-        return Run(target, draft, PROMPTS, greedy, max_new_tokens=max_new, compile=True, stats=Stats(3),
-                   progress=False)  # fmt: skip
+    def run(max_new: int, copies: int = 1) -> Run:
+        greedy = dict(temperature=[0.0] * 5 * copies, seed=[0] * 5 * copies)
+        return Run(target, draft, PROMPTS * copies, greedy, max_new_tokens=max_new, compile=True,
+                   stats=Stats(3), progress=False, resources=res)  # fmt: skip
 
-    runs = [run(m) for m in range(4, 12)]
-    needs = {r.alloc.num_blocks for r in runs}  # 49, 51, ..., 57: five different needs ...
-    shapes = {tuple(r.tcache.k.shape) for r in runs}
-    assert len(needs) == 5 and len(shapes) == len({size_bucket(n) for n in needs}) == 2  # ... two caches
+    runs = [run(m) for m in (11, 4, 6, 9)]
+    assert len({r.alloc.num_blocks for r in runs}) == 4  # four different needs ...
+    assert len({id(r.tcache) for r in runs}) == 1  # ... one pool, made for the largest, first
+    assert runs[0].tcache.num_blocks == size_bucket(runs[0].alloc.num_blocks)
+    bigger = run(11, copies=3)
+    assert bigger.tcache is not runs[0].tcache
+    assert bigger.tcache.num_blocks == size_bucket(bigger.alloc.num_blocks)
+    assert run(5).tcache is bigger.tcache
 
 
 def test_compiled_generate_reuses_its_graphs_across_calls_of_one_bucket():
@@ -333,7 +356,7 @@ def test_compiled_generate_reuses_its_graphs_across_calls_of_one_bucket():
     counters.clear()
     first = fspec.generate(target, draft, PROMPTS, max_new_tokens=4, num_speculative_steps=3, compile=True)
     graphs = counters["stats"]["unique_graphs"]
-    assert graphs >= 2  # the round and the later draft steps
+    assert graphs >= 1  # the round (off CUDA the prefill runs eagerly)
     second = fspec.generate(target, draft, other, max_new_tokens=6, num_speculative_steps=3, compile=True)
     assert counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
     assert first.tokens == fspec.generate(target, None, PROMPTS, max_new_tokens=4).tokens

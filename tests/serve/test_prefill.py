@@ -34,7 +34,8 @@ def test_prefill_then_propose_gives_the_engines_first_token_and_drafts():
         stats=Stats(3),
         progress=False,
     )
-    d_tok, d_prob = run._prefill()
+    run._keep = []
+    d_tok, d_prob = run._admit(run._device_state())  # the first admission: every request, slots 0, 1, 2
     assert torch.equal(state.draft_tokens, d_tok[: len(PROMPTS)])
     torch.testing.assert_close(state.draft_probs, d_prob[: len(PROMPTS)], rtol=1e-6, atol=1e-7)
     assert (state.draft_tokens >= 0).all() and int(state.step) == 3

@@ -1,0 +1,147 @@
+"""What compiled generation keeps between calls (`Resources`, owned by a `fspec.Generator`): KV caches, static
+input buffers, compiled and captured round functions, and the warmed-up plan that bounds their shapes.
+
+CUDA graphs record the addresses of their inputs, so fresh caches and buffers on every call would make every
+call record its graphs anew. Three things keep the set of graphs small whatever the prompts:
+
+* one KV-cache pool per (model config, block size, dtype, device), reused by every compiled call and
+  replaced by a larger one only when a call needs more blocks than it has (`cache`);
+* block tables of a few widths (`fspec.core.cache.table_width`: powers of two of 512 tokens), and never
+  narrower than the width `fspec.Generator.warmup` recorded (`min_width`);
+* prefill in chunks of a few fixed lengths (`chunk_sizes`), so no graph depends on a prompt's length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fspec.compile.graph_capture import GraphCapture
+from fspec.core.cache import KVCache, mark_static
+from fspec.core.config import size_bucket
+from fspec.core.pytree import tree
+from fspec.core.sampling_params import SamplingParams
+from fspec.serve.rounds import PrefillChunk
+
+# Prefill chunk lengths (tokens per request per chunk call), and the most rows one chunk call runs: a group of
+# g requests takes the lengths min(c, CHUNK_ROWS // g) (at least 16), so activations stay bounded at any g.
+CHUNK_SIZES = (64, 256, 1024)
+CHUNK_ROWS = 4096
+
+
+def chunk_sizes(group: int) -> tuple[int, ...]:
+    """The chunk lengths a prefill of `group` (a batch bucket) requests uses, ascending."""
+    return tuple(sorted({max(16, min(c, CHUNK_ROWS // group)) for c in CHUNK_SIZES}))
+
+
+def pick_chunk(sizes: tuple[int, ...], remaining: int) -> int:
+    """The chunk length for a prefill step with at most `remaining` prompt tokens left in any request: the
+    shortest that holds them, else the longest."""
+    return next((c for c in sizes if c >= remaining), sizes[-1])
+
+
+class Resources:
+    """KV-cache pools, static buffers and compiled functions of one `fspec.Generator`.
+
+    Buffers are bounded to the `max_shapes` most recent shapes of each kind; a cache pool only grows (a larger
+    one replaces it). Stale cache contents are harmless: nothing past a request's seq_lens is ever read."""
+
+    def __init__(self, *, max_shapes: int = 4) -> None:
+        self.max_shapes = max_shapes
+        self.caches: dict[tuple, KVCache] = {}
+        self.buffers: dict[tuple, dict] = {}
+        self.graphs: dict[tuple, object] = {}
+        self.widths: dict[tuple, int] = {}  # (target cfg, block size) -> the narrowest table a call uses
+
+    def cache(self, cfg, num_blocks: int, block_size: int, dtype, device, compiled: bool) -> KVCache:
+        """A KV cache of at least `num_blocks` blocks: a fresh one of exactly that size eagerly; when
+        compiled, the kept pool (static addresses), replaced by a `size_bucket(num_blocks)` one if smaller."""
+        if not compiled:
+            shape = dict(num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device)
+            return KVCache.create(cfg, **shape)
+        key = (cfg, block_size, dtype, str(device))
+        kept = self.caches.get(key)
+        if kept is None or kept.num_blocks < num_blocks:
+            self.caches.pop(key, None)  # the old pool's memory goes before the new one is made
+            kept = KVCache.create(
+                cfg, num_blocks=size_bucket(num_blocks), block_size=block_size, dtype=dtype, device=device
+            )
+            self.caches[key] = mark_static(kept)
+        return kept
+
+    def min_width(self, tcfg, block_size: int) -> int:
+        """The narrowest block table (blocks) compiled calls of this target use: what `warmup` recorded."""
+        return self.widths.get((tcfg, block_size), 1)
+
+    def _kept(self, key: tuple, make) -> dict:
+        if key not in self.buffers:
+            if len(self.buffers) >= self.max_shapes * 4:  # four kinds of buffers, max_shapes of each
+                self.buffers.pop(next(iter(self.buffers)))
+            bufs = make()
+            for t in tree.tree_leaves(bufs):
+                torch._dynamo.mark_static_address(t)
+            self.buffers[key] = bufs
+        return self.buffers[key]
+
+    def device_buffers(self, b: int, max_blocks: int, suppress: int, device) -> dict:
+        """The compiled rounds' per-request inputs (current token, position, live flag, block table, sampling
+        settings with `suppress` stop ids per request) in buffers with static addresses: a CUDA graph reads
+        them where they lie instead of copying each one in before every replay (six launches per
+        target-only token on the H200), and the target-only round writes the current token and position
+        back in place."""
+        return self._kept(
+            ("rounds", b, max_blocks, suppress, str(device)),
+            lambda: {
+                "cur": torch.zeros(b, dtype=torch.int64, device=device),
+                "n": torch.zeros(b, dtype=torch.int64, device=device),
+                "live": torch.zeros(b, dtype=torch.bool, device=device),
+                "table": torch.full((b, max_blocks), -1, dtype=torch.int32, device=device),
+                "sampling": _sampling_buffers(b, suppress, device),
+            },
+        )
+
+    def draft_buffers(self, b: int, k: int, vd: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Static homes for a round's proposal (draft_tokens [b, k], draft_probs [b, k, vd]): a captured round
+        reads its inputs where they lay when it was captured, so each round's proposal is copied here."""
+        bufs = self._kept(
+            ("drafts", b, k, vd, str(device)),
+            lambda: {
+                "tokens": torch.zeros(b, k, dtype=torch.int64, device=device),
+                "probs": torch.zeros(b, k, vd, dtype=torch.float32, device=device),
+            },
+        )
+        return bufs["tokens"], bufs["probs"]
+
+    def chunk_buffers(self, g: int, c: int, max_blocks: int, suppress: int, device) -> dict:
+        """Static inputs of a captured prefill chunk (`captured_prefill_chunk`): g requests, c tokens each."""
+        return self._kept(
+            ("chunk", g, c, max_blocks, suppress, str(device)),
+            lambda: {
+                "ids": torch.zeros(g, c, dtype=torch.int64, device=device),
+                "counts": torch.zeros(g, dtype=torch.int64, device=device),
+                "live": torch.zeros(g, dtype=torch.bool, device=device),
+                "table": torch.full((g, max_blocks), -1, dtype=torch.int32, device=device),
+                "sampling": _sampling_buffers(g, suppress, device),
+                "chunk": PrefillChunk(
+                    starts=torch.zeros(g, dtype=torch.int64, device=device),
+                    lookahead=torch.zeros(g, dtype=torch.int64, device=device),
+                    final=torch.zeros(g, dtype=torch.bool, device=device),
+                ),
+            },
+        )
+
+    def graph(self, factory, *key):
+        """`factory(*key)` (a compiled or captured round function), made once per key and kept."""
+        k = (factory, *key)
+        if k not in self.graphs:
+            self.graphs[k] = factory(*key)
+        return self.graphs[k]
+
+    @property
+    def recorded_graphs(self) -> int:
+        """CUDA graphs captured so far by the kept functions (`GraphCapture.captures`)."""
+        return sum(g.captures for g in self.graphs.values() if isinstance(g, GraphCapture))
+
+
+def _sampling_buffers(b: int, suppress: int, device) -> SamplingParams:
+    ids = [-1] * suppress if suppress else None
+    return SamplingParams.create(b, suppress_ids=ids, device=device)

@@ -1,0 +1,139 @@
+"""Continuous batching inside `generate`: a call of more prompts than its slots runs them `max_batch` at a
+time, and a finished request's slot and KV blocks go to the next waiting prompt while the others go on.
+
+What must hold: every request's tokens are what it gets alone (greedy: target-only decoding; sampled: the
+same Philox noise, keyed by seed and position, whatever the slot), in both round loops; slots are reused
+(more admissions than slots, each after a request ended); the block books balance after every round and
+every block is free at the end; and rows of the round launched before an admission never reach the new
+request (the pipelined loop launches round r + 1 before it reads round r).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+import fspec
+from fspec.serve.engine import Stats
+from fspec.serve.runner import Run
+
+from engine_setup import aligned_pair
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(97) for _ in range(rng.choice([1, 2, 5, 9, 14, 22, 30]))] for _ in range(n)]
+
+
+class _Books(Run):
+    """A Run that checks its slots and the allocator's books after every processed round."""
+
+    def _process(self, record) -> None:
+        super()._process(record)
+        held = [blk for blocks in self.blocks for blk in blocks]
+        pending = [blk for blocks in self.free_at.values() for blk in blocks]
+        assert len(set(held)) == len(held) and not set(held) & set(pending)
+        assert self.alloc._used == set(held) | set(pending), "allocator and slots disagree: a leak"
+        live = [self.req[b] for b in range(self.b) if not self.done[b]]
+        assert len(set(live)) == len(live), "a request in two slots"
+        self.checked += 1
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_more_prompts_than_slots_equal_each_prompt_alone(pipeline):
+    """19 prompts of 1..30 tokens through 4 slots (bucket 4), EOS set to frequent tokens so requests end
+    at different rounds: greedy speculative output equals target-only decoding of each prompt, sampled
+    output equals the all-at-once call's (19 slots); slots are reused, books balance, nothing leaks."""
+    target, draft = aligned_pair(k=3)
+    prompts = _prompts(19, seed=1)
+    free = fspec.generate(target, None, prompts, max_new_tokens=12)
+    counts: dict[int, int] = {}
+    for toks in free.tokens:
+        for t in toks[1:]:
+            counts[t] = counts.get(t, 0) + 1
+    eos = tuple(sorted(counts, key=lambda t: -counts[t])[:3])
+    target = dataclasses.replace(target, cfg=dataclasses.replace(target.cfg, eos_token_ids=eos))
+    want = fspec.generate(target, None, prompts, max_new_tokens=12).tokens
+    assert len({len(t) for t in want}) >= 4, "finishes not staggered"
+    temps, seeds = [0.0 if i % 3 == 0 else 0.9 for i in range(19)], list(range(19))
+    sampled_all = fspec.generate(target, draft, prompts, max_new_tokens=12, temperature=temps, seed=seeds)
+    for options, expect in (
+        (dict(temperature=[0.0] * 19, seed=[0] * 19), want),
+        (dict(temperature=temps, seed=seeds), sampled_all.tokens),
+    ):
+        run = _Books(target, draft, prompts, options, max_new_tokens=12, compile=False, stats=Stats(3),
+                     progress=False, max_slots=4)  # fmt: skip
+        run.pipeline, run.checked = pipeline, 0
+        total = run.alloc.num_free
+        admissions: list[tuple[int, int]] = []
+        admit = run._admissible
+
+        def logged(admit=admit, log=admissions):
+            pairs = admit()
+            log.extend(pairs)
+            return pairs
+
+        run._admissible = logged
+        got = run.go()
+        assert run.b == 4 and got == expect
+        assert len(admissions) == 19 and len({s for s, _ in admissions}) == 4  # every slot reused
+        assert run.checked > 0 and run.alloc.num_free == total and not run.alloc._used
+        assert all(not b for b in run.blocks)
+
+
+def test_a_generator_with_max_batch_runs_a_large_call_in_a_full_batch():
+    """`fspec.Generator(max_batch=8)`: 40 prompts run 8 at a time; the tokens are those of the default
+    generator (all 40 in one bucket of 64) and of target-only decoding; stats count every request-round."""
+    target, draft = aligned_pair(k=2)
+    prompts = _prompts(40, seed=2)
+    gen = fspec.Generator(max_batch=8)
+    got = gen.generate(target, draft, prompts, max_new_tokens=7, num_speculative_steps=2)
+    assert got.tokens == fspec.generate(target, None, prompts, max_new_tokens=7).tokens
+    assert got.stats["new_tokens"] == sum(map(len, got.tokens))
+    assert got.stats["rounds"] >= 40 * 6 / (3 * 8)  # at most 8 requests per round, at most 3 tokens each
+    for bad in (0, 257, 2.0, True):
+        with pytest.raises(ValueError, match="max_batch"):
+            fspec.Generator(max_batch=bad)
+
+
+def test_an_admitted_request_ignores_the_round_launched_before_it():
+    """Pipelined: after round r ends a request, round r + 1 is already queued with that slot's old
+    request. A request admitted into the slot must not take that round's row: with 1 slot and two prompts,
+    the second prompt's tokens are its own (equal to running it alone), and its first round is the first
+    one launched after its admission."""
+    target, draft = aligned_pair(k=3)
+    prompts = [[5, 6, 7, 8], [40, 41]]
+    alone = [fspec.generate(target, draft, [p], max_new_tokens=9).tokens[0] for p in prompts]
+    run = Run(target, draft, prompts, dict(temperature=[0.0, 0.0], seed=[0, 0]), max_new_tokens=9,
+              compile=False, stats=Stats(3), progress=False, max_slots=1)  # fmt: skip
+    assert run.go() == alone and run.rounds_launched >= 2 * 2
+    assert run.admitted_at[0] > 0
+
+
+def test_compiled_continuous_batching_equals_eager():
+    """compile=True with 10 prompts through 4 slots: the same tokens as the eager engine, greedy and
+    sampled, and the second such call compiles nothing new."""
+    from torch._dynamo.utils import counters
+
+    target, draft = aligned_pair(k=3)
+    prompts = _prompts(10, seed=3)
+    gen = fspec.Generator(max_batch=4)
+    temps, seeds = [0.8] * 10, list(range(10))
+    kw = dict(max_new_tokens=8, num_speculative_steps=3)
+    want = fspec.generate(target, None, prompts, max_new_tokens=8).tokens
+    assert gen.generate(target, draft, prompts, compile=True, **kw).tokens == want
+    torch._dynamo.reset()
+    counters.clear()
+    eager = fspec.generate(target, draft, prompts, temperature=temps, seed=seeds, **kw).tokens
+    got = gen.generate(target, draft, prompts, temperature=temps, seed=seeds, compile=True, **kw).tokens
+    assert got == eager
+    graphs = counters["stats"]["unique_graphs"]
+    again = gen.generate(target, draft, prompts[::-1], temperature=temps, seed=seeds, compile=True, **kw)
+    assert (
+        again.tokens
+        == fspec.generate(target, draft, prompts[::-1], temperature=temps, seed=seeds, **kw).tokens
+    )
+    assert counters["stats"]["unique_graphs"] == graphs
