@@ -36,9 +36,8 @@ def main() -> None:
             torch.cuda.synchronize()
             dt = time.perf_counter() - t
             row[compile] = r
-            print(
-                f"  compile={compile}: {len(r.tokens[0]) / dt:7.1f} tok/s  tau {r.stats['acceptance_length']:.2f}"
-            )
+            tau = r.stats["acceptance_length"]
+            print(f"  compile={compile}: {len(r.tokens[0]) / dt:7.1f} tok/s  tau {tau:.2f}")
         print(f"  same tokens: {row[True].tokens == row[False].tokens}", flush=True)
     print(f"graphs recorded after warm-up: {gen.recorded_graphs - graphs}")
 
