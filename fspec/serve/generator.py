@@ -126,19 +126,23 @@ class Generator:
         res.cache(target.cfg, pool, bs, target.params["embed"].dtype, device, True)
         if draft is not None:
             res.cache(draft.cfg.model, pool, bs, draft.params["embed"].dtype, device, True)
-        vocab = target.cfg.vocab_size
-        for b in (x for x in BATCH_BUCKETS if x <= top):
-            # a prompt of each chunk length (the longest chunk also covers longer prompts), two new tokens
-            lengths = [1]  # off CUDA prefill runs whole prompts: no graph depends on their length
-            if device.type == "cuda":
-                lengths = sorted({min(c, max_len - 2) for c in chunk_sizes(b)} - {0})
-            for temperature in (0.0, 1.0) if sampled else (0.0,):
-                for n in lengths:
-                    prompt = [(7 * i + 1) % vocab for i in range(n)]
-                    self.generate(target, draft, [prompt] * b, max_new_tokens=2, temperature=temperature,
-                                  ignore_eos=True, num_speculative_steps=k if draft is not None else None,
-                                  compile=True)  # fmt: skip
-                    calls += 1
+        res.pinning = True  # what the warm-up makes stays: its graphs read it where it lies
+        try:
+            vocab = target.cfg.vocab_size
+            for b in (x for x in BATCH_BUCKETS if x <= top):
+                # a prompt of each chunk length (the longest chunk also covers longer prompts), two new tokens
+                lengths = [1]  # off CUDA prefill runs whole prompts: no graph depends on their length
+                if device.type == "cuda":
+                    lengths = sorted({min(c, max_len - 2) for c in chunk_sizes(b)} - {0})
+                for temperature in (0.0, 1.0) if sampled else (0.0,):
+                    for n in lengths:
+                        prompt = [(7 * i + 1) % vocab for i in range(n)]
+                        self.generate(target, draft, [prompt] * b, max_new_tokens=2, temperature=temperature,
+                                      ignore_eos=True, num_speculative_steps=k if draft is not None else None,
+                                      compile=True)  # fmt: skip
+                        calls += 1
+        finally:
+            res.pinning = False
         seconds = time.perf_counter() - start
         return {"seconds": seconds, "graphs": self.recorded_graphs - before, "calls": calls}
 

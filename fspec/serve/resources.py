@@ -51,6 +51,8 @@ class Resources:
         self.buffers: dict[tuple, dict] = {}
         self.graphs: dict[tuple, object] = {}
         self.widths: dict[tuple, int] = {}  # (target cfg, block size) -> the narrowest table a call uses
+        self.pinned: set[tuple] = set()  # buffers a warm-up made: never evicted (its graphs read them)
+        self.pinning = False  # set while `fspec.Generator.warmup` runs
 
     def cache(self, cfg, num_blocks: int, block_size: int, dtype, device, compiled: bool) -> KVCache:
         """A KV cache of at least `num_blocks` blocks: a fresh one of exactly that size eagerly; when
@@ -74,12 +76,16 @@ class Resources:
 
     def _kept(self, key: tuple, make) -> dict:
         if key not in self.buffers:
-            if len(self.buffers) >= self.max_shapes * 4:  # four kinds of buffers, max_shapes of each
-                self.buffers.pop(next(iter(self.buffers)))
+            # max_shapes of each kind besides the warm-up's: the oldest unpinned one of the kind goes
+            same = [k for k in self.buffers if k[0] == key[0] and k not in self.pinned]
+            if len(same) >= self.max_shapes:
+                self.buffers.pop(same[0])
             bufs = make()
             for t in tree.tree_leaves(bufs):
                 torch._dynamo.mark_static_address(t)
             self.buffers[key] = bufs
+        if self.pinning:
+            self.pinned.add(key)
         return self.buffers[key]
 
     def device_buffers(self, b: int, max_blocks: int, suppress: int, device) -> dict:

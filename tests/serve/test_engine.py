@@ -260,13 +260,15 @@ def test_compiled_calls_after_warmup_compile_nothing():
     from torch._dynamo.utils import counters
 
     target, draft = aligned_pair(k=3)
-    gen = fspec.Generator()
+    gen = fspec.Generator(max_shapes=1)  # fewer kept shapes than the warm-up makes: its own are pinned
     torch._dynamo.reset()
     counters.clear()
     for head in (draft, None):
         report = gen.warmup(target, head, max_batch=8, max_len=40)
         assert report["calls"] == 4 * 2 and report["seconds"] > 0  # buckets 1, 2, 4, 8; greedy, sampled
     graphs = counters["stats"]["unique_graphs"]
+    warmed = dict(gen.resources.buffers)
+    assert len(warmed) >= 8 and set(warmed) == gen.resources.pinned
     assert graphs >= 8, dict(counters["stats"])
     rng = torch.Generator().manual_seed(0)
     for b, n, new in ((1, 3, 5), (3, 17, 9), (8, 30, 6), (5, 1, 9), (2, 11, 20)):
@@ -281,6 +283,7 @@ def test_compiled_calls_after_warmup_compile_nothing():
         eager = fspec.generate(target, draft, prompts, max_new_tokens=new, temperature=temps, seed=seeds)
         assert sampled.tokens == eager.tokens
     assert counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
+    assert all(gen.resources.buffers[k] is v for k, v in warmed.items())  # nothing the graphs read moved
     for bad in (0, 300, 1.0, True):
         with pytest.raises(ValueError, match="max_batch"):
             gen.warmup(target, draft, max_batch=bad)

@@ -1,0 +1,142 @@
+"""Continuous batching against static batches: many prompts of mixed lengths through B slots.
+
+    python benchmarks/bench_continuous.py [--out benchmarks/results/continuous.json] [--batch 64 256]
+        [--prompts 512] [--new-tokens 128] [--dtype bfloat16] [--device cuda] [--compile] [--skip-hf]
+
+SmolLM2-135M-Instruct with its shipped head; the prompts are the held-out sets of `fspec.train.prompts`
+(code, chat, health interleaved, chat template applied, repeated to --prompts), greedy, each request stopped
+at EOS or after --new-tokens, so requests end at different rounds. Modes, each one call of all prompts (one
+warm-up call of the mode first):
+  * continuous: `fspec.Generator(max_batch=B).generate(...)`: a finished request's slot and blocks go to the
+    next waiting prompt;
+  * static: the same generator called on consecutive chunks of B prompts: each chunk runs to its slowest
+    request, as `generate` ran chunks of 256 before continuous batching;
+  * target_only: continuous batching without the head;
+  * hf: transformers `generate` (dynamic cache) on chunks of B prompts with left padding (--skip-hf: not run).
+tokens/s = new tokens (EOS included) / wall time. Rows: {"case": {"B", "mode"}, "tok_s", "seconds",
+"new_tokens", "tau"}; written after every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import results_io  # noqa: E402
+
+import fspec  # noqa: E402
+from fspec.train import default_model  # noqa: E402
+from fspec.train import prompts as P  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="benchmarks/results/continuous.json")
+    p.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--prompts", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--compile", action="store_true", help="compile=True for the fspec modes")
+    p.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
+    p.add_argument("--skip-hf", action="store_true")
+    return p.parse_args(argv)
+
+
+def sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def hf_generate(model, prompts, new_tokens: int, eos: set[int], b: int) -> int:
+    """New tokens (up to and including the first EOS per row) of transformers `generate` on chunks of b."""
+    total = 0
+    for lo in range(0, len(prompts), b):
+        chunk = prompts[lo : lo + b]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=model.device)
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                pad_token_id=0, eos_token_id=sorted(eos),
+            )  # fmt: skip
+        for row in out[:, width:].tolist():
+            stop = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+            total += stop
+    return total
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if torch.device(args.device).type == "cpu":
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    target, head = default_model.load_default(dtype=dtype, device=args.device)
+    sets = [default_model.chat_ids(target, P.heldout(n), max_tokens=512) for n in P.HELDOUT]
+    mixed = [row for group in zip(*sets) for row in group]
+    prompts = (mixed * (-(-args.prompts // len(mixed))))[: args.prompts]
+    eos = set(target.cfg.eos_token_ids)
+    doc = results_io.header("bench_continuous.py", argv, args.device)
+    doc.update(dtype=args.dtype, new_tokens=args.new_tokens, prompts=len(prompts), compile=args.compile,
+               prompt_tokens=[min(map(len, prompts)), max(map(len, prompts))], rows=[])  # fmt: skip
+    hf = None
+    if not args.skip_hf:
+        import transformers
+
+        tmp = tempfile.mkdtemp()
+        fspec.save_target(target, tmp)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(args.device).eval()
+    kw = dict(max_new_tokens=args.new_tokens, temperature=0.0, compile=args.compile)
+    for b in args.batch:
+        gen = fspec.Generator(max_batch=b)
+
+        def continuous(draft, gen=gen):
+            r = gen.generate(target, draft, prompts, **kw)
+            return sum(map(len, r.tokens)), r.stats["acceptance_length"]
+
+        def static(gen=gen, b=b):
+            n, taus = 0, []
+            for lo in range(0, len(prompts), b):
+                r = gen.generate(target, head, prompts[lo : lo + b], **kw)
+                n += sum(map(len, r.tokens))
+                taus.append(r.stats["acceptance_length"])
+            return n, sum(taus) / len(taus)
+
+        modes = {
+            "continuous": lambda: continuous(head),
+            "static": static,
+            "target_only": lambda: continuous(None),
+        }
+        if hf is not None:
+            modes["hf"] = lambda b=b: (hf_generate(hf, prompts, args.new_tokens, eos, b), None)
+        for mode, fn in modes.items():
+            if mode != "hf":
+                gen.generate(target, head if mode != "target_only" else None, prompts[:b], **kw)  # warm-up
+            sync(args.device)
+            t0 = time.perf_counter()
+            n, tau = fn()
+            sync(args.device)
+            dt = time.perf_counter() - t0
+            row = {
+                "case": {"B": b, "mode": mode},
+                "tok_s": n / dt,
+                "seconds": dt,
+                "new_tokens": n,
+                "tau": tau,
+            }
+            doc["rows"].append(row)
+            results_io.write(Path(args.out), doc)
+            print(f"B={b:4d} {mode:12s} {n / dt:9.1f} tok/s  {dt:7.1f} s  tau {tau}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
