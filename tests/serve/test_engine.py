@@ -253,8 +253,8 @@ def test_chunked_prefill_equals_whole_prompt_prefill(monkeypatch, sizes):
 
 
 def test_compiled_calls_after_warmup_compile_nothing():
-    """`Generator.warmup(max_batch=8, max_len=...)` compiles every round graph compiled calls of up to 8
-    requests within max_len use; afterwards calls of 1 to 8 prompts of other lengths, greedy and sampled,
+    """`Generator.warmup(max_batch=2, max_len=...)` compiles every round graph compiled calls of up to 2
+    requests within max_len use; afterwards calls of 1 or 2 prompts of other lengths, greedy and sampled,
     speculative and target-only, compile nothing (dynamo's graph count), and give target-only greedy's tokens
     (greedy) and the eager engine's (sampled)."""
     from torch._dynamo.utils import counters
@@ -263,15 +263,15 @@ def test_compiled_calls_after_warmup_compile_nothing():
     gen = fspec.Generator(max_shapes=1)  # fewer kept shapes than the warm-up makes: its own are pinned
     torch._dynamo.reset()
     counters.clear()
-    for head in (draft, None):
-        report = gen.warmup(target, head, max_batch=8, max_len=40)
-        assert report["calls"] == 4 * 2 and report["seconds"] > 0  # buckets 1, 2, 4, 8; greedy, sampled
+    report = gen.warmup(target, draft, max_batch=2, max_len=40)
+    assert report["calls"] == 2 * 2 and report["seconds"] > 0  # buckets 1, 2; greedy, sampled
+    assert gen.warmup(target, None, max_batch=2, max_len=40)["calls"] == 2 * 2
     graphs = counters["stats"]["unique_graphs"]
     warmed = dict(gen.resources.buffers)
-    assert len(warmed) >= 8 and set(warmed) == gen.resources.pinned
-    assert graphs >= 8, dict(counters["stats"])
+    assert len(warmed) >= 4 and set(warmed) == gen.resources.pinned
+    assert graphs >= 4, dict(counters["stats"])
     rng = torch.Generator().manual_seed(0)
-    for b, n, new in ((1, 3, 5), (3, 17, 9), (8, 30, 6), (5, 1, 9), (2, 11, 20)):
+    for b, n, new in ((1, 3, 5), (2, 17, 9), (1, 30, 6), (2, 1, 9), (2, 11, 20)):
         prompts = [torch.randint(0, 97, (n + i,), generator=rng).tolist() for i in range(b)]
         want = fspec.generate(target, None, prompts, max_new_tokens=new).tokens
         for head in (draft, None):
