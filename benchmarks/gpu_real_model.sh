@@ -18,6 +18,13 @@
 #             head's files and train_log.json copied to $OUT/head
 #   bench     benchmarks/bench_real_model.py with the head of /root/head ($OUT/real_model.json; "bench:ARGS"
 #             passes options, "+" for spaces)
+#   stream    the head recipe's training stream only (default_model --stream /root/stream.pt --stream-only;
+#             "stream:ARGS" passes options, "+" for spaces); the stream file back in $OUT/stream in 12 MB pieces
+#   soak      benchmarks/gpu_soak.py ($OUT/gpu_soak.json; "soak:ARGS" passes options, "+" for spaces)
+#   memcheck  compute-sanitizer memcheck over benchmarks/gpu_memcheck_real.py: eager with the caching
+#             allocator off, then compiled with it on ($OUT/memcheck_eager.log, memcheck_compiled.log)
+#   ttt       benchmarks/bench_ttt_step.py --real-model: the TTT step old beside new ($OUT/ttt_step.json)
+#   continuous  benchmarks/bench_continuous.py ($OUT/continuous.json; "continuous:ARGS" passes options)
 #   interactive  benchmarks/bench_interactive.py with the shipped head ($OUT/interactive.json and
 #             bench_interactive.log; "interactive:ARGS" passes options, "+" for spaces)
 set -u
@@ -56,6 +63,29 @@ for stage in "$@"; do
       # a file comes back only under 16 MiB: the weights in 12 MB pieces (join with cat)
       mkdir -p "$OUT/head" && cp /root/head/*.json "$OUT/head/"
       split -b 12M -d /root/head/model.safetensors "$OUT/head/model.safetensors.part" ;;
+    stream*)
+      args=${stage#stream}; args=${args#:}
+      timeout 560 python3 -m fspec.train.default_model --out /root/head --device cuda --stream /root/stream.pt \
+        --stream-only ${args//+/ } 2>&1 | tee "$OUT/stream_build.log" | grep -v "^answers\|^self-prompts: [0-9]" | tail -12
+      mkdir -p "$OUT/stream" && split -b 12M -d /root/stream.pt "$OUT/stream/stream.pt.part" ;;
+    soak*)
+      args=${stage#soak}; args=${args#:}
+      timeout 560 python3 benchmarks/gpu_soak.py --out "$OUT/gpu_soak.json" ${args//+/ } 2>&1 \
+        | tee "$OUT/gpu_soak.log" | tail -8 ;;
+    memcheck)
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 270 compute-sanitizer --tool memcheck \
+        python3 benchmarks/gpu_memcheck_real.py eager > "$OUT/memcheck_eager.log" 2>&1
+      echo "memcheck eager rc $?"; grep -E "^eager|ERROR SUMMARY" "$OUT/memcheck_eager.log" | tail -8
+      timeout 270 compute-sanitizer --tool memcheck \
+        python3 benchmarks/gpu_memcheck_real.py compiled > "$OUT/memcheck_compiled.log" 2>&1
+      echo "memcheck compiled rc $?"; grep -E "^compiled|ERROR SUMMARY" "$OUT/memcheck_compiled.log" | tail -8 ;;
+    ttt)
+      timeout 300 python3 benchmarks/bench_ttt_step.py --real-model --out "$OUT/ttt_step.json" 2>&1 \
+        | tee "$OUT/bench_ttt_step.log" | tail -12 ;;
+    continuous*)
+      args=${stage#continuous}; args=${args#:}
+      timeout 560 python3 benchmarks/bench_continuous.py --out "$OUT/continuous.json" ${args//+/ } 2>&1 \
+        | tee "$OUT/bench_continuous.log" | tail -16 ;;
     interactive*)  # interactive:ARGS: bench_interactive.py options, "+" for spaces
       args=${stage#interactive}; args=${args#:}
       timeout 560 python3 benchmarks/bench_interactive.py --out "$OUT/interactive.json" ${args//+/ } 2>&1 \

@@ -5,16 +5,19 @@ and that device memory stays flat.
     python benchmarks/gpu_soak.py [--calls 2000] [--seconds 1e9] [--max-prompt 4096] [--max-batch 64]
         [--out benchmarks/results/gpu_soak.json]
 
-Model: SmolLM2-135M-Instruct in bf16 with its shipped EAGLE-3 head (`fspec.load_default`). Call i (seeded by
---seed + i): B uniform in 1..--max-batch, each prompt's length log-uniform in 1..--max-prompt (total tokens
-capped at --max-tokens, prompts of random token ids), max_new_tokens in 1..16, temperature 0 or in (0, 1.5],
-top_k / top_p / min_p each on with probability 1/3, speculative with probability 3/4 (K in 1..5), else the
-target alone. Eager calls except every --compiled-every-th call, which is compiled on one of two fixed
-shapes (B = 1 with a 100-token prompt, B = 8 with 200-token prompts), so compiled rounds replay their graphs
-with changing options. Checks, every call: every `BlockAllocator` the call made has all its blocks free;
-`torch.cuda.memory_allocated()` after the call at most the first post-warm-up value + --slack-mib. The run
-stops at the first failure (rc 1) or after --calls calls or --seconds seconds; the JSON records the calls
-made.
+Model: SmolLM2-135M-Instruct in bf16 with its shipped EAGLE-3 head (`fspec.load_default`); `--smoke`: the
+4-layer toy model on the CPU, a few calls (checks the script). Call i (seeded by --seed + i): temperature 0 or
+in (0, 1.5], top_k / top_p / min_p each on with probability 1/3, max_new_tokens in 1..16, speculative with
+probability 3/4, else the target alone. A share --compiled-share of the calls is compiled: B in 1..--max-
+compiled-batch, prompt lengths log-uniform in 1..--max-prompt (chunked prefill: no length records a graph), K
+the head's, so compiled rounds replay their graphs with changing lengths, batches and options (after
+`Generator.warmup(max_batch=--max-compiled-batch, max_len=--max-prompt + 16)`, which fixes the KV pool; the
+graphs of an option set it does not record are recorded on first use). The others are eager: B uniform in 1..
+--max-batch, each prompt's length log-uniform in 1..--max-prompt (total tokens capped at --max-tokens), K in
+1..5. Prompts are random token ids. Checks, every call: every `BlockAllocator` the call made has all its
+blocks free; `torch.cuda.memory_allocated()` after the call at most the value after the first --warmup-calls
+calls + --slack-mib. The run stops at the first failure (rc 1) or after --calls calls or --seconds seconds;
+the JSON records the calls made.
 """
 
 from __future__ import annotations
@@ -44,12 +47,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-prompt", type=int, default=4096)
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=16384, help="cap on a call's prompt tokens in total")
-    p.add_argument("--compiled-every", type=int, default=10)
-    p.add_argument("--warmup-calls", type=int, default=20)
+    p.add_argument("--compiled-share", type=float, default=0.75)
+    p.add_argument("--max-compiled-batch", type=int, default=8)
+    p.add_argument("--warmup-calls", type=int, default=100)
     p.add_argument("--slack-mib", type=float, default=64.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/gpu_soak.json")
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true", help="the toy model on the CPU, 12 short calls")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.calls, args.max_prompt, args.max_batch, args.max_tokens = 12, 64, 4, 128
+        args.max_compiled_batch, args.warmup_calls, args.compiled_share = 2, 4, 0.0
+    return args
 
 
 class _Books(cache_mod.BlockAllocator):
@@ -63,14 +72,11 @@ class _Books(cache_mod.BlockAllocator):
 
 
 def call_args(rng: random.Random, i: int, args, vocab: int) -> dict:
-    compiled = args.compiled_every > 0 and i % args.compiled_every == args.compiled_every - 1
-    if compiled:
-        b, lengths = rng.choice([(1, [100]), (8, [200] * 8)])
-    else:
-        b = rng.randint(1, args.max_batch)
-        lengths = [max(1, int(math.exp(rng.uniform(0, math.log(args.max_prompt))))) for _ in range(b)]
-        while sum(lengths) > args.max_tokens:
-            lengths[lengths.index(max(lengths))] //= 2
+    compiled = rng.random() < args.compiled_share
+    b = rng.randint(1, args.max_compiled_batch if compiled else args.max_batch)
+    lengths = [max(1, int(math.exp(rng.uniform(0, math.log(args.max_prompt))))) for _ in range(b)]
+    while sum(lengths) > args.max_tokens:
+        lengths[lengths.index(max(lengths))] //= 2
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
     temp = [0.0 if rng.random() < 0.4 else rng.uniform(0.05, 1.5) for _ in range(b)]
     opts = dict(temperature=temp, seed=[rng.randrange(1 << 31) for _ in range(b)])
@@ -85,7 +91,7 @@ def call_args(rng: random.Random, i: int, args, vocab: int) -> dict:
         prompts=prompts,
         max_new_tokens=rng.randint(1, 16),
         spec=spec,
-        k=rng.randint(1, 5) if spec else None,
+        k=rng.randint(1, 5) if spec and not compiled else None,
         compile=compiled,
         **opts,
     )
@@ -94,11 +100,20 @@ def call_args(rng: random.Random, i: int, args, vocab: int) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     runner.BlockAllocator = _Books  # the allocator generate's runs make, counted
-    target, head = fspec.load_default(dtype=torch.bfloat16, device="cuda")
+    if args.smoke:
+        torch.set_num_threads(1)
+        target, head = fspec.load_toy()
+    else:
+        target, head = fspec.load_default(dtype=torch.bfloat16, device="cuda")
+    cuda = not args.smoke
     vocab = target.cfg.vocab_size
     gen = fspec.Generator()
+    warm = {}
+    if cuda and args.compiled_share > 0:  # fixes the KV pool and records the round graphs, as a server would
+        warm = gen.warmup(target, head, max_batch=args.max_compiled_batch, max_len=args.max_prompt + 16)
+        print("warm-up", warm, flush=True)
     rng = random.Random(args.seed)
-    rows, base, peak, failure = [], None, 0, None
+    rows, base, peak, failure, blocks_checked = [], None, 0, None, 0
     start = time.perf_counter()
     for i in range(args.calls):
         if time.perf_counter() - start > args.seconds:
@@ -115,11 +130,13 @@ def main(argv=None) -> int:
             compile=a["compile"],
             **{k: a[k] for k in ("temperature", "seed", "top_k", "top_p", "min_p") if k in a},
         )
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         books = [(x.num_blocks, x.num_free, len(x._used)) for x in _Books.made]
+        blocks_checked += len(books)
         leaks = [b for b in books if b[2] or b[1] != b[0]]
-        mem = torch.cuda.memory_allocated()
+        mem = torch.cuda.memory_allocated() if cuda else 0
         if i == args.warmup_calls - 1:
             base = mem
         peak = max(peak, mem) if base is not None else peak
@@ -144,13 +161,16 @@ def main(argv=None) -> int:
             print("FAIL", failure, flush=True)
             break
     out = dict(
-        header=results_io.header("gpu_soak.py", argv, torch.cuda.get_device_name()),
+        header=results_io.header("gpu_soak.py", argv, torch.cuda.get_device_name() if cuda else "cpu"),
         calls=len(rows),
         seconds=round(time.perf_counter() - start, 1),
         failure=failure,
         base_allocated_mib=None if base is None else round(base / 2**20, 1),
         peak_allocated_mib=round(peak / 2**20, 1),
-        max_reserved_mib=round(torch.cuda.max_memory_reserved() / 2**20, 1),
+        max_reserved_mib=round(torch.cuda.max_memory_reserved() / 2**20, 1) if cuda else 0.0,
+        compiled_calls=sum(r["compile"] for r in rows),
+        warmup=warm,
+        blocks_checked=blocks_checked,
         rows=rows,
     )
     results_io.write(Path(args.out), out)

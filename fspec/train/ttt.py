@@ -85,6 +85,8 @@ class DistillConfig:
         log_every: record metrics every this many steps (each record costs one host sync).
         save_every: checkpoint every this many steps (0 = only at the end).
         autocast: run target and head under bf16 autocast on CUDA (master weights stay fp32).
+        via_draft_step: compute the loss through the draft loop's own step over a `ChainKVCache`
+            (`ttt_loss(via_draft_step=True)`) instead of the unrolled layers; equal loss and gradients.
     """
 
     ttt_steps: int = 7
@@ -104,6 +106,7 @@ class DistillConfig:
     log_every: int = 10
     save_every: int = 0
     autocast: bool = False
+    via_draft_step: bool = False
 
     def __post_init__(self) -> None:
         check_ttt(self.ttt_steps, self.step_weight, self.feed)
@@ -137,8 +140,10 @@ class DistillConfig:
                 "DistillConfig.seed: expected an int in [0, 2^32) (step_generator seeds with "
                 f"seed · 2^32 + step), got {self.seed!r}"
             )
-        if not isinstance(self.autocast, bool):
-            raise ValueError(f"DistillConfig.autocast: expected True or False, got {self.autocast!r}")
+        for name in ("autocast", "via_draft_step"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"DistillConfig.{name}: expected True or False, got {value!r}")
 
 
 def _check_number(
@@ -603,6 +608,7 @@ def train_step(
     """
     grad_fn = torch.func.grad_and_value(ttt_loss, has_aux=True)
     kw = {"cfg": cfg, "ttt_steps": dcfg.ttt_steps, "step_weight": dcfg.step_weight, "feed": dcfg.feed}
+    kw["via_draft_step"] = dcfg.via_draft_step
     autocast = dcfg.autocast and batch["input_ids"].is_cuda
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         grads, (loss, aux) = grad_fn(trainable, frozen, batch, **kw)

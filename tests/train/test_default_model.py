@@ -64,7 +64,12 @@ def test_tiny_recipe_builds_a_head_that_loads_and_generates(tmp_path: Path, monk
     log = json.loads((tmp_path / "train_log.json").read_text())
     assert stream.is_file()
     r = default_model.TINY
-    assert log["prompts"]["given"] == r.train_prompts and 0 < log["prompts"]["kept"] <= r.train_prompts
+    assert (
+        log["self_prompts"]["asked"] == r.self_prompts
+        and log["prompts"]["self"] == log["self_prompts"]["kept"]
+    )
+    assert log["prompts"]["given"] == r.train_prompts
+    assert 0 < log["prompts"]["kept"] <= r.train_prompts + log["prompts"]["self"]
     assert 0 < log["answers"]["new_tokens"] <= r.new_tokens * log["prompts"]["kept"]
     assert log["distill"]["steps"] == r.steps and log["distill"]["records"][-1]["step"] == r.steps
     assert log["answers"]["validation_answers"] >= 1 and log["validation_tokens"] > r.seq_len
@@ -85,6 +90,46 @@ def test_tiny_recipe_builds_a_head_that_loads_and_generates(tmp_path: Path, monk
     assert default_model.main([*args, "--out", str(tmp_path / "again")]) == 0
     again = json.loads((tmp_path / "again" / "train_log.json").read_text())
     assert again["stream_tokens"] == log["stream_tokens"] > 0 and again["answers"]["read_from"] == str(stream)
+
+
+def test_self_prompts_keep_only_finished_new_requests_that_overlap_no_held_out_set(smollm2, monkeypatch):
+    """Requests the target writes itself start from its chat template's user turn (plus the opener), and only
+    those it ends with EOS, of three words or more, not seen before, equal to no held-out prompt and defining
+    no HumanEval function are kept."""
+    target, _ = smollm2
+    enc = target.tokenizer.encode
+    eos = target.cfg.eos_token_ids[0]
+    held = prompts.heldout("chat")[0]
+    replies = {
+        "How do I bake a loaf of bread?": True,  # kept
+        "how do i bake a loaf of bread": True,  # the same request, normalised: dropped
+        "What is the tallest tree on Earth, and where": False,  # no EOS: dropped
+        held: True,  # a held-out prompt: dropped
+        "Write a Python function def below_zero(operations): that checks it": True,  # HumanEval's: dropped
+        "Hi there": True,  # two words: dropped
+        "Explain how tides work on the coast.": True,  # kept
+    }
+    outs = [enc(t, add_special_tokens=False).ids + ([eos] if ended else []) for t, ended in replies.items()]
+    seen = {}
+
+    def fake_complete(target, ids, r, *, new_tokens, temps, seed, what):
+        seen.update(ids=ids, new_tokens=new_tokens, temps=temps)
+        return outs, {"answers": len(outs)}
+
+    monkeypatch.setattr(default_model, "_complete", fake_complete)
+    monkeypatch.setattr(default_model, "SELF_PROMPT_OPENERS", ("",))
+    r = dataclasses.replace(default_model.TINY, self_prompts=len(outs), self_prompt_temperature=0.9)
+    texts, stats = default_model.self_prompts(target, r, seed=0)
+    assert texts == ["How do I bake a loaf of bread?", "Explain how tides work on the coast."]
+    assert stats["asked"] == 7 and stats["kept"] == 2
+    prefix = default_model.user_turn_prefix(target)
+    head = target.tokenizer.decode(prefix, skip_special_tokens=False)
+    assert head.startswith("<|im_start|>system\n") and head.endswith("<|im_end|>\n<|im_start|>user\n")
+    assert (
+        seen["ids"] == [prefix] * 7
+        and seen["temps"] == [0.9] * 7
+        and seen["new_tokens"] == r.self_prompt_tokens
+    )
 
 
 def test_any_recipe_field_can_be_set_from_the_command_line():

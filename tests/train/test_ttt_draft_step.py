@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
-from test_distill import batch_for, tiny_draft, tiny_target
+from test_distill import batch_for, small_cfg, tiny_draft, tiny_target, token_stream
 
 import fspec
+from fspec.train import distill as D
 from fspec.train import ttt
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -50,3 +56,86 @@ def test_k_public_draft_steps_over_the_chain_cache_reproduce_the_unrolled_hidden
         torch.testing.assert_close(state.hidden, hiddens[j].flatten(0, 1), rtol=1e-5, atol=1e-5)
         want = fspec.draft_to_target(logits[j].argmax(-1), draft.params["d2t"]).flatten()
         assert torch.equal(state.draft_tokens[:, j], want)
+
+
+# --- distillation through the draft step (DistillConfig.via_draft_step) ----------------------------------
+
+
+def test_distill_config_via_draft_step_must_be_a_bool():
+    with pytest.raises(ValueError, match=r"DistillConfig\.via_draft_step: expected True or False, got 'yes'"):
+        ttt.DistillConfig(via_draft_step="yes")
+    with pytest.raises(ValueError, match="via_draft_step"):
+        ttt.DistillConfig(via_draft_step=1)
+    assert ttt.DistillConfig().via_draft_step is False  # the unrolled path stays the default
+
+
+@pytest.mark.parametrize("feed", ["prediction", "data"])
+def test_train_step_through_draft_step_equals_the_unrolled_train_step(feed):
+    """One optimizer step (loss, clipping, AdamW) from the same params and batch: the same loss, metrics
+    and updated params (fp32) whichever way the loss is computed."""
+    draft = tiny_draft(TARGET, kind="eagle3")
+    batch = batch_for(TARGET, draft, b=2, s=9)
+    trainable, frozen = ttt.split_params(draft.params, draft.shared)
+    opt = ttt.adamw_init(trainable)
+    out = {}
+    for via in (False, True):
+        dcfg = small_cfg(ttt_steps=4, feed=feed, warmup_steps=0, via_draft_step=via)
+        out[via] = ttt.train_step(trainable, opt, frozen, batch, step=0, cfg=draft.cfg, dcfg=dcfg)
+    (old, old_opt, m_old), (new, new_opt, m_new) = out[False], out[True]
+    for key in ("loss", "loss_per_step", "grad_norm"):
+        torch.testing.assert_close(m_new[key], m_old[key], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(m_new["agreement"], m_old["agreement"])
+    lr = m_old["lr"]
+    assert m_new["lr"] == lr > 0
+    # The AdamW moments are the clipped gradient's images (m linear, v quadratic): fp32 rounding apart.
+    for part in ("m", "v"):
+        for a, b in zip(fspec.tree.tree_leaves(new_opt[part]), fspec.tree.tree_leaves(old_opt[part])):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()) + 1e-12)
+    # The first AdamW step moves weight x by lr·g/(|g| + eps): for entries whose gradient is ~1e-9 (near
+    # eps, where fp32 rounding is a large part of g) that ratio is ill-conditioned, so the weights agree to
+    # 1% of one step (seen: up to 0.3% over seeds and feeds), not to rtol 1e-5.
+    moved = 0
+    for a, b, x in zip(
+        fspec.tree.tree_leaves(new), fspec.tree.tree_leaves(old), fspec.tree.tree_leaves(trainable)
+    ):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-2 * lr)
+        moved += int((b != x).sum())
+    assert moved > 0  # it trained
+
+
+def test_distill_head_trains_through_draft_step():
+    """distill_head with via_draft_step=True: 2 steps on the CPU, the losses of the unrolled path."""
+    draft = tiny_draft(TARGET)
+    tokens = token_stream()
+    hist = {}
+    for via in (False, True):
+        cfg = small_cfg(steps=2, via_draft_step=via)
+        head, hist[via] = D.distill_head(
+            draft, D.online_batches(TARGET, draft, tokens, cfg=cfg), cfg=cfg, progress=False
+        )
+    assert [h["step"] for h in hist[True]] == [1, 2]
+    assert not torch.equal(head.params["fc"], draft.params["fc"])  # it trained
+    assert [h["loss"] for h in hist[True]] == pytest.approx([h["loss"] for h in hist[False]], rel=1e-5)
+
+
+def test_cli_via_draft_step_reaches_the_config(tmp_path: Path):
+    """`python -m fspec.train.distill train --via-draft-step`: the run's settings record it."""
+    fspec.save_target(TARGET, tmp_path / "target")
+    np.save(tmp_path / "tokens.npy", token_stream().numpy().astype(np.int32))
+    args = ["train", "--target", str(tmp_path / "target"), "--out", str(tmp_path / "out"), "--device", "cpu"]
+    args += ["--tokens", str(tmp_path / "tokens.npy"), "--no-progress", "--draft-vocab-size", "61"]
+    args += ["--steps", "1", "--batch-size", "2", "--seq-len", "12", "--ttt-steps", "3", "--via-draft-step"]
+    assert D.main(args) == 0
+    assert torch.load(tmp_path / "out" / D.STATE_FILE)["config"]["via_draft_step"] is True
+
+
+def test_resuming_a_checkpoint_that_predates_via_draft_step_does_not_warn():
+    """Settings saved before the field existed read as its default (False): no 'settings differ' warning,
+    while a run that switches the path is told it is not a replay."""
+    now = dataclasses.asdict(small_cfg())
+    saved = {k: v for k, v in now.items() if k != "via_draft_step"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        D._warn_if_changed(saved, now)
+    with pytest.warns(UserWarning, match="via_draft_step"):
+        D._warn_if_changed(saved, dataclasses.asdict(small_cfg(via_draft_step=True)))
