@@ -76,7 +76,7 @@ for stage in "$@"; do
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 270 compute-sanitizer --tool memcheck \
         python3 benchmarks/gpu_memcheck_real.py eager > "$OUT/memcheck_eager.log" 2>&1
       echo "memcheck eager rc $?"; grep -E "^eager|ERROR SUMMARY" "$OUT/memcheck_eager.log" | tail -8
-      timeout 270 compute-sanitizer --tool memcheck \
+      TORCHINDUCTOR_COMPILE_THREADS=1 timeout 270 compute-sanitizer --tool memcheck \
         python3 benchmarks/gpu_memcheck_real.py compiled > "$OUT/memcheck_compiled.log" 2>&1
       echo "memcheck compiled rc $?"; grep -E "^compiled|ERROR SUMMARY" "$OUT/memcheck_compiled.log" | tail -8 ;;
     ttt)

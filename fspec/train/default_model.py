@@ -110,7 +110,8 @@ class Recipe:
             gives for n_code, n_chat, code_phrasings).
         self_prompts: how many requests the target is asked to write itself (`self_prompts`; those it ends
             with EOS within self_prompt_tokens, distinct and overlapping no held-out set, are answered
-            beside the training prompts); self_prompt_temperature: how they are sampled.
+            beside the training prompts); self_prompt_temperature: how they are sampled. 0 in FULL: the
+            shipped head was built before them (`--set self_prompts=12000` builds with them).
         max_prompt_tokens: longer templated prompts are dropped.
         new_tokens: the target's answer length cap; greedy_share, temperature: how the answers are sampled.
         gen_batch: prompts per `generate` call; gen_minutes: no batch starts after this long (the prompts
@@ -128,7 +129,7 @@ class Recipe:
     n_code: int = 12000
     n_chat: int = 12000
     code_phrasings: int = 2
-    self_prompts: int = 12000
+    self_prompts: int = 0
     self_prompt_tokens: int = 96
     self_prompt_temperature: float = 1.0
     max_prompt_tokens: int = 384

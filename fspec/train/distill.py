@@ -521,6 +521,7 @@ def _warn_if_changed(saved: dict, now: dict) -> None:
     """Resuming replays the same run only with the same settings (the schedule spans cfg.steps)."""
     # a setting the checkpoint predates (a field added since) had its default then
     defaults = {f.name: f.default for f in dataclasses.fields(DistillConfig)}
+    defaults["via_draft_step"] = False  # checkpoints from before the field trained through the reference loop
     changed = sorted(
         k for k in now if k not in ("log_every", "save_every") and saved.get(k, defaults.get(k)) != now[k]
     )
@@ -674,7 +675,10 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--log-jsonl", default=None, help="append metric records to this file")
     tr.add_argument("--autocast", action="store_true", help="bf16 autocast on CUDA")
     tr.add_argument(
-        "--via-draft-step", action="store_true", help="the TTT loss through the draft loop's own step"
+        "--via-draft-step",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the TTT loss through the draft loop's own step (default), or the reference loop",
     )
     tr.add_argument("--no-progress", action="store_true")
     tr.set_defaults(func=_train)

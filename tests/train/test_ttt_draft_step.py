@@ -66,7 +66,7 @@ def test_distill_config_via_draft_step_must_be_a_bool():
         ttt.DistillConfig(via_draft_step="yes")
     with pytest.raises(ValueError, match="via_draft_step"):
         ttt.DistillConfig(via_draft_step=1)
-    assert ttt.DistillConfig().via_draft_step is False  # the unrolled path stays the default
+    assert ttt.DistillConfig().via_draft_step is True  # distillation trains through the draft step
 
 
 @pytest.mark.parametrize("feed", ["prediction", "data"])
@@ -119,23 +119,26 @@ def test_distill_head_trains_through_draft_step():
 
 
 def test_cli_via_draft_step_reaches_the_config(tmp_path: Path):
-    """`python -m fspec.train.distill train --via-draft-step`: the run's settings record it."""
+    """`python -m fspec.train.distill train`: the run's settings record the draft-step path (the default) or
+    the reference loop (`--no-via-draft-step`)."""
     fspec.save_target(TARGET, tmp_path / "target")
     np.save(tmp_path / "tokens.npy", token_stream().numpy().astype(np.int32))
     args = ["train", "--target", str(tmp_path / "target"), "--out", str(tmp_path / "out"), "--device", "cpu"]
     args += ["--tokens", str(tmp_path / "tokens.npy"), "--no-progress", "--draft-vocab-size", "61"]
-    args += ["--steps", "1", "--batch-size", "2", "--seq-len", "12", "--ttt-steps", "3", "--via-draft-step"]
+    args += ["--steps", "1", "--batch-size", "2", "--seq-len", "12", "--ttt-steps", "3"]
     assert D.main(args) == 0
-    assert torch.load(tmp_path / "out" / D.STATE_FILE)["config"]["via_draft_step"] is True
+    assert torch.load(tmp_path / "out" / D.STATE_FILE)["config"]["via_draft_step"] is True  # the default
+    assert D.main([*args[:4], str(tmp_path / "ref"), *args[5:], "--no-via-draft-step"]) == 0
+    assert torch.load(tmp_path / "ref" / D.STATE_FILE)["config"]["via_draft_step"] is False
 
 
 def test_resuming_a_checkpoint_that_predates_via_draft_step_does_not_warn():
-    """Settings saved before the field existed read as its default (False): no 'settings differ' warning,
-    while a run that switches the path is told it is not a replay."""
-    now = dataclasses.asdict(small_cfg())
-    saved = {k: v for k, v in now.items() if k != "via_draft_step"}
+    """Settings saved before the field existed trained through the reference loop (False): resuming them
+    with False gives no 'settings differ' warning, while the draft-step path is told it is not a replay."""
+    ref = dataclasses.asdict(small_cfg(via_draft_step=False))
+    saved = {k: v for k, v in ref.items() if k != "via_draft_step"}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        D._warn_if_changed(saved, now)
+        D._warn_if_changed(saved, ref)
     with pytest.warns(UserWarning, match="via_draft_step"):
         D._warn_if_changed(saved, dataclasses.asdict(small_cfg(via_draft_step=True)))
