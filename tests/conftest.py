@@ -1,5 +1,10 @@
 """Shared fixtures: tiny configs, the GPU marker's skip, and the Triton interpreter switch.
 
+The repository's root leaves sys.path first: `python -m pytest` puts the working directory there, and the
+root's top-level `kernels/` folder (installed as `fspec.kernels`) would then shadow the unrelated `kernels`
+distribution on PyPI, which transformers (5.25 on) requires and imports. fspec itself is imported from its
+installed (editable) package either way.
+
 Triton decides at import time whether `@triton.jit` kernels are interpreted, so on a machine without CUDA the
 interpreter is switched on here, before anything imports triton. The ops read the variable again at call time:
 tests outside tests/kernels switch it off (autouse fixture below) and run the fast PyTorch references; the
@@ -9,8 +14,13 @@ kernel tests keep it on and run the Triton kernels on CPU tensors.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
-import torch
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != _ROOT]
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
