@@ -20,6 +20,8 @@
 #             passes options, "+" for spaces)
 #   stream    the head recipe's training stream only (default_model --stream /root/stream.pt --stream-only;
 #             "stream:ARGS" passes options, "+" for spaces); the stream file back in $OUT/stream in 12 MB pieces
+#   stream-in a stream file kept from an earlier run (carry .stream/stream.pt) to /root/stream.pt, where the
+#             head stage reads it instead of generating
 #   soak      benchmarks/gpu_soak.py ($OUT/gpu_soak.json; "soak:ARGS" passes options, "+" for spaces)
 #   memcheck  compute-sanitizer memcheck over benchmarks/gpu_memcheck_real.py: eager with the caching
 #             allocator off, then compiled with it on ($OUT/memcheck_eager.log, memcheck_compiled.log)
@@ -63,6 +65,7 @@ for stage in "$@"; do
       # a file comes back only under 16 MiB: the weights in 12 MB pieces (join with cat)
       mkdir -p "$OUT/head" && cp /root/head/*.json "$OUT/head/"
       split -b 12M -d /root/head/model.safetensors "$OUT/head/model.safetensors.part" ;;
+    stream-in) mkdir -p /root && cp .stream/stream.pt /root/stream.pt && ls -la /root/stream.pt ;;
     stream*)
       args=${stage#stream}; args=${args#:}
       timeout 560 python3 -m fspec.train.default_model --out /root/head --device cuda --stream /root/stream.pt \
