@@ -42,6 +42,7 @@ Rows: {"case", "old_s_per_step", "new_s_per_step", "ratio_time" (new / old), "ol
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -52,10 +53,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-try:
-    import results_io  # noqa: E402
-except ImportError:  # results_io imports triton, which CPU-only installs lack (--smoke)
-    results_io = None
+
+import results_io  # noqa: E402
+from bench_generate import llama_1b_config  # noqa: E402
 
 import fspec  # noqa: E402
 from fspec.models import llama  # noqa: E402
@@ -65,10 +65,10 @@ from fspec.train import ttt  # noqa: E402
 GIB = 2**30
 VARIANTS = (False, True)  # via_draft_step: old, new
 
-# (target config fields, draft vocabulary, batch, seq_len, ttt_steps)
+# (target config for a max_len, draft vocabulary, batch, seq_len, ttt_steps)
 CASES = {
     "smollm2": (
-        dict(
+        lambda max_len: fspec.ModelConfig(
             vocab_size=49152,
             hidden_size=576,
             intermediate_size=1536,
@@ -78,31 +78,16 @@ CASES = {
             head_dim=64,
             rope_theta=100000.0,
             tie_word_embeddings=True,
+            max_position_embeddings=max_len,
         ),
         8192,
         32,
         512,
         7,
     ),
-    "1b": (
-        dict(
-            vocab_size=128256,
-            hidden_size=2048,
-            intermediate_size=8192,
-            num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=64,
-            rope_theta=500000.0,
-            tie_word_embeddings=True,
-        ),
-        32000,
-        16,
-        1024,
-        7,
-    ),
+    "1b": (llama_1b_config, 32000, 16, 1024, 7),
     "tiny": (  # --smoke
-        dict(
+        lambda max_len: fspec.ModelConfig(
             vocab_size=256,
             hidden_size=64,
             intermediate_size=128,
@@ -111,6 +96,7 @@ CASES = {
             num_key_value_heads=2,
             head_dim=16,
             tie_word_embeddings=True,
+            max_position_embeddings=max_len,
         ),
         64,
         2,
@@ -148,9 +134,9 @@ def _ratio(new, old) -> float | None:
 
 def build_case(name: str, dev: torch.device, *, seed: int = 0):
     """(draft, trainable, opt_state, frozen, batch, (batch, seq_len, ttt_steps)): a random head, batch."""
-    fields, vd, b, s, k = CASES[name]
+    make_cfg, vd, b, s, k = CASES[name]
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # a bf16 target's embedding
-    cfg = fspec.ModelConfig(**fields, max_position_embeddings=2 * s, torch_dtype="float32")
+    cfg = dataclasses.replace(make_cfg(2 * s), torch_dtype="float32")
     params = llama.init(cfg, seed=seed, device="meta", dtype=dtype)  # the target's layers are never run
     gen = torch.Generator(device=dev).manual_seed(seed)
     v, ht = cfg.vocab_size, cfg.hidden_size
@@ -171,17 +157,17 @@ def build_case(name: str, dev: torch.device, *, seed: int = 0):
 def measure_step(name: str, dev: torch.device, *, reps: int, warmup: int = 3) -> dict:
     """Old beside new: median s/step, peak GiB and tokens/s of one `train_step`."""
     draft, trainable, opt, frozen, batch, (b, s, k) = build_case(name, dev)
-    fields, vd, *_ = CASES[name]
+    vd = CASES[name][1]
     case = {
         "name": f"{name}_train_step",
-        "target_hidden": fields["hidden_size"],
+        "target_hidden": draft.cfg.target_hidden_size,
         "head_hidden": draft.cfg.model.hidden_size,
         "heads": draft.cfg.model.num_attention_heads,
         "kv_heads": draft.cfg.model.num_key_value_heads,
         "head_dim": draft.cfg.model.head_dim,
         "intermediate": draft.cfg.model.intermediate_size,
         "draft_vocab": vd,
-        "target_vocab": fields["vocab_size"],
+        "target_vocab": draft.cfg.model.vocab_size,
         "ttt_steps": k,
         "batch": b,
         "seq_len": s,
@@ -320,35 +306,6 @@ def measure_distill(dev: torch.device, *, steps: int, smoke: bool) -> dict:
     return _row(case, times, peaks, errors, tokens=b * s)
 
 
-def _header(argv: list[str] | None, device: str) -> dict:
-    if results_io is not None:
-        return results_io.header("bench_ttt_step.py", argv, device)
-    import datetime
-    import platform
-
-    from fspec.core.config import env_switches
-
-    args = sys.argv[1:] if argv is None else argv
-    return {
-        "machine": platform.processor() or platform.machine(),
-        "device": device,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "triton": "-",
-        "date": datetime.date.today().isoformat(),
-        "command": " ".join(["python", "benchmarks/bench_ttt_step.py", *args]),
-        "env": env_switches(),
-    }
-
-
-def _write(path: Path, doc: dict) -> None:
-    if results_io is not None:
-        results_io.write(path, doc)
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="benchmarks/results/ttt_step.json")
@@ -367,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         dev, cases, reps, steps = torch.device("cuda"), args.cases, args.reps, args.steps
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    doc = _header(argv, name)
+    doc = results_io.header("bench_ttt_step.py", argv, name)
     doc.update(
         what="one TTT train_step, via_draft_step False (old) beside True (new), same process",
         reps=reps,
@@ -387,10 +344,10 @@ def main(argv: list[str] | None = None) -> int:
             row = {"case": {"name": label}, "error": _error(e)}
         row["wall_s"] = round(time.perf_counter() - t0, 1)
         doc["rows"].append(row)
-        _write(out, doc)  # after every row: a partial result survives a time limit
+        results_io.write(out, doc)  # after every row: a partial result survives a time limit
         print(json.dumps(row), flush=True)
     doc["wall_s"] = round(time.perf_counter() - began, 1)
-    _write(out, doc)
+    results_io.write(out, doc)
     print(f"wrote {out} ({doc['wall_s']} s)")
     return 0
 
