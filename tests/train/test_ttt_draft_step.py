@@ -103,6 +103,25 @@ def test_train_step_through_draft_step_equals_the_unrolled_train_step(feed):
     assert moved > 0  # it trained
 
 
+@pytest.mark.parametrize("via", [False, True])
+def test_via_draft_step_selects_the_loop_that_train_step_and_agreement_run(via, monkeypatch):
+    """The equalities above would hold trivially if the field were ignored: each setting must run its own
+    loop (the draft step's `_unroll_steps`, or the reference `_unroll`) and never the other."""
+    calls = []
+    for name in ("_unroll", "_unroll_steps"):
+        real = getattr(ttt, name)
+        monkeypatch.setattr(
+            ttt, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k)
+        )
+    draft = tiny_draft(TARGET, kind="eagle3")
+    batch = batch_for(TARGET, draft, b=2, s=9)
+    trainable, frozen = ttt.split_params(draft.params, draft.shared)
+    dcfg = small_cfg(ttt_steps=3, warmup_steps=0, via_draft_step=via)
+    ttt.train_step(trainable, ttt.adamw_init(trainable), frozen, batch, step=0, cfg=draft.cfg, dcfg=dcfg)
+    D.agreement(draft, lambda i: batch, cfg=dcfg, steps=range(1))
+    assert calls == ["_unroll_steps" if via else "_unroll"] * 2
+
+
 def test_distill_head_trains_through_draft_step():
     """distill_head with via_draft_step=True: 2 steps on the CPU, the losses of the unrolled path."""
     draft = tiny_draft(TARGET)
