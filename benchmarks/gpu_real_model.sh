@@ -24,7 +24,8 @@
 #             head stage reads it instead of generating
 #   soak      benchmarks/gpu_soak.py ($OUT/gpu_soak.json; "soak:ARGS" passes options, "+" for spaces)
 #   memcheck  compute-sanitizer memcheck over benchmarks/gpu_memcheck_real.py: eager with the caching
-#             allocator off, then compiled with it on ($OUT/memcheck_eager.log, memcheck_compiled.log)
+#             allocator off, then compiled with it on ($OUT/memcheck_eager.log, memcheck_compiled.log);
+#             memcheck:eager or memcheck:compiled runs one (each may take up to 540 s)
 #   ttt       benchmarks/bench_ttt_step.py --real-model: the TTT step old beside new ($OUT/ttt_step.json)
 #   continuous  benchmarks/bench_continuous.py ($OUT/continuous.json; "continuous:ARGS" passes options)
 #   interactive  benchmarks/bench_interactive.py with the shipped head ($OUT/interactive.json and
@@ -75,13 +76,15 @@ for stage in "$@"; do
       args=${stage#soak}; args=${args#:}
       timeout 560 python3 benchmarks/gpu_soak.py --out "$OUT/gpu_soak.json" ${args//+/ } 2>&1 \
         | tee "$OUT/gpu_soak.log" | tail -8 ;;
-    memcheck)
-      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 270 compute-sanitizer --tool memcheck \
-        python3 benchmarks/gpu_memcheck_real.py eager > "$OUT/memcheck_eager.log" 2>&1
-      echo "memcheck eager rc $?"; grep -E "^eager|ERROR SUMMARY" "$OUT/memcheck_eager.log" | tail -8
-      TORCHINDUCTOR_COMPILE_THREADS=1 timeout 270 compute-sanitizer --tool memcheck \
-        python3 benchmarks/gpu_memcheck_real.py compiled > "$OUT/memcheck_compiled.log" 2>&1
-      echo "memcheck compiled rc $?"; grep -E "^compiled|ERROR SUMMARY" "$OUT/memcheck_compiled.log" | tail -8 ;;
+    memcheck*)  # memcheck (both), memcheck:eager or memcheck:compiled; each up to 540 s
+      modes=${stage#memcheck}; modes=${modes#:}; modes=${modes:-eager compiled}
+      for m in $modes; do
+        env=(TORCHINDUCTOR_COMPILE_THREADS=1)
+        [ "$m" = eager ] && env=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
+        env "${env[@]}" timeout 540 compute-sanitizer --tool memcheck \
+          python3 benchmarks/gpu_memcheck_real.py "$m" > "$OUT/memcheck_$m.log" 2>&1
+        echo "memcheck $m rc $?"; grep -E "^$m|ERROR SUMMARY" "$OUT/memcheck_$m.log" | tail -8
+      done ;;
     ttt)
       timeout 300 python3 benchmarks/bench_ttt_step.py --real-model --out "$OUT/ttt_step.json" 2>&1 \
         | tee "$OUT/bench_ttt_step.log" | tail -12 ;;

@@ -11,8 +11,9 @@ in (0, 1.5], top_k / top_p / min_p each on with probability 1/3, max_new_tokens 
 probability 3/4, else the target alone. A share --compiled-share of the calls is compiled: B in 1..--max-
 compiled-batch, prompt lengths log-uniform in 1..--max-prompt (chunked prefill: no length records a graph), K
 the head's, so compiled rounds replay their graphs with changing lengths, batches and options (after
-`Generator.warmup(max_batch=--max-compiled-batch, max_len=--max-prompt + 16)`, which fixes the KV pool; the
-graphs of an option set it does not record are recorded on first use). The others are eager: B uniform in 1..
+`Generator.warmup(max_batch=--max-compiled-batch, max_len=--max-prompt + 16)` with the head and again without
+(greedy, sampled and filtered rounds), which fixes the KV pool; each row counts the CUDA graphs its call
+recorded, which after the warm-up should be none). The others are eager: B uniform in 1..
 --max-batch, each prompt's length log-uniform in 1..--max-prompt (total tokens capped at --max-tokens), K in
 1..5. Prompts are random token ids. Checks, every call: every `BlockAllocator` the call made has all its
 blocks free; `torch.cuda.memory_allocated()` after the call at most the value after the first --warmup-calls
@@ -112,6 +113,9 @@ def main(argv=None) -> int:
     if cuda and args.compiled_share > 0:  # fixes the KV pool and records the round graphs, as a server would
         warm = gen.warmup(target, head, max_batch=args.max_compiled_batch, max_len=args.max_prompt + 16)
         print("warm-up", warm, flush=True)
+        alone = gen.warmup(target, None, max_batch=args.max_compiled_batch, max_len=args.max_prompt + 16)
+        print("warm-up, target-only", alone, flush=True)
+        warm = {k: round(warm[k] + alone[k], 3) for k in warm}
     rng = random.Random(args.seed)
     rows, base, peak, failure, blocks_checked = [], None, 0, None, 0
     start = time.perf_counter()
@@ -120,6 +124,7 @@ def main(argv=None) -> int:
             break
         a = call_args(rng, i, args, vocab)
         _Books.made.clear()
+        graphs0 = gen.recorded_graphs
         t0 = time.perf_counter()
         res = gen.generate(
             target,
@@ -149,6 +154,7 @@ def main(argv=None) -> int:
             compile=a["compile"],
             seconds=round(dt, 4),
             allocated_mib=round(mem / 2**20, 1),
+            graphs=gen.recorded_graphs - graphs0,
         )
         rows.append(row)
         if leaks:
@@ -169,6 +175,7 @@ def main(argv=None) -> int:
         peak_allocated_mib=round(peak / 2**20, 1),
         max_reserved_mib=round(torch.cuda.max_memory_reserved() / 2**20, 1) if cuda else 0.0,
         compiled_calls=sum(r["compile"] for r in rows),
+        graphs_after_warmup=sum(r["graphs"] for r in rows),
         warmup=warm,
         blocks_checked=blocks_checked,
         rows=rows,

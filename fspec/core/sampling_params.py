@@ -39,10 +39,12 @@ class SamplingParams:
     min_p: torch.Tensor
     suppress_ids: torch.Tensor
     suppress_until: torch.Tensor
-    # Static: whether any request may filter (top_k > 0, top_p < 1 or min_p > 0). `create` sets it from the
-    # values; with False the samplers skip the filter (its launch on the GPU; the CPU reference's sort of
-    # every row), exactly as with every option off. A different value is a different tree: a compiled call
-    # keeps one graph for calls without filters and one for calls with them, whatever the values.
+    # Static: whether any sampled request (temperature > 0) filters (top_k > 0, top_p < 1 or min_p > 0).
+    # `create` sets it from the values; with False the samplers skip the filter (its launch on the GPU; the
+    # CPU reference's sort of every row), exactly as with every option off. A greedy request's filters never
+    # count: every filter keeps the most likely token, so its argmax is the same filtered or not. A different
+    # value is a different tree: a compiled call keeps one graph for calls without filters and one for calls
+    # with them, whatever the values.
     filtered: bool = static_field(default=True)
 
     @property
@@ -83,7 +85,7 @@ class SamplingParams:
             min_p=min_p,
             suppress_ids=_suppress_ids(suppress_ids, b, device),
             suppress_until=per_request("suppress_until", suppress_until, b, device, floating=False),
-            filtered=bool(((top_k > 0) | (top_p < 1) | (min_p > 0)).any()),
+            filtered=bool((((top_k > 0) | (top_p < 1) | (min_p > 0)) & (temperature > 0)).any()),
         )
         validate_sampling_params(made, batch_size=b, device=device)
         return made
@@ -246,10 +248,11 @@ def validate_sampling_params(
             raise ValueError(f"{name}.{field}: expected {want}, got {t[bad][:4].tolist()} (first bad values)")
     if not isinstance(sp.filtered, bool):
         raise ValueError(f"{name}.filtered: expected a bool, got {_describe(sp.filtered)}")
-    if not sp.filtered:  # the samplers would skip the filter: no request may ask for one
-        off = (sp.top_k == 0) & (sp.top_p == 1) & (sp.min_p == 0)
+    if not sp.filtered:  # the samplers would skip the filter: no sampled request may ask for one
+        off = ((sp.top_k == 0) & (sp.top_p == 1) & (sp.min_p == 0)) | (sp.temperature == 0)
         if not bool(off.all()):
+            rows = torch.nonzero(~off).flatten()[:4].tolist()
             raise ValueError(
-                f"{name}.filtered: expected True when a request filters (top_k > 0, top_p < 1 or min_p > 0), "
-                f"got False with requests {torch.nonzero(~off).flatten()[:4].tolist()} filtering"
+                f"{name}.filtered: expected True when a sampled request (temperature > 0) filters "
+                f"(top_k > 0, top_p < 1 or min_p > 0), got False with requests {rows} filtering"
             )

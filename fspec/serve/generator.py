@@ -81,6 +81,7 @@ class Generator:
         max_len: int | None = None,
         num_speculative_steps: int | None = None,
         sampled: bool = True,
+        filters: bool = True,
     ) -> dict[str, Any]:
         """Record, ahead of use, every graph that compiled calls (`compile=True`) of this generator make for
         batches of up to `max_batch` requests whose prompt and new tokens together stay within `max_len`
@@ -88,10 +89,12 @@ class Generator:
         their prompt lengths. It also fixes the KV-cache pool (max_batch worst-case requests) and the
         narrowest block table compiled calls use (what max_len needs), so calls within the bounds keep them.
 
-        Recorded: for each batch bucket up to bucket_for(max_batch), greedy rounds and (sampled=True)
-        sampled rounds, and prefill chunks of every length (`fspec.serve.resources.chunk_sizes`). Not
-        recorded, and so recorded on first use: top_k / top_p / min_p (one more graph per bucket),
-        min_new_tokens (likewise), another K (num_speculative_steps; default the head's). Returns
+        Recorded: for each batch bucket up to bucket_for(max_batch), greedy rounds, (sampled=True) sampled
+        rounds, (sampled and filters=True) sampled rounds with top_k / top_p / min_p, and prefill chunks of
+        every length (`fspec.serve.resources.chunk_sizes`) for each. Not recorded, and so recorded on first
+        use: min_new_tokens (one more set per bucket), another K (num_speculative_steps; default the
+        head's), the other draft (call warmup again with draft=None for target-only calls, or with another
+        head). A greedy request's filters select nothing (`fspec.SamplingParams.filtered`). Returns
         {"seconds", "graphs" (CUDA graphs recorded), "calls" (warm-up generate calls)}."""
         if not isinstance(target, Target):
             raise ValueError(f"target: expected a fspec.Target, got {type(target).__name__}")
@@ -106,6 +109,8 @@ class Generator:
             )
         if not isinstance(sampled, bool):
             raise ValueError(f"sampled: expected a bool, got {sampled!r}")
+        if not isinstance(filters, bool):
+            raise ValueError(f"filters: expected a bool, got {filters!r}")
         _, _, k, draft = _validate(target, draft, [[0]], 1, _sampling_options(target, 0.0, 0, 0, 1.0, 0.0),
                                    num_speculative_steps)  # fmt: skip
         limit = max_model_len(target, draft)
@@ -134,12 +139,15 @@ class Generator:
                 lengths = [1]  # off CUDA prefill runs whole prompts: no graph depends on their length
                 if device.type == "cuda":
                     lengths = sorted({min(c, max_len - 2) for c in chunk_sizes(b)} - {0})
-                for temperature in (0.0, 1.0) if sampled else (0.0,):
+                filtered = dict(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05)
+                kinds = [dict(temperature=0.0)] + ([dict(temperature=1.0)] if sampled else [])
+                kinds += [filtered] if sampled and filters else []
+                for opts in kinds:
                     for n in lengths:
                         prompt = [(7 * i + 1) % vocab for i in range(n)]
-                        self.generate(target, draft, [prompt] * b, max_new_tokens=2, temperature=temperature,
-                                      ignore_eos=True, num_speculative_steps=k if draft is not None else None,
-                                      compile=True)  # fmt: skip
+                        self.generate(target, draft, [prompt] * b, max_new_tokens=2, ignore_eos=True,
+                                      num_speculative_steps=k if draft is not None else None, compile=True,
+                                      **opts)  # fmt: skip
                         calls += 1
         finally:
             res.pinning = False

@@ -69,7 +69,8 @@ def test_filtered_says_whether_any_request_filters_and_travels_in_the_tree_struc
     off = fspec.SamplingParams.create(3, temperature=0.8)
     assert off.filtered is False and off.filters() == (None, None, None)
     for kw in ({"top_k": [0, 5, 0]}, {"top_p": 0.9}, {"min_p": [0.0, 0.0, 0.1]}):
-        on = fspec.SamplingParams.create(3, **kw)
+        on = fspec.SamplingParams.create(3, temperature=0.7, **kw)
+        assert fspec.SamplingParams.create(3, **kw).filtered is False  # greedy: the argmax is the same
         assert on.filtered is True and on.filters() == (on.top_k, on.top_p, on.min_p)
         assert on.pad(2).filtered and on.take(2).filtered
         home = fspec.SamplingParams.create(3)
@@ -77,8 +78,8 @@ def test_filtered_says_whether_any_request_filters_and_travels_in_the_tree_struc
         assert copied.filtered and copied.top_k is home.top_k and torch.equal(home.top_k, on.top_k)
         assert fspec.tree.tree_structure(on) != fspec.tree.tree_structure(off)
     assert not off.pad(1).filtered and fspec.tree.tree_leaves(off.pad(1))[0].shape == (4,)
-    lying = fspec.replace(fspec.SamplingParams.create(2, top_p=0.5), filtered=False)
-    expected = r"sampling.filtered: expected True when a request filters .* \[0, 1\]"
+    lying = fspec.replace(fspec.SamplingParams.create(2, temperature=[0.5, 0.0], top_p=0.5), filtered=False)
+    expected = r"sampling.filtered: expected True when a sampled request .* \[0\] filtering"
     with pytest.raises(ValueError, match=expected):
         fspec.core.sampling_params.validate_sampling_params(lying, batch_size=2, device=torch.device("cpu"))
     with pytest.raises(ValueError, match=r"sampling.filtered: expected a bool, got int 1"):

@@ -263,9 +263,9 @@ def test_chunked_prefill_equals_whole_prompt_prefill(monkeypatch, sizes):
 
 def test_compiled_calls_after_warmup_compile_nothing():
     """`Generator.warmup(max_batch=2, max_len=...)` compiles every round graph compiled calls of up to 2
-    requests within max_len use; afterwards calls of 1 or 2 prompts of other lengths, greedy and sampled,
-    speculative and target-only, compile nothing (dynamo's graph count), and give target-only greedy's tokens
-    (greedy) and the eager engine's (sampled)."""
+    requests within max_len use; afterwards calls of 1 or 2 prompts of other lengths, greedy, sampled and
+    sampled with top_k / top_p / min_p, speculative and target-only, compile nothing (dynamo's graph count),
+    and give target-only greedy's tokens (greedy) and the eager engine's (sampled)."""
     from torch._dynamo.utils import counters
 
     target, draft = aligned_pair(k=3)
@@ -273,8 +273,8 @@ def test_compiled_calls_after_warmup_compile_nothing():
     torch._dynamo.reset()
     counters.clear()
     report = gen.warmup(target, draft, max_batch=2, max_len=40)
-    assert report["calls"] == 2 * 2 and report["seconds"] > 0  # buckets 1, 2; greedy, sampled
-    assert gen.warmup(target, None, max_batch=2, max_len=40)["calls"] == 2 * 2
+    assert report["calls"] == 2 * 3 and report["seconds"] > 0  # buckets 1, 2; greedy, sampled, filtered
+    assert gen.warmup(target, None, max_batch=2, max_len=40)["calls"] == 2 * 3
     graphs = counters["stats"]["unique_graphs"]
     warmed = dict(gen.resources.buffers)
     assert len(warmed) >= 4 and set(warmed) == gen.resources.pinned
@@ -291,6 +291,10 @@ def test_compiled_calls_after_warmup_compile_nothing():
                                compile=True)  # fmt: skip
         eager = fspec.generate(target, draft, prompts, max_new_tokens=new, temperature=temps, seed=seeds)
         assert sampled.tokens == eager.tokens
+        opts = dict(temperature=temps, seed=seeds, top_k=[5, 0][:b], top_p=0.8, min_p=[0.0, 0.1][:b])
+        for head in (draft, None):
+            filtered = gen.generate(target, head, prompts, max_new_tokens=new, compile=True, **opts)
+            assert filtered.tokens == fspec.generate(target, head, prompts, max_new_tokens=new, **opts).tokens
     assert counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
     assert all(gen.resources.buffers[k] is v for k, v in warmed.items())  # nothing the graphs read moved
     for bad in (0, 300, 1.0, True):
@@ -301,6 +305,8 @@ def test_compiled_calls_after_warmup_compile_nothing():
             gen.warmup(target, draft, max_len=bad)
     with pytest.raises(ValueError, match="target"):
         gen.warmup(None, draft)
+    with pytest.raises(ValueError, match=r"filters: expected a bool, got 1"):
+        gen.warmup(target, draft, filters=1)
 
 
 @pytest.mark.parametrize("pipeline", [True, False])

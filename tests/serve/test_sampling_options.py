@@ -98,6 +98,23 @@ def test_top_k_one_is_greedy_token_for_token():
         assert got.tokens == want.tokens
 
 
+def test_a_greedy_request_s_filters_change_nothing_and_select_no_filtered_graph():
+    """Greedy requests with top_k / top_p / min_p: the tokens of no filters (every filter keeps the argmax),
+    with and without a head; their settings select the unfiltered samplers (`SamplingParams.filtered`
+    False), so such calls share the greedy graphs; in a mixed batch the sampled row's filter still holds."""
+    target, draft = aligned_pair(k=3)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [20] * 9]
+    opts = dict(top_k=[2, 0, 1, 7], top_p=[1.0, 0.3, 0.9, 0.5], min_p=[0.0, 0.0, 0.4, 0.1])
+    assert not fspec.SamplingParams.create(4, **opts).filtered
+    for d in (None, draft):
+        want = fspec.generate(target, d, prompts, max_new_tokens=12)
+        assert fspec.generate(target, d, prompts, max_new_tokens=12, **opts).tokens == want.tokens
+        mixed = fspec.generate(
+            target, d, prompts, max_new_tokens=12, temperature=[0.0, 0.0, 5.0, 0.0], top_k=[3, 3, 1, 3]
+        )
+        assert mixed.tokens == want.tokens  # row 2 samples at temperature 5 but top_k = 1 keeps its argmax
+
+
 def test_changing_the_options_of_a_compiled_call_compiles_nothing():
     """Two compiled sampled calls of one bucket with different temperatures, top_k, top_p and min_p per
     request: the second compiles no new graph (the kernels read the options from tensors) and each equals
