@@ -17,8 +17,9 @@ recorded, which after the warm-up should be none). The others are eager: B unifo
 --max-batch, each prompt's length log-uniform in 1..--max-prompt (total tokens capped at --max-tokens), K in
 1..5. Prompts are random token ids. Checks, every call: every `BlockAllocator` the call made has all its
 blocks free; `torch.cuda.memory_allocated()` after the call at most the value after the first --warmup-calls
-calls + --slack-mib. The run stops at the first failure (rc 1) or after --calls calls or --seconds seconds;
-the JSON records the calls made.
+calls + --slack-mib. The run stops at the first failure (rc 1), after --calls calls, or when --seconds have
+passed since the script started (model load and warm-up included, so a time limit around the whole run can
+be met); the JSON records the calls made, and is rewritten every 100 calls.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from fspec.serve import runner  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=2000)
-    p.add_argument("--seconds", type=float, default=1e9)
+    p.add_argument("--seconds", type=float, default=1e9, help="no call starts after this (from the start)")
     p.add_argument("--max-prompt", type=int, default=4096)
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=16384, help="cap on a call's prompt tokens in total")
@@ -100,6 +101,7 @@ def call_args(rng: random.Random, i: int, args, vocab: int) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    began = time.perf_counter()
     runner.BlockAllocator = _Books  # the allocator generate's runs make, counted
     if args.smoke:
         torch.set_num_threads(1)
@@ -119,8 +121,27 @@ def main(argv=None) -> int:
     rng = random.Random(args.seed)
     rows, base, peak, failure, blocks_checked = [], None, 0, None, 0
     start = time.perf_counter()
+
+    def record() -> dict:
+        out = dict(
+            header=results_io.header("gpu_soak.py", argv, torch.cuda.get_device_name() if cuda else "cpu"),
+            calls=len(rows),
+            seconds=round(time.perf_counter() - start, 1),
+            failure=failure,
+            base_allocated_mib=None if base is None else round(base / 2**20, 1),
+            peak_allocated_mib=round(peak / 2**20, 1),
+            max_reserved_mib=round(torch.cuda.max_memory_reserved() / 2**20, 1) if cuda else 0.0,
+            compiled_calls=sum(r["compile"] for r in rows),
+            graphs_after_warmup=sum(r["graphs"] for r in rows),
+            warmup=warm,
+            blocks_checked=blocks_checked,
+            rows=rows,
+        )
+        results_io.write(Path(args.out), out)
+        return out
+
     for i in range(args.calls):
-        if time.perf_counter() - start > args.seconds:
+        if time.perf_counter() - began > args.seconds:
             break
         a = call_args(rng, i, args, vocab)
         _Books.made.clear()
@@ -166,21 +187,9 @@ def main(argv=None) -> int:
         if failure:
             print("FAIL", failure, flush=True)
             break
-    out = dict(
-        header=results_io.header("gpu_soak.py", argv, torch.cuda.get_device_name() if cuda else "cpu"),
-        calls=len(rows),
-        seconds=round(time.perf_counter() - start, 1),
-        failure=failure,
-        base_allocated_mib=None if base is None else round(base / 2**20, 1),
-        peak_allocated_mib=round(peak / 2**20, 1),
-        max_reserved_mib=round(torch.cuda.max_memory_reserved() / 2**20, 1) if cuda else 0.0,
-        compiled_calls=sum(r["compile"] for r in rows),
-        graphs_after_warmup=sum(r["graphs"] for r in rows),
-        warmup=warm,
-        blocks_checked=blocks_checked,
-        rows=rows,
-    )
-    results_io.write(Path(args.out), out)
+        if i % 100 == 99:
+            record()
+    out = record()
     print({k: v for k, v in out.items() if k not in ("rows", "header")})
     return 1 if failure else 0
 
