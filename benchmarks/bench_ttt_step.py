@@ -1,42 +1,42 @@
-"""One TTT training step, old beside new: the unrolled loss (`DistillConfig.via_draft_step=False`, today's
-default) against the loss through the draft loop's own step over a `ChainKVCache` (`via_draft_step=True`).
+"""One TTT training step through the draft loop's own step over a `ChainKVCache`: time and peak memory.
 
     python3 benchmarks/bench_ttt_step.py [--reps 10] [--out benchmarks/results/ttt_step.json]
     python3 benchmarks/bench_ttt_step.py --real-model [--steps 60] [--out $OUT/ttt_step.json]   # H200
     python3 benchmarks/bench_ttt_step.py --smoke --out /tmp/ttt_step_smoke.json   # tiny shapes, CPU
 
-Both variants run in one process, on the same weights and the same batch. A step is what distillation runs:
-`fspec.train.ttt.train_step` (`torch.func.grad_and_value` of `ttt_loss` under bf16 autocast, as `--autocast`
-trains, gradient clipping, AdamW) on fp32 master weights, feed "prediction", K = 7. Each call starts from the
-same (weights, AdamW state), so both variants hold the same tensors around the step. Heads are fresh EAGLE-3
-heads (`fspec.init_draft` through `fspec.train.distill.new_draft`, random weights) at:
+At commit b9097a0, the last before the reference loop over the head's layers (`via_draft_step=False`) was
+deleted, this script ran that loop beside the draft step in one process: the old-beside-new figures of
+results/ttt_step.json come from there. It now runs the remaining path only.
+
+A step is what distillation runs: `fspec.train.ttt.train_step` (`torch.func.grad_and_value` of `ttt_loss`
+under bf16 autocast, as `--autocast` trains, gradient clipping, AdamW) on fp32 master weights, feed
+"prediction", K = 7. Each call starts from the same (weights, AdamW state). Heads are fresh EAGLE-3 heads
+(`fspec.init_draft` through `fspec.train.distill.new_draft`, random weights) at:
 
 * smollm2: the shipped recipe's head (`fspec.train.default_model.Recipe`): target SmolLM2-135M (hidden 576,
   9 query / 3 KV heads of 64, intermediate 1536, 30 layers, vocabulary 49152), head hidden 576, draft
   vocabulary 8192, batch 32 x 512;
-* 1b: Llama-3.2-1B shapes as in bench_ttt_memory.py (hidden 2048, 32 / 8 heads of 64, intermediate 8192,
+* 1b: Llama-3.2-1B shapes (hidden 2048, 32 / 8 heads of 64, intermediate 8192,
   vocabulary 128256), draft vocabulary 32000, batch 16 x 1024.
 
 The target is never run for these cases: its embedding is real (random, bf16 as a bf16 target's), its layers
 live on the meta device; the batch is random (ids, aux hidden states and target logits in bf16).
 
-Timing: 3 warm-up steps per variant, then `--reps` repetitions in alternating order (old, new; new, old; ...)
-so that drift favours neither; seconds per step = the median, with torch.cuda.synchronize around each step;
-tokens/s = batch · seq / seconds. Peak memory: `torch.cuda.max_memory_allocated()` of each step (after
-empty_cache and reset_peak_memory_stats), the largest over its repetitions; "base_gib" is what is allocated
-before a step (weights, AdamW state, batch: the same for both).
+Timing: 3 warm-up steps, then `--reps` timed steps; seconds per step = the median, with
+torch.cuda.synchronize around each step; tokens/s = batch · seq / seconds. Peak memory:
+`torch.cuda.max_memory_allocated()` of each step (after empty_cache and reset_peak_memory_stats), the largest
+over the repetitions; "base_gib" is what is allocated before a step (weights, AdamW state, batch).
 
 --real-model: also `fspec.train.distill.distill_head` for `--steps` steps on the real SmolLM2-135M target
 (`fspec.load_default(dtype=torch.bfloat16, device="cuda")`, its shipped head as the starting point) fed by
-`online_batches` over a random token stream, DistillConfig(batch_size=32, seq_len=512, autocast=True), once
-with via_draft_step False, then once True; tokens/s of the records after the first (the first holds the
-warm-up), peak memory of the whole run.
+`online_batches` over a random token stream, DistillConfig(batch_size=32, seq_len=512, autocast=True);
+tokens/s of the records after the first (the first holds the warm-up), peak memory of the whole run.
 
 --smoke: tiny shapes on the CPU (fp32, no autocast, no memory figures, 2 repetitions; the distillation part
 on `fspec.load_toy()`'s model), to check the script.
 
-Rows: {"case", "old_s_per_step", "new_s_per_step", "ratio_time" (new / old), "old_peak_gib",
-"new_peak_gib", "ratio_memory", "old_tok_s", "new_tok_s"}.
+Rows: {"case", "s_per_step", "peak_gib", "tok_s", "loss"} ("loss": the step's loss; the distillation row's
+is the last record's), or "error" when the case failed (out of memory, say).
 """
 
 from __future__ import annotations
@@ -63,7 +63,6 @@ from fspec.train import distill as D  # noqa: E402
 from fspec.train import ttt  # noqa: E402
 
 GIB = 2**30
-VARIANTS = (False, True)  # via_draft_step: old, new
 
 # (target config for a max_len, draft vocabulary, batch, seq_len, ttt_steps)
 CASES = {
@@ -128,10 +127,6 @@ def _error(e: Exception) -> str:
     return f"{type(e).__name__}: {e}"[:300]
 
 
-def _ratio(new, old) -> float | None:
-    return new / old if new is not None and old else None
-
-
 def build_case(name: str, dev: torch.device, *, seed: int = 0):
     """(draft, trainable, opt_state, frozen, batch, (batch, seq_len, ttt_steps)): a random head, batch."""
     make_cfg, vd, b, s, k = CASES[name]
@@ -155,7 +150,7 @@ def build_case(name: str, dev: torch.device, *, seed: int = 0):
 
 
 def measure_step(name: str, dev: torch.device, *, reps: int, warmup: int = 3) -> dict:
-    """Old beside new: median s/step, peak GiB and tokens/s of one `train_step`."""
+    """Median s/step, peak GiB and tokens/s of one `train_step`."""
     draft, trainable, opt, frozen, batch, (b, s, k) = build_case(name, dev)
     vd = CASES[name][1]
     case = {
@@ -175,76 +170,46 @@ def measure_step(name: str, dev: torch.device, *, reps: int, warmup: int = 3) ->
         "feed": "prediction",
         "device": str(dev),
     }
-    dcfgs = {
-        via: ttt.DistillConfig(
-            ttt_steps=k,
-            batch_size=b,
-            seq_len=s,
-            autocast=True,
-            steps=1000,
-            warmup_steps=50,
-            via_draft_step=via,
-        )
-        for via in VARIANTS
-    }
+    dcfg = ttt.DistillConfig(ttt_steps=k, batch_size=b, seq_len=s, autocast=True, steps=1000, warmup_steps=50)
     _sync(dev)
     case["base_gib"] = torch.cuda.memory_allocated(dev) / GIB if dev.type == "cuda" else None
-    times: dict[bool, list[float]] = {via: [] for via in VARIANTS}
-    peaks: dict[bool, list[float]] = {via: [] for via in VARIANTS}
-    errors: dict[bool, str] = {}
-
-    def one(via: bool, *, keep: bool) -> None:
-        if via in errors:
-            return
-        _fresh_peak(dev)
-        _sync(dev)
-        t0 = time.perf_counter()
-        try:
-            out = ttt.train_step(trainable, opt, frozen, batch, step=100, cfg=draft.cfg, dcfg=dcfgs[via])
+    times, peaks, loss = [], [], None
+    try:
+        for i in range(warmup + reps):
+            _fresh_peak(dev)
             _sync(dev)
-        except Exception as e:  # out of memory, or a path that fails here: the other variant still runs
-            errors[via] = _error(e)
-            return
-        dt = time.perf_counter() - t0
-        if keep:
-            times[via].append(dt)
-            peak = _peak_gib(dev)
-            if peak is not None:
-                peaks[via].append(peak)
-        del out
-
-    for i in range(warmup):
-        for via in VARIANTS if i % 2 == 0 else VARIANTS[::-1]:
-            one(via, keep=False)
-    for i in range(reps):
-        for via in VARIANTS if i % 2 == 0 else VARIANTS[::-1]:
-            one(via, keep=True)
+            t0 = time.perf_counter()
+            out = ttt.train_step(trainable, opt, frozen, batch, step=100, cfg=draft.cfg, dcfg=dcfg)
+            _sync(dev)
+            dt = time.perf_counter() - t0
+            loss = float(out[2]["loss"])
+            del out
+            if i >= warmup:
+                times.append(dt)
+                peak = _peak_gib(dev)
+                if peak is not None:
+                    peaks.append(peak)
+    except Exception as e:  # out of memory, say: the row records it and the next case still runs
+        _fresh_peak(dev)
+        return {"case": case, "error": _error(e)}
     _fresh_peak(dev)
-    return _row(case, times, peaks, errors, tokens=b * s)
+    return _row(case, times, peaks, tokens=b * s, loss=loss)
 
 
-def _row(case: dict, times: dict, peaks: dict, errors: dict, *, tokens: int) -> dict:
-    sec = {via: statistics.median(t) if t and via not in errors else None for via, t in times.items()}
-    peak = {via: max(p) if p and via not in errors else None for via, p in peaks.items()}
-    row = {
+def _row(case: dict, times: list[float], peaks: list[float], *, tokens: int, loss: float) -> dict:
+    sec = statistics.median(times)
+    return {
         "case": case,
-        "old_s_per_step": sec[False],
-        "new_s_per_step": sec[True],
-        "ratio_time": _ratio(sec[True], sec[False]),
-        "old_peak_gib": peak[False],
-        "new_peak_gib": peak[True],
-        "ratio_memory": _ratio(peak[True], peak[False]),
-        "old_tok_s": tokens / sec[False] if sec[False] else None,
-        "new_tok_s": tokens / sec[True] if sec[True] else None,
+        "s_per_step": sec,
+        "peak_gib": max(peaks) if peaks else None,
+        "tok_s": tokens / sec if sec else None,
+        "loss": loss,
     }
-    for via, err in errors.items():
-        row[("new" if via else "old") + "_error"] = err
-    return row
 
 
 def measure_distill(dev: torch.device, *, steps: int, smoke: bool) -> dict:
-    """distill_head on the real SmolLM2 target (--smoke: the toy model), old then new: tokens/s of the records
-    after the first, peak GiB of each run."""
+    """distill_head on the real SmolLM2 target (--smoke: the toy model): tokens/s of the records after the
+    first, peak GiB of the run."""
     if smoke:
         target, head = fspec.load_toy()
         b, s, k, name = 2, 32, 3, "toy_distill_head"
@@ -270,49 +235,42 @@ def measure_distill(dev: torch.device, *, steps: int, smoke: bool) -> dict:
         "device": str(dev),
         "data": "random token stream through the target (online_batches)",
     }
-    times: dict[bool, list[float]] = {via: [] for via in VARIANTS}
-    peaks: dict[bool, list[float]] = {via: [] for via in VARIANTS}
-    errors: dict[bool, str] = {}
-    for via in VARIANTS:
-        cfg = ttt.DistillConfig(
-            ttt_steps=k,
-            batch_size=b,
-            seq_len=s,
-            steps=steps,
-            lr=2e-3,
-            warmup_steps=min(10, steps - 1),
-            log_every=log_every,
-            autocast=True,
-            via_draft_step=via,
-        )
-        batches = D.online_batches(target, head, tokens, cfg=cfg)
-        _fresh_peak(dev)
-        try:
-            _, hist = D.distill_head(head, batches, cfg=cfg, progress=False)
-        except Exception as e:
-            errors[via] = _error(e)
-            continue
-        _sync(dev)
-        seconds, timed = 0.0, 0
-        for prev, rec in zip(hist, hist[1:]):  # the records after the first (which holds the warm-up)
-            n = rec["step"] - prev["step"]
-            seconds, timed = seconds + n * b * s / rec["tokens_per_s"], timed + n
-        times[via].append(seconds / timed)
-        peak = _peak_gib(dev)
-        if peak is not None:
-            peaks[via].append(peak)
-        case[("new" if via else "old") + "_final_loss"] = hist[-1]["loss"]
+    cfg = ttt.DistillConfig(
+        ttt_steps=k,
+        batch_size=b,
+        seq_len=s,
+        steps=steps,
+        lr=2e-3,
+        warmup_steps=min(10, steps - 1),
+        log_every=log_every,
+        autocast=True,
+    )
+    batches = D.online_batches(target, head, tokens, cfg=cfg)
     _fresh_peak(dev)
-    return _row(case, times, peaks, errors, tokens=b * s)
+    try:
+        _, hist = D.distill_head(head, batches, cfg=cfg, progress=False)
+    except Exception as e:
+        _fresh_peak(dev)
+        return {"case": case, "error": _error(e)}
+    _sync(dev)
+    seconds, timed = 0.0, 0
+    for prev, rec in zip(hist, hist[1:]):  # the records after the first (which holds the warm-up)
+        n = rec["step"] - prev["step"]
+        seconds, timed = seconds + n * b * s / rec["tokens_per_s"], timed + n
+    peak = _peak_gib(dev)
+    _fresh_peak(dev)
+    return _row(
+        case, [seconds / timed], [peak] if peak is not None else [], tokens=b * s, loss=hist[-1]["loss"]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="benchmarks/results/ttt_step.json")
-    p.add_argument("--reps", type=int, default=10, help="timed train steps per variant (after 3 warm-ups)")
+    p.add_argument("--reps", type=int, default=10, help="timed train steps (after 3 warm-ups)")
     p.add_argument("--cases", nargs="+", default=["smollm2", "1b"], choices=["smollm2", "1b"])
     p.add_argument("--real-model", action="store_true", help="also distill_head on the real SmolLM2 target")
-    p.add_argument("--steps", type=int, default=60, help="--real-model: distill_head steps per variant")
+    p.add_argument("--steps", type=int, default=60, help="--real-model: distill_head steps")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script)")
     args = p.parse_args(argv)
     if args.smoke:
@@ -326,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     doc = results_io.header("bench_ttt_step.py", argv, name)
     doc.update(
-        what="one TTT train_step, via_draft_step False (old) beside True (new), same process",
+        what="one TTT train_step through the draft loop's own step over a ChainKVCache",
         reps=reps,
         warmup=3,
         rows=[],

@@ -26,7 +26,7 @@
 #   memcheck  compute-sanitizer memcheck over benchmarks/gpu_memcheck_real.py: eager with the caching
 #             allocator off, then compiled with it on ($OUT/memcheck_eager.log, memcheck_compiled.log);
 #             memcheck:eager or memcheck:compiled runs one (each may take up to 540 s)
-#   ttt       benchmarks/bench_ttt_step.py --real-model: the TTT step old beside new ($OUT/ttt_step.json)
+#   ttt       benchmarks/bench_ttt_step.py --real-model: the TTT step through the draft step ($OUT/ttt_step.json)
 #   continuous  benchmarks/bench_continuous.py ($OUT/continuous.json; "continuous:ARGS" passes options)
 #   interactive  benchmarks/bench_interactive.py with the shipped head ($OUT/interactive.json and
 #             bench_interactive.log; "interactive:ARGS" passes options, "+" for spaces)

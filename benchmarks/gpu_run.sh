@@ -26,7 +26,6 @@
 #   variants     bench_draft_loop.py (8B / 1B heads, B = 1, K = 5) and bench_call_overhead.py once per
 #                "TAG:VAR=VALUE,..." argument, spread over the GPUs; $OUT/switches.json (switches.py) and
 #                $OUT/variants.tgz
-#   ttt          benchmarks/bench_ttt_memory.py --cuda (TTT loss: dense vs lean, time and peak memory)
 #   heads        build the default model once per "TAG:ARGS" argument, all at once on the one GPU (ARGS:
 #                fspec.train.default_model options, "+" for spaces), then score each with bench_acceptance.py
 #                (K = 5, every held-out file); $OUT/TAG.json is each train_log.json with that score under
@@ -91,7 +90,6 @@ case "$stage" in
     { for v in "$@"; do tail -5 "$WORK/variants/${v%%:*}.log"; done
       python3 benchmarks/switches.py --out "$OUT/switches.json" "${specs[@]}"; } > "$log" 2>&1
     tar czf "$OUT/variants.tgz" -C "$WORK" variants ;;
-  ttt) timeout 400 python3 benchmarks/bench_ttt_memory.py --cuda --out "$OUT/ttt_memory.json" "$@" > "$log" 2>&1 ;;
   heads)
     pids=()
     for spec in "$@"; do

@@ -422,12 +422,6 @@ def _distill_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser
     a("--save-every", type=int, default=0, help="steps between checkpoints (0 = at the end only)")
     a("--log-jsonl", default=None, help="append metric records to this file")
     a("--autocast", action="store_true", help="bf16 autocast on CUDA")
-    a(
-        "--via-draft-step",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the TTT loss through the draft loop's own step, or (--no-via-draft-step) the reference loop",
-    )
     a("--no-progress", action="store_true", help="no progress bar")
     pc = _Parser(
         prog="fspec distill precompute",

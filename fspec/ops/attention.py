@@ -16,7 +16,7 @@
 * ``"dense"``: attention among this call's T tokens only (same request, key position <= query position), no
   cache read or write; differentiable. `dense_attention` is the batched `[B, S]` form for training.
 
-Model layers reach attention through `bind` (or `causal`, or distillation's `ttt_attend`): an `Attend` that
+Model layers reach attention through `bind` (or `causal`, or fspec/ops/dense_cache.py's): an `Attend` that
 takes q and k *before* RoPE, with the cos/sin of their positions, so a backend can fuse the rotation into work
 it does anyway. The "paged" one rotates q and k inside its cache-write kernel (`fspec::rope_kv_write`: one
 launch per layer instead of the write plus the pointwise kernels Inductor emitted around it); the others call

@@ -375,7 +375,6 @@ def agreement(draft: Draft, batches: Batches, *, cfg: DistillConfig, steps: rang
         raise ValueError(f"steps: expected a non-empty range, got {steps!r}")
     trainable, frozen = split_params(draft.params, draft.shared)
     kw = {"cfg": draft.cfg, "ttt_steps": cfg.ttt_steps, "step_weight": cfg.step_weight, "feed": cfg.feed}
-    kw["via_draft_step"] = cfg.via_draft_step
     loss, agree = [], []
     for i in steps:
         batch = batches(i)
@@ -518,10 +517,21 @@ def check_batch(batch: object, draft: Draft, *, values: bool = True) -> None:
 
 
 def _warn_if_changed(saved: dict, now: dict) -> None:
-    """Resuming replays the same run only with the same settings (the schedule spans cfg.steps)."""
+    """Resuming replays the same run only with the same settings (the schedule spans cfg.steps).
+
+    `via_draft_step`, a setting of earlier releases, chose the loop the loss ran through; both gave the same
+    loss and gradients, and only the draft step's remains. True (or absent) is ignored; False gives one
+    warning.
+    """
+    if saved.get("via_draft_step", True) is False:
+        warnings.warn(
+            "resume: the checkpoint's settings have via_draft_step=False (the reference TTT loop over the "
+            "head's layers), which is gone; training continues through the draft step (the same loss and "
+            "gradients)",
+            stacklevel=3,
+        )
     # a setting the checkpoint predates (a field added since) had its default then
     defaults = {f.name: f.default for f in dataclasses.fields(DistillConfig)}
-    defaults["via_draft_step"] = False  # checkpoints from before the field trained through the reference loop
     changed = sorted(
         k for k in now if k not in ("log_every", "save_every") and saved.get(k, defaults.get(k)) != now[k]
     )
@@ -598,7 +608,6 @@ def _train(args) -> int:
         log_every=args.log_every,
         save_every=args.save_every,
         autocast=args.autocast,
-        via_draft_step=args.via_draft_step,
     )
     tokens = None if args.offline else _tokens(args, target)
     if args.resume or args.init:
@@ -674,12 +683,6 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--save-every", type=int, default=0)
     tr.add_argument("--log-jsonl", default=None, help="append metric records to this file")
     tr.add_argument("--autocast", action="store_true", help="bf16 autocast on CUDA")
-    tr.add_argument(
-        "--via-draft-step",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the TTT loss through the draft loop's own step (default), or the reference loop",
-    )
     tr.add_argument("--no-progress", action="store_true")
     tr.set_defaults(func=_train)
     pc = sub.add_parser("precompute", help="write the target's outputs for offline distillation")

@@ -12,9 +12,9 @@ made):
      "target_logits": [B, S, Vd]}   the target's logits restricted to the draft vocabulary (EAGLE-3: the Vd
                                     columns of d2t; others: all V); `target_batch` makes one
 
-The head step is unrolled K times with differentiable attention over explicit keys (step 0: causal SDPA;
-later steps: `fspec.ops.ttt_attention`, which keeps no score matrix) through the head's own `_hidden`, so the
-same decoder layer serves training and serving:
+The head step is unrolled as K calls of the draft loop's own step (`fspec.draft.dense_step`, what
+`draft_step` runs over a dense cache) over a `ChainKVCache` of B·S one-row chains, so serving and training
+share one head step:
 
 * step 0 is the causal pass over pairs (hidden_i, token_{i+1}) at positions i (EAGLE's shift);
 * step j >= 1 feeds row i its own output hidden of step j-1 and its own prediction (argmax of step j-1's
@@ -36,7 +36,6 @@ import dataclasses
 import math
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 
 from fspec.core.cache import ChainKVCache
@@ -49,17 +48,14 @@ from fspec.draft import dense_step
 from fspec.models import llama
 from fspec.models.checkpoint import Draft, Target
 from fspec.models.heads import (
-    head_hidden,
     head_kind,
     head_logits,
     head_pre_logits,
     lookup,
     project_target_hidden,
 )
-from fspec.models.heads.eagle3 import _draft_to_target
 from fspec.models.llama import TargetHidden
-from fspec.ops.attention import Attend, autocast_enabled, autocast_off, dense_attention, rope_qk
-from fspec.ops.ttt_attention import ttt_attention
+from fspec.ops.attention import autocast_enabled, autocast_off
 
 FEEDS = ("prediction", "data")
 NEVER_TRAINED = ("d2t", "t2d")  # integer/bool vocabulary maps of EAGLE-3 heads
@@ -85,8 +81,6 @@ class DistillConfig:
         log_every: record metrics every this many steps (each record costs one host sync).
         save_every: checkpoint every this many steps (0 = only at the end).
         autocast: run target and head under bf16 autocast on CUDA (master weights stay fp32).
-        via_draft_step: the loss through the draft loop's own step over a `ChainKVCache` (default), or
-            (False) through the reference loop over the head's layers (`ttt_loss`); equal loss and gradients.
     """
 
     ttt_steps: int = 7
@@ -106,7 +100,6 @@ class DistillConfig:
     log_every: int = 10
     save_every: int = 0
     autocast: bool = False
-    via_draft_step: bool = True
 
     def __post_init__(self) -> None:
         check_ttt(self.ttt_steps, self.step_weight, self.feed)
@@ -140,10 +133,8 @@ class DistillConfig:
                 "DistillConfig.seed: expected an int in [0, 2^32) (step_generator seeds with "
                 f"seed · 2^32 + step), got {self.seed!r}"
             )
-        for name in ("autocast", "via_draft_step"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise ValueError(f"DistillConfig.{name}: expected True or False, got {value!r}")
+        if not isinstance(self.autocast, bool):
+            raise ValueError(f"DistillConfig.autocast: expected True or False, got {self.autocast!r}")
 
 
 def _check_number(
@@ -177,32 +168,14 @@ def ttt_mask(seq_len: int, step: int, *, device: torch.device | str | None = Non
     """[S, (step+1)·S] bool, True = may attend: what row i of step `step` sees of steps 0..step's keys.
 
     Block 0 (step-0 keys) is causal: positions <= i. Block m in 1..step holds step m's keys; row i sees only
-    its own (the diagonal): the tokens drafted after position i along its own chain.
+    its own (the diagonal): the tokens drafted after position i along its own chain. The loss does not build
+    it: the chain cache's attention (`fspec.ops.dense_cache.bind_chain`) sees the same keys by construction;
+    the tests' dense reference attends under this mask.
     """
     s = seq_len
     causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()
     diagonal = torch.eye(s, dtype=torch.bool, device=device)
     return torch.cat([causal] + [diagonal] * step, dim=1)
-
-
-def ttt_attend(kv: dict, step: int) -> Attend:
-    """`attend` for unroll step `step`: rotates q and k (RoPE), appends this step's k/v [B, S, Nkv, D] to
-    kv[layer] and attends over the keys of steps 0..step under `ttt_mask`. Step 0 is plain causal attention
-    (SDPA); later steps use `fspec.ops.ttt_attention.ttt_attention`, which equals the dense masked attention
-    without materialising its [B, N, S, (step+1)·S] scores."""
-
-    def attend(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
-        q, k = rope_qk(q, k, cos, sin)
-        keys, values = kv.setdefault(layer, ([], []))
-        keys.append(k)
-        values.append(v)
-        if step == 0:
-            return dense_attention(q, k, v)
-        return ttt_attention(q, keys, values)
-
-    return attend
 
 
 def vocab_ids(draft: Draft) -> torch.Tensor:
@@ -238,26 +211,6 @@ def as_target_hidden(hidden: torch.Tensor, *, cfg: DraftConfig) -> TargetHidden:
     if lookup(cfg.kind).reads_aux_layers:
         return TargetHidden(last=empty, aux=hidden)
     return TargetHidden(last=hidden, aux=empty)
-
-
-def _unroll(params: dict, batch: dict, *, cfg: DraftConfig, ttt_steps: int, feed: str, score) -> None:
-    """Run the K head steps; `score(j, out)` sees step j's output hidden [B, S, H] and returns the draft ids
-    [B, S] it predicts (what step j + 1 reads when feed == "prediction")."""
-    ids = batch["input_ids"]  # [B, S]
-    b, s = ids.shape
-    pad = ids.new_zeros(b, ttt_steps + 1)  # token ids past the sequence end (their rows have no target)
-    hidden = project_target_hidden(params, as_target_hidden(batch["hidden"], cfg=cfg), cfg=cfg)  # [B, S, H]
-    tokens = torch.cat((ids[:, 1:], pad[:, :1]), 1)  # row i reads token i + 1
-    positions = torch.arange(s, device=ids.device).expand(b, s)
-    kv: dict = {}
-    for j in range(ttt_steps):
-        out = head_hidden(params, tokens, hidden, positions + j, ttt_attend(kv, j), cfg=cfg)  # [B, S, H]
-        pred = score(j, out)
-        if feed == "prediction":
-            tokens = _draft_to_target(pred, params["d2t"]) if lookup(cfg.kind).reduced_vocab else pred
-        else:  # the data's token after the one this step read: position i + (j + 1) + 1
-            tokens = torch.cat((ids[:, j + 2 :], pad[:, : j + 2]), 1)
-        hidden = out
 
 
 def ttt_start(
@@ -296,7 +249,7 @@ def ttt_start(
 
 
 def _unroll_steps(params: dict, batch: dict, *, cfg: DraftConfig, ttt_steps: int, feed: str, score) -> None:
-    """`_unroll` as K calls of the draft loop's own step (`fspec.draft.dense_step`, what `draft_step`
+    """The K head steps as K calls of the draft loop's own step (`fspec.draft.dense_step`, what `draft_step`
     runs over a dense cache) over a `ChainKVCache`: `score(j, out)` sees step j's output hidden [B, S, H];
     the next step reads the step's own argmax (feed "prediction") or the data's next token ("data")."""
     ids = batch["input_ids"]  # [B, S]
@@ -319,13 +272,11 @@ def unroll(
     """(K logits [B, S, Vd], K output hiddens [B, S, H]) of the unrolled head (see the module docstring)."""
     out_logits, out_hidden = [], []
 
-    def keep(j: int, out: torch.Tensor) -> torch.Tensor:
-        logits = head_logits(params, out, cfg=cfg)  # [B, S, Vd]
-        out_logits.append(logits)
+    def keep(j: int, out: torch.Tensor) -> None:
+        out_logits.append(head_logits(params, out, cfg=cfg))  # [B, S, Vd]
         out_hidden.append(out)
-        return logits.detach().argmax(-1)
 
-    _unroll(params, batch, cfg=cfg, ttt_steps=ttt_steps, feed=feed, score=keep)
+    _unroll_steps(params, batch, cfg=cfg, ttt_steps=ttt_steps, feed=feed, score=keep)
     return out_logits, out_hidden
 
 
@@ -464,18 +415,17 @@ def ttt_loss(
     ttt_steps: int = 7,
     step_weight: float = 0.8,
     feed: str = "prediction",
-    via_draft_step: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss, metrics): loss = sum_j w^j CE(p_j, q_j); metrics "loss" [K] (CE per step) and "agreement" [K]
     (fraction of rows where argmax q == argmax p), detached. Differentiable in `trainable`; composes with
     torch.func.grad and vmap (vmap over stacked `trainable` with in_dims None for `frozen` and `batch`).
 
-    via_draft_step: True (default): K calls of the draft loop's own step over a `ChainKVCache`
-    (`_unroll_steps`, the step `draft_step` runs), so serving and training share one head step. False: the
-    reference loop over the head's layers with `ttt_attend` (`_unroll`), kept as the tests' and
-    benchmarks' reference; equal loss and gradients (tests/train/test_ttt_draft_step.py). On the H200 at the
-    shipped SmolLM2 head's shapes (32 x 512, K = 7, bf16 autocast) the default takes 1.05x the reference's
-    time per step and 0.90x its peak memory (benchmarks/results/ttt_step.json).
+    The head steps are K calls of the draft loop's own step over a `ChainKVCache` (`_unroll_steps`, the
+    step `draft_step` runs), so serving and training share one head step. tests/train/test_ttt_draft_step.py
+    checks loss and gradients against a plain dense-attention reference (tests/train/ttt_reference.py). On
+    the H200 at the shipped SmolLM2 head's shapes (32 x 512, K = 7, bf16 autocast) this step took 1.05x the
+    time and 0.90x the peak memory of the loop over the head's layers it replaced
+    (benchmarks/results/ttt_step.json).
     """
     check_ttt(ttt_steps, step_weight, feed)
     s = batch["input_ids"].shape[1]
@@ -485,18 +435,15 @@ def ttt_loss(
     p_logits = batch["target_logits"]  # [B, S, Vd]
     terms, losses, agree = [], [], []
 
-    def score(j: int, out: torch.Tensor) -> torch.Tensor:
+    def score(j: int, out: torch.Tensor) -> None:
         n = s - 1 - j  # rows i whose target distribution exists: position i + j + 1 <= S - 1
         p_j = p_logits[:, j + 1 :]  # [B, n, Vd], a view
         ce, pred = head_cross_entropy(params, out[:, :n], p_j, cfg=cfg)
         terms.append(step_weight**j * ce)
         losses.append(ce.detach())
         agree.append((pred == p_j.argmax(-1)).float().mean().detach())
-        # rows past n have no target at this step or later ones (a row's chain is its own): any token will do
-        return F.pad(pred, (0, s - n))
 
-    unroll_fn = _unroll_steps if via_draft_step else _unroll
-    unroll_fn(params, batch, cfg=cfg, ttt_steps=ttt_steps, feed=feed, score=score)
+    _unroll_steps(params, batch, cfg=cfg, ttt_steps=ttt_steps, feed=feed, score=score)
     total = torch.stack(terms).sum()
     return total, {"loss": torch.stack(losses), "agreement": torch.stack(agree)}
 
@@ -610,7 +557,6 @@ def train_step(
     """
     grad_fn = torch.func.grad_and_value(ttt_loss, has_aux=True)
     kw = {"cfg": cfg, "ttt_steps": dcfg.ttt_steps, "step_weight": dcfg.step_weight, "feed": dcfg.feed}
-    kw["via_draft_step"] = dcfg.via_draft_step
     autocast = dcfg.autocast and batch["input_ids"].is_cuda
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         grads, (loss, aux) = grad_fn(trainable, frozen, batch, **kw)
