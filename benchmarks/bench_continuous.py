@@ -5,8 +5,10 @@
 
 SmolLM2-135M-Instruct with its shipped head; the prompts are the held-out sets of `fspec.train.prompts`
 (code, chat, health interleaved, chat template applied, repeated to --prompts), greedy, each request stopped
-at EOS or after --new-tokens, so requests end at different rounds. Modes, each one call of all prompts (one
-warm-up call of the mode first):
+at EOS or after --new-tokens, so requests end at different rounds. Modes, each one call of all prompts;
+with --compile, `Generator.warmup(max_batch=B)` with the head and without records every graph first (the
+rows' "warmup_s" and "graphs", the CUDA graphs a timed call recorded: 0 after it), else one warm-up call of
+the mode on B prompts:
   * continuous: `fspec.Generator(max_batch=B).generate(...)`: a finished request's slot and blocks go to the
     next waiting prompt;
   * static: the same generator called on consecutive chunks of B prompts: each chunk runs to its slowest
@@ -117,10 +119,16 @@ def main(argv=None) -> int:
         }
         if hf is not None:
             modes["hf"] = lambda b=b: (hf_generate(hf, prompts, args.new_tokens, eos, b), None)
+        warm_s = 0.0
+        if args.compile:  # every round and prefill-chunk graph of batches up to b, as a server would
+            longest = max(map(len, prompts)) + args.new_tokens + 16
+            for d in (head, None):
+                warm_s += gen.warmup(target, d, max_batch=b, max_len=longest, sampled=False)["seconds"]
         for mode, fn in modes.items():
-            if mode != "hf":
+            if mode != "hf" and not args.compile:
                 gen.generate(target, head if mode != "target_only" else None, prompts[:b], **kw)  # warm-up
             sync(args.device)
+            graphs = gen.recorded_graphs
             t0 = time.perf_counter()
             n, tau = fn()
             sync(args.device)
@@ -131,6 +139,8 @@ def main(argv=None) -> int:
                 "seconds": dt,
                 "new_tokens": n,
                 "tau": tau,
+                "graphs": gen.recorded_graphs - graphs if mode != "hf" else None,
+                "warmup_s": round(warm_s, 1) if args.compile else None,
             }
             doc["rows"].append(row)
             results_io.write(Path(args.out), doc)
