@@ -153,3 +153,29 @@ def test_after_warmup_no_prompt_length_or_batch_records_a_graph(models, cuda_mod
         cpu = fspec.generate(*models, prompts, max_new_tokens=NEW_TOKENS)
         assert got.tokens == cpu.tokens, lengths
     assert gen.recorded_graphs == graphs and counters["stats"]["unique_graphs"] == compiles
+
+
+@pytest.mark.gpu
+def test_continuous_refills_after_warmup_record_no_graph(models, cuda_models):
+    """A compiled call of more prompts than slots (`Generator(max_batch=4)`, 11 prompts of 1 to 1500 tokens)
+    whose requests end at different rounds (stop ids: the first tokens of three requests, which end at once,
+    while the others run to max_new_tokens): each finished request's slot is refilled by a prefill of the
+    waiting requests that fit. After `warmup(max_batch=4)` with the head and without, those refills record no
+    CUDA graph and compile nothing, speculative and target-only, and the tokens equal the CPU reference's."""
+    from torch._dynamo.utils import counters
+
+    target, draft = cuda_models
+    lengths = [700, 3, 65, 1500, 1, 300, 64, 129, 1000, 17, 250]
+    prompts = [_prompt(n, n + 11) for n in lengths]
+    ref = fspec.generate(*models, prompts, max_new_tokens=9).tokens
+    stops = sorted({ref[i][0] for i in (1, 5, 8)})
+    want = fspec.generate(*models, prompts, max_new_tokens=9, stop_token_ids=stops).tokens
+    assert sum(len(t) == 1 for t in want) >= 2 and sum(len(t) == 9 for t in want) >= 4  # ends differ
+    gen = fspec.Generator(max_batch=4)
+    for head in (draft, None):
+        gen.warmup(target, head, max_batch=4, max_len=1600, sampled=False)
+    graphs, compiles = gen.recorded_graphs, counters["stats"]["unique_graphs"]
+    for head in (draft, None):
+        got = gen.generate(target, head, prompts, max_new_tokens=9, stop_token_ids=stops, compile=True)
+        assert got.tokens == want, head is None
+    assert gen.recorded_graphs == graphs and counters["stats"]["unique_graphs"] == compiles
