@@ -481,7 +481,63 @@ def rejection_sample_ref(
     top_p: Tensor | None = None,
     min_p: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Plain-PyTorch twin of `rejection_sample`: (tokens [B, K+1] int64, num_accepted [B] int64)."""
+    """Plain-PyTorch twin of `rejection_sample`: (tokens [B, K+1] int64, num_accepted [B] int64).
+
+    A batch without a sampled request (no temperature > 0), known on the host for free (eager, on the CPU),
+    verifies by `greedy_rejection_ref`: the tokens every temperature-0 request gets here anyway, without the
+    softmax, the Philox noise and the filters, which such a request never reads (its filters keep every
+    token: `sampling_filter_ref` marks a temperature-0 row inactive). Any other batch runs every request
+    through the general path, the arithmetic of the kernels (one call, so a sampled request's values do not
+    depend on which other requests are greedy)."""
+    if _no_sampled_request(temperature):
+        return greedy_rejection_ref(target_logits, draft_tokens)
+    return _rejection_sample_general_ref(
+        target_logits, draft_tokens, draft_probs, temperature, seed, positions, top_k, top_p, min_p
+    )
+
+
+def _no_sampled_request(temperature: Tensor) -> bool:
+    """Whether no temperature is > 0, where reading that on the host costs no device sync and nothing
+    traces (eager CPU tensors outside torch.compile and torch.func transforms); False elsewhere."""
+    if temperature.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    if torch._C._are_functorch_transforms_active():
+        return False
+    return not bool((temperature > 0).any())
+
+
+def greedy_rejection_ref(target_logits: Tensor, draft_tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """`rejection_sample_ref` of a batch whose every temperature is 0: draft k is accepted iff it is slot k's
+    first argmax (NaN as -inf; a slot without a finite logit gives 0), and slot n = num_accepted emits its
+    argmax. (tokens [B, K+1] int64, num_accepted [B] int64)."""
+    k = target_logits.shape[1] - 1
+    greedy = first_argmax_ref(clean_logits_ref(target_logits))  # [B, K+1]
+    n = (greedy[:, :k] == draft_tokens).long().cumprod(dim=-1).sum(dim=-1)  # [B]
+    return _assemble(draft_tokens, greedy, n), n
+
+
+def _assemble(draft_tokens: Tensor, final: Tensor, n: Tensor) -> Tensor:
+    """tokens [B, K+1]: the drafts before slot n, final[:, n] at n, -1 after."""
+    k1 = final.shape[1]
+    slot = torch.arange(k1, device=draft_tokens.device)
+    drafts = torch.nn.functional.pad(draft_tokens, (0, 1), value=-1)  # [B, K+1]
+    return torch.where(
+        slot < n[:, None], drafts, torch.where(slot == n[:, None], final.gather(1, n[:, None]), -1)
+    )
+
+
+def _rejection_sample_general_ref(
+    target_logits: Tensor,
+    draft_tokens: Tensor,
+    draft_probs: Tensor | None,
+    temperature: Tensor,
+    seed: Tensor,
+    positions: Tensor,
+    top_k: Tensor | None = None,
+    top_p: Tensor | None = None,
+    min_p: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """`rejection_sample_ref` of any batch: softmax, noise and (with options) filters at every slot."""
     b, k1, v = target_logits.shape
     k = k1 - 1
     ids = torch.arange(v, device=target_logits.device)
@@ -516,9 +572,4 @@ def rejection_sample_ref(
     bonus = first_argmax_ref(x[:, k] + philox_gumbel_ref(seed, slot_pos[:, k], v, SALT_BONUS))  # [B]
     final = torch.where(sampled, torch.cat([residual, bonus[:, None]], dim=1), greedy)  # [B, K+1]
     # 3. Assemble: drafts before n, the candidate at n, -1 after.
-    slot = torch.arange(k1, device=draft_tokens.device)
-    drafts = torch.nn.functional.pad(draft_tokens, (0, 1), value=-1)  # [B, K+1]
-    tokens = torch.where(
-        slot < n[:, None], drafts, torch.where(slot == n[:, None], final.gather(1, n[:, None]), -1)
-    )
-    return tokens, n
+    return _assemble(draft_tokens, final, n), n

@@ -226,6 +226,20 @@ def test_host_overhead_smoke_times_every_piece_of_an_eager_sampling_call(tmp_pat
             assert 0 < r[f"{p}_us"] <= r[f"{p}_drained_us"], p
 
 
+@pytest.mark.slow
+def test_cpu_round_profile_times_every_piece_of_the_demo_round(tmp_path):
+    """profile_cpu_round.py on the default model: every piece timed, each forward's components add up to
+    its wall time (`other` is the rest, never negative), the floor is below every forward."""
+    d = _run("profile_cpu_round.py", "--reps", "1", "--round", "1", out=tmp_path / "cpu_round.json")
+    assert set(d["timings"]) >= {"round", "decode_forward", "verify_forward", "rejection", "drafts"}
+    assert all(0 < t["min_ms"] <= t["median_ms"] <= t["max_ms"] for t in d["timings"].values())
+    for parts in d["breakdown"].values():
+        assert parts["other"] >= 0 and math.isclose(sum(parts.values()) - parts["wall"], parts["wall"])
+        assert parts["lm_head"] > 0 and parts["attention"] > 0
+    assert 0 < d["floor"]["weights_read_ms"] < d["timings"]["decode_forward"]["median_ms"]
+    assert d["attention_ops"]["verify"]["sdpa"] > 0
+
+
 def test_benchmarks_md_tables_are_the_rendered_results():
     """Every `### name` section of BENCHMARKS.md with a benchmarks/results/<name>.json is exactly what
     make_tables.py renders from that file (heading, command line, table): a new benchmark run cannot leave

@@ -8,7 +8,8 @@
   static context length, and runs masked SDPA where the query at position p of request b sees cache positions
   <= p of b. The cache is donated: written in place and returned (the same object). Run eagerly on the CPU it
   reads only what the longest request reaches (`context_blocks`), and a lone request's blocks where they lie
-  (`_first_block_in_place`); a model's forward derives the gather indices and masks once for all its layers
+  (`_first_block_in_place`; the blocks that hold its keys, copied into a zeroed buffer, where its context runs
+  past the cache's end); a model's forward derives the gather indices and masks once for all its layers
   (`reference_plan`).
 * ``"paged"``: the same contract through the Triton kernels of kernels/paged_attention.py (registered ops;
   on a CPU tensor they run their own PyTorch reference). ``"auto"`` (the default everywhere) picks "paged"
@@ -298,22 +299,31 @@ class ReferencePlan(NamedTuple):
         dest: [T] int64, the row of each query token in the padded [B·Q] layout.
         visible: [B, 1, Q, C] bool, the query at position p of request b sees context positions <= p; key 0
             is opened for rows that see nothing (softmax over no key is NaN), which row_live zeroes after.
+        mask: `visible` as SDPA's additive float mask (0 where visible, -inf elsewhere) in the cache's dtype:
+            the tensor SDPA itself makes of a bool mask on every call, made once per forward instead.
         row_live: [B, 1, Q, 1] bool, whether the row holds a query (position >= 0).
         padded: static, T == B·Q: the tokens already lie in the padded layout (every request's metadata the
             engine builds, `query_start_loc = arange(B + 1)·Q`), so dest is the identity and no scatter runs.
         all_live: static, known on the host (eager CPU) that every row holds a query: nothing to zero.
         first_block: static, the first of one request's M consecutive blocks, read in place
             (`_first_block_in_place`), or None: gather `blocks`.
+        context: static, for a lone request whose M blocks run past the cache's end (a multi-row step's
+            CONTEXT_QUANTUM keys over a cache sized for one short request), or None: (k, v, n) with k/v
+            [M, block_size, Nkv, D] zeroed buffers of the forward, into whose first n blocks each layer
+            copies the request's blocks first_block .. + n - 1, the ones holding a visible key; the others
+            stay zero, keys masked for every query (the gather put the scratch block's finite values there).
     """
 
     write_slots: torch.Tensor
     blocks: torch.Tensor
     dest: torch.Tensor
     visible: torch.Tensor
+    mask: torch.Tensor
     row_live: torch.Tensor
     padded: bool
     all_live: bool
     first_block: int | None
+    context: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
 
 def context_blocks(
@@ -346,7 +356,8 @@ def _first_block_in_place(meta: AttnMetadata, num_blocks: int, cache: KVCache) -
     them out ascending): the gather copied 2 x 512 x 3 x 64 floats per layer of a SmolLM2-135M decode step
     (~2.4 ms of a 48 ms step on two threads). The slice may run past the request's allocated blocks, into
     keys masked for every query (finite values: the cache is zeroed at creation and written only with K/V),
-    so the result equals the gather's."""
+    so the result equals the gather's. Where it would run past the cache's end (`_context_buffers`), the
+    blocks holding visible keys are copied into a buffer instead."""
     table, pos = meta.block_table, meta.positions
     if table.shape[0] != 1 or not (_host_readable(table) and _host_readable(pos)) or not pos.numel():
         return None
@@ -355,9 +366,25 @@ def _first_block_in_place(meta: AttnMetadata, num_blocks: int, cache: KVCache) -
     first = row[0]
     if owned == 0 or any(x >= 0 for x in row[owned:]) or row[:owned] != list(range(first, first + owned)):
         return None
-    if first + num_blocks > cache.k.shape[1] or int(pos.max()) >= owned * cache.block_size:
+    if first + owned > cache.k.shape[1] or int(pos.max()) >= owned * cache.block_size:
         return None
     return first
+
+
+def _context_buffers(
+    meta: AttnMetadata, num_blocks: int, first: int, cache: KVCache
+) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """`ReferencePlan.context` of a lone request read from block `first` on (`_first_block_in_place`): None
+    where its `num_blocks` blocks lie inside the cache (slices read them), else zeroed K and V buffers of
+    num_blocks blocks and the number of blocks that hold a visible key. Several query rows read a
+    CONTEXT_QUANTUM of keys (512; `context_blocks`) whatever the request holds, more than the cache of a
+    short request has blocks: the gather copied the 32 blocks, mostly the scratch block, twice per layer;
+    the copy is now of the blocks up to the last query's position."""
+    if first + num_blocks <= cache.k.shape[1]:
+        return None
+    reach = -(-(int(meta.positions.max()) + 1) // cache.block_size)  # <= the request's owned blocks
+    shape = (num_blocks, *cache.k.shape[2:])
+    return cache.k.new_zeros(shape), cache.v.new_zeros(shape), reach
 
 
 def _host_readable(t: torch.Tensor) -> bool:
@@ -404,8 +431,13 @@ def reference_plan(
     visible = (j[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, Q, C]
     row_live = visible[..., :1]  # key 0 is visible exactly when the row holds a query (pos >= 0)
     all_live = _host_readable(row_live) and bool(row_live.all())
+    visible = visible | (j == 0)
+    mask = torch.zeros(visible.shape, dtype=cache.k.dtype, device=device).masked_fill_(
+        ~visible, float("-inf")
+    )
+    context = None if first_block is None else _context_buffers(meta, m, first_block, cache)
     return ReferencePlan(
-        write_slots, blocks, dest, visible | (j == 0), row_live, padded, all_live, first_block
+        write_slots, blocks, dest, visible, mask, row_live, padded, all_live, first_block, context
     )
 
 
@@ -424,16 +456,22 @@ def reference_layer(
     t, n, d = q.shape
     # [B·M, bs, Nkv, D] -> [B, Nkv, C, D]: whole blocks gathered (index_select), not one slot at a time, or
     # read where they lie
-    if plan.first_block is None:
+    first = plan.first_block
+    if first is None:
         kc, vc = kbuf.index_select(0, plan.blocks), vbuf.index_select(0, plan.blocks)
-    else:
+    elif plan.context is None:
         m = plan.blocks.shape[0]
-        kc, vc = kbuf[plan.first_block : plan.first_block + m], vbuf[plan.first_block : plan.first_block + m]
+        kc, vc = kbuf[first : first + m], vbuf[first : first + m]
+    else:  # the blocks holding visible keys, copied into the forward's buffers (zero past them)
+        kc, vc, held = plan.context
+        kc[:held].copy_(kbuf[first : first + held])
+        vc[:held].copy_(vbuf[first : first + held])
     kc, vc = kc.view(b, ctx, -1, d).transpose(1, 2), vc.view(b, ctx, -1, d).transpose(1, 2)
     qp = q if plan.padded else q.new_zeros(b * qmax, n, d).index_copy(0, plan.dest, q)
     qp = qp.view(b, qmax, n, d).transpose(1, 2)  # [B, N, Q, D]
+    mask = plan.mask if plan.mask.dtype == q.dtype else plan.visible  # (SDPA makes the same of the bool one)
     out = F.scaled_dot_product_attention(
-        qp, _as(kc, q.dtype), _as(vc, q.dtype), attn_mask=plan.visible, enable_gqa=True
+        qp, _as(kc, q.dtype), _as(vc, q.dtype), attn_mask=mask, enable_gqa=True
     )
     if not plan.all_live:
         out = torch.where(plan.row_live, out, torch.zeros_like(out))  # padding rows (position -1) give 0

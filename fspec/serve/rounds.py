@@ -218,25 +218,77 @@ def spec_round(
     the next draft_probs). Both caches are donated.
     """
     k, bs = dcfg.num_speculative_steps, dcfg.block_size
-    b = cur.shape[0]
+    # 1. Target forward over K + 1 rows per request; rows past max_model_len are padding.
+    logits, hidden, starts = verify_forward(
+        tparams, cur, n, live, table, draft_tokens, tcache, tcfg=tcfg, dcfg=dcfg, max_len=max_len,
+        backend=backend,
+    )  # fmt: skip
+    # 2. Lossless verification.
+    tokens, accepted = verify_drafts(
+        logits, dparams, draft_tokens, draft_probs, sampling, n, tcfg=tcfg, dcfg=dcfg
+    )
+    # 3. The next proposal: the head's first step pairs the target hidden of positions n..n+a with the
+    #    emitted tokens at n+1..n+a+1 (a = accepted), then K - 1 decode steps.
+    meta_d = _first_step_metadata(starts, accepted + 1, table, num_query=k + 1, block_size=bs)
+    h = project_target_hidden(dparams, hidden, cfg=dcfg)
+    state = first_draft_state(tokens.clamp(min=0).reshape(-1), h, meta_d, sampling, cfg=dcfg)
+    next_tokens, next_probs = run_drafts(dparams, state, dcache, cfg=dcfg, backend=backend)
+    return tokens, accepted, next_tokens, next_probs
+
+
+def verify_forward(
+    tparams: dict,
+    cur: torch.Tensor,
+    n: torch.Tensor,
+    live: torch.Tensor,
+    table: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    tcache: KVCache,
+    *,
+    tcfg: ModelConfig,
+    dcfg: DraftConfig,
+    max_len: int,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, llama.TargetHidden, torch.Tensor]:
+    """Step 1 of `spec_round`: the target's forward over [cur, d_1..d_K] of each request (K + 1 rows,
+    positions n .. n + K; rows past max_model_len are padding). Returns (logits [B·(K+1), V], the hidden
+    states the head reads, starts [B]: n, or -1 for a request that is padding this round). The target cache
+    is donated."""
+    k, bs = dcfg.num_speculative_steps, dcfg.block_size
     # A request whose sequence is full is padding, also when the host has not seen it finish yet (the engine
     # launches round r + 1 before it reads round r).
     live = live & (n + 1 < max_len)
     starts = torch.where(live, n, torch.full_like(n, -1))
-    # 1. Target forward over K + 1 rows per request; rows past max_model_len are padding.
     meta = _first_step_metadata(starts, (max_len - n).clamp(max=k + 1), table, num_query=k + 1, block_size=bs)
     ids = torch.cat([cur[:, None], draft_tokens.clamp(min=0)], 1).reshape(-1)  # [B·(K+1)]
     aux = lookup(dcfg.kind).aux_layer_ids(dcfg)
     logits, hidden, _ = llama.forward(
         tparams, ids, meta, tcache, cfg=tcfg, backend=backend, aux_layer_ids=aux, max_query_len=k + 1
     )
-    # 2. Lossless verification.
+    return logits, hidden, starts
+
+
+def verify_drafts(
+    logits: torch.Tensor,
+    dparams: dict,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    sampling: SamplingParams,
+    n: torch.Tensor,
+    *,
+    tcfg: ModelConfig,
+    dcfg: DraftConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 2 of `spec_round`: lossless verification of the K drafts against the target's logits
+    [B·(K+1), V] (`verify_forward`), with the requests' token suppression and sampling options. Returns
+    (tokens [B, K+1], num_accepted [B])."""
+    k, b = dcfg.num_speculative_steps, n.shape[0]
     q = None
     if not dcfg.greedy_drafts:
         q = draft_probs_over_target_vocab(draft_probs, dparams, cfg=dcfg, vocab=tcfg.vocab_size)
     rows = ((n + 1)[:, None] + torch.arange(k + 1, device=n.device)).reshape(-1)  # each row's token position
     logits = suppress_tokens(logits, sampling, rows)
-    tokens, accepted = kops.rejection_sample(
+    return kops.rejection_sample(
         logits.view(b, k + 1, -1),
         draft_tokens.clamp(min=0),
         q,
@@ -245,13 +297,6 @@ def spec_round(
         n + 1,
         *sampling.filters(),
     )  # against the target's processed p' (the request's filters)
-    # 3. The next proposal: the head's first step pairs the target hidden of positions n..n+a with the
-    #    emitted tokens at n+1..n+a+1 (a = accepted), then K - 1 decode steps.
-    meta_d = _first_step_metadata(starts, accepted + 1, table, num_query=k + 1, block_size=bs)
-    h = project_target_hidden(dparams, hidden, cfg=dcfg)
-    state = first_draft_state(tokens.clamp(min=0).reshape(-1), h, meta_d, sampling, cfg=dcfg)
-    next_tokens, next_probs = run_drafts(dparams, state, dcache, cfg=dcfg, backend=backend)
-    return tokens, accepted, next_tokens, next_probs
 
 
 def suppress_tokens(logits: torch.Tensor, sampling: SamplingParams, positions: torch.Tensor) -> torch.Tensor:

@@ -187,3 +187,75 @@ def test_decide_and_finalize_loop_over_slot_and_block_chunks(monkeypatch, sample
     assert torch.equal(tokens, ref_tokens) and torch.equal(n, ref_n)
     _check_layout(tokens, n, drafts, v)
     assert int(n[1]) == 4 and len(set(n.tolist())) > 2, n
+
+
+GREEDY_CASES = {
+    # name: (B, K, V, dtype, options)
+    "one_request_k5": (1, 5, 4099, torch.float32, False),
+    "irregular": (5, 3, 401, torch.float32, True),
+    "bf16_long_k": (3, 9, 97, torch.bfloat16, False),
+    "fp16_one_draft": (4, 1, 33, torch.float16, True),
+    "empty_batch": (0, 3, 50, torch.float32, False),
+}
+
+
+@pytest.mark.parametrize("case", list(GREEDY_CASES))
+def test_greedy_batch_reference_skips_noise_and_matches_the_general_path(monkeypatch, case):
+    """A batch whose every temperature is 0 verifies by argmax alone in the reference (no softmax, no Philox
+    draw, no filter): tokens and counts equal the general path's on irregular shapes, half-precision logits,
+    ties (the smallest id wins), NaN, dead (-inf / NaN) and +inf slots, drafts that match a prefix of the
+    argmaxes, out-of-range draft ids, and sampling options (inactive at temperature 0)."""
+    from fspec.kernels import rejection
+
+    b, k, v, dtype, options = GREEDY_CASES[case]
+    gen = torch.Generator().manual_seed(len(case) + 100)
+    target = (torch.randn(b, k + 1, v, generator=gen) * 3).round().to(dtype)  # rounding: many ties
+    if b:
+        target[0, 0, 5] = float("nan")
+        target[-1, 0] = float("-inf")  # a dead slot: argmax 0
+        target[b // 2, k, 7] = float("inf")
+        if k > 1:
+            target[-1, 1] = float("nan")
+    greedy = rejection.first_argmax_ref(rejection.clean_logits_ref(target))
+    drafts = torch.randint(0, v, (b, k), generator=gen)
+    for i in range(b):  # request i matches the argmax on its first i % (k + 1) slots
+        take = i % (k + 1)
+        drafts[i, :take] = greedy[i, :take]
+    if b > 2:
+        drafts[2, -1] = v + 3  # never an argmax: rejected
+    temperature = torch.zeros(b)
+    seeds, positions = torch.arange(b) * 7 + 1, torch.arange(b) * 13
+    q = torch.softmax(torch.randn(b, k, v, generator=gen), -1) if b % 2 else None
+    opts = ()
+    if options:
+        opts = (torch.full((b,), 3), torch.full((b,), 0.5), torch.full((b,), 0.1))
+    want = rejection._rejection_sample_general_ref(target, drafts, q, temperature, seeds, positions, *opts)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a greedy batch drew noise or took a softmax")
+
+    for name in ("philox_gumbel_ref", "philox_uniform_ref", "softmax_ref", "sampling_filter_ref"):
+        monkeypatch.setattr(rejection, name, refuse)
+    got = rejection.rejection_sample_ref(target, drafts, q, temperature, seeds, positions, *opts)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    if b:
+        _check_layout(got[0], got[1], drafts.clamp(max=v - 1), v)
+        assert len(set(got[1].tolist())) > 1 or b == 1
+
+
+def test_batch_with_a_sampled_request_takes_the_general_path():
+    """One request at temperature > 0 beside greedy ones: the whole batch runs the general path (its sampled
+    request's noise is drawn exactly as before), with the general path's tokens."""
+    from fspec.kernels import rejection
+
+    b, k, v = 3, 4, 301
+    gen = torch.Generator().manual_seed(31)
+    target = torch.randn(b, k + 1, v, generator=gen) * 2
+    temperature = torch.tensor([0.0, 0.8, 0.0])
+    seeds, positions = torch.arange(b) + 11, torch.arange(b) * 40
+    drafts, q = _draft(target, temperature, seeds, positions, sampled=True, closeness=0.3, gen=gen)
+    want = rejection._rejection_sample_general_ref(target, drafts, q, temperature, seeds, positions)
+    got = rejection.rejection_sample_ref(target, drafts, q, temperature, seeds, positions)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert rejection._no_sampled_request(temperature) is False
+    assert rejection._no_sampled_request(torch.zeros(b)) is True

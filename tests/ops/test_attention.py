@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import fspec
-from fspec.core.cache import KVCache
-from fspec.core.metadata import _slot_mapping
-from fspec.ops.attention import attention, dense_attention
+from fspec.core.cache import CONTEXT_QUANTUM, KVCache
+from fspec.core.metadata import _first_step_metadata, _slot_mapping
+from fspec.ops import attention as attention_module
+from fspec.ops.attention import attention, dense_attention, reference_plan
 
 
 def _cfg(kv_heads: int, head_dim: int) -> fspec.ModelConfig:
@@ -114,6 +115,52 @@ def test_reference_backend_max_context_reads_only_what_it_needs():
     torch.testing.assert_close(full, short)
     cut, _ = attention(q, kv, kv, meta, cache, layer=0, max_query_len=1, max_context=4)  # too short: differs
     assert not torch.allclose(full, cut)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("kv_heads", "head_dim", "history", "live"), [(3, 64, 50, 6), (2, 8, 9, 4), (1, 4, 0, 1)]
+)
+def test_lone_request_context_past_the_cache_end_equals_the_gather(
+    monkeypatch, dtype, kv_heads, head_dim, history, live
+):
+    """Several query rows of one request read a 512-key context over a cache of few blocks: the plan reads
+    the blocks holding its keys into zeroed buffers instead of gathering 32 blocks (most of them the scratch
+    block, holding garbage here), and the output and the cache equal the gather's bit for bit (padding rows
+    past `live` included). The plan's float mask is SDPA's own conversion of the bool one."""
+    gen = torch.Generator().manual_seed(history + kv_heads)
+    cfg, layer, bs, q_rows = _cfg(kv_heads, head_dim), 1, 16, 6
+    cache = KVCache.create(cfg, num_blocks=6, block_size=bs, dtype=dtype)  # 96 positions, table of 512
+    cache.k.copy_(torch.randn(cache.k.shape, generator=gen))  # history, and garbage in the scratch block
+    cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
+    width = CONTEXT_QUANTUM // bs
+    table = torch.full((1, width), -1, dtype=torch.int32)
+    table[0, :5] = torch.arange(5, dtype=torch.int32)  # blocks 0..4, in order, as the allocator hands them
+    meta = _first_step_metadata(
+        torch.tensor([history]), torch.tensor([live]), table, num_query=q_rows, block_size=bs
+    )
+    n = 3 * kv_heads
+    q = torch.randn(q_rows, n, head_dim, generator=gen).to(dtype)
+    k = torch.randn(q_rows, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(q_rows, kv_heads, head_dim, generator=gen).to(dtype)
+    plan = reference_plan(meta, cache, max_query_len=q_rows)
+    assert plan.first_block == 0 and plan.context is not None and plan.visible.shape[-1] == CONTEXT_QUANTUM
+    assert plan.context[2] == -(-(history + live) // bs)  # the blocks up to the last query's position
+    fast_cache = KVCache(k=cache.k.clone(), v=cache.v.clone())
+    fast, _ = attention(q, k, v, meta, fast_cache, layer=layer, max_query_len=q_rows)
+    monkeypatch.setattr(attention_module, "_first_block_in_place", lambda *args: None)
+    assert reference_plan(meta, cache, max_query_len=q_rows).first_block is None
+    gathered, _ = attention(q, k, v, meta, cache, layer=layer, max_query_len=q_rows)
+    assert torch.equal(fast, gathered)
+    assert torch.equal(fast_cache.k, cache.k) and torch.equal(fast_cache.v, cache.v)
+    assert torch.equal(fast[live:], torch.zeros_like(fast[live:]))
+    # the additive mask gives SDPA's result with the bool mask, padding rows (key 0 opened) included
+    qh = q.view(1, q_rows, n, head_dim).transpose(1, 2)
+    kh = torch.randn(1, kv_heads, CONTEXT_QUANTUM, head_dim, generator=gen).to(dtype)
+    vh = torch.randn(1, kv_heads, CONTEXT_QUANTUM, head_dim, generator=gen).to(dtype)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with_bool = sdpa(qh, kh, vh, attn_mask=plan.visible, enable_gqa=True)
+    assert torch.equal(sdpa(qh, kh, vh, attn_mask=plan.mask, enable_gqa=True), with_bool)
 
 
 def test_dense_attention_matches_naive_and_masks_rows_to_zero():
