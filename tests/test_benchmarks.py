@@ -280,3 +280,10 @@ def test_sampling_blocks_table_has_one_row_per_shape_and_names_its_fastest_block
     assert lines[2] == "| gumbel_sample | 64 | 32000 | 1.9 | 9.3 | 7.6 | 7.8 | 1024 |"
     assert lines[3] == "| rejection_sample | 1 | 7 | 0.1 | 3.0 | - | - | 512 |"
     assert len(lines) == 4
+
+
+@pytest.mark.slow
+def test_chain_memory_smoke_counts_both_forms_with_equal_losses(tmp_path):
+    d = _run("bench_chain_memory.py", "--smoke", out=tmp_path / "chain.json")
+    (row,) = d["rows"]
+    assert row["loss_equal"] and row["dense_GB"] > row["lean_GB"] > 0

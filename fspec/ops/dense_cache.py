@@ -23,6 +23,7 @@ from einops import rearrange
 
 from fspec.core.cache import ChainKVCache, DenseKVCache
 from fspec.ops.attention import Attend, rope_qk
+from fspec.ops.chain_attention import chain_attention
 
 
 def dense_cache_write(buf: torch.Tensor, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -86,10 +87,11 @@ def bind_dense(positions: torch.Tensor, cache: DenseKVCache) -> Attend:
 def bind_chain(step: torch.Tensor, cache: ChainKVCache) -> Attend:
     """An `Attend` over a `ChainKVCache` for its R = B·S one-row requests at draft step `step` (0-d int64):
     step 0 writes the shared K/V and attends causally over them; step j >= 1 writes chain slot j - 1 and
-    attends over shared positions <= the chain's start plus chain slots < j (`ttt_mask`, as one softmax).
+    attends over shared positions <= the chain's start plus chain slots < j (`ttt_mask`, as one softmax:
+    `fspec.ops.chain_attention`, which keeps O(S·Kc) for the backward pass instead of [B, N, S, S + Kc]).
     Branch-free in `step` (both writes are formed, `where` keeps one). `attend.new_cache()` as `bind_dense`.
     """
-    b, s, kc = cache.k.shape[0], cache.k.shape[3], cache.chain_k.shape[3]
+    b, kc = cache.k.shape[0], cache.chain_k.shape[3]
     first = step == 0
     chain_slot = torch.arange(kc, device=cache.k.device)  # [Kc]
     layers: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -107,21 +109,11 @@ def bind_chain(step: torch.Tensor, cache: ChainKVCache) -> Attend:
         ks, kch = write(cache.k[:, layer], cache.chain_k[:, layer], k)
         vs, vch = write(cache.v[:, layer], cache.chain_v[:, layer], v)
         layers[layer] = (ks, vs, kch, vch)
-        nkv, d = ks.shape[1], q.shape[-1]
+        nkv = ks.shape[1]
         qg = rearrange(q, "(b s) (k g) d -> b k g s d", b=b, k=nkv)  # [B, Nkv, G, S, D]
-        shared = torch.einsum("bkgsd,bktd->bkgst", qg, ks.to(q.dtype))  # [B, Nkv, G, S, S]
-        own = torch.einsum(
-            "bkgsd,bsktd->bkgst", qg, rearrange(kch, "(b s) k t d -> b s k t d", b=b).to(q.dtype)
-        )
-        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()  # shared positions <= the start
-        mine = (chain_slot < step)[None, :].expand(s, kc)  # the chain's steps 1..step
-        scores = torch.cat((shared, own), dim=-1) * d**-0.5  # [B, Nkv, G, S, S + Kc]
-        visible = torch.cat((causal, mine), dim=-1)
-        scores = torch.where(visible, scores, torch.full_like(scores, float("-inf"))).softmax(-1)
-        out = torch.einsum("bkgst,bktd->bskgd", scores[..., :s], vs.to(q.dtype))
-        vown = rearrange(vch, "(b s) k t d -> b s k t d", b=b).to(q.dtype)
-        out = out + torch.einsum("bkgst,bsktd->bskgd", scores[..., s:], vown)
-        return rearrange(out, "b s k g d -> (b s) (k g) d")
+        kd, vd = (rearrange(x, "(b s) k t d -> b k s t d", b=b) for x in (kch, vch))  # [B, Nkv, S, Kc, D]
+        out = chain_attention(qg, ks, vs, kd, vd, chain_slot < step)  # the chain's steps 1..step
+        return rearrange(out, "b k g s d -> (b s) (k g) d")
 
     def new_cache() -> ChainKVCache:
         parts = [[layers[i][n] if i in layers else old[:, i] for i in range(cache.num_layers)]

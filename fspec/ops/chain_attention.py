@@ -1,0 +1,137 @@
+"""The chain cache's attention (`fspec.ops.dense_cache.bind_chain`), kept lean for the backward pass.
+
+At draft step j of the training-time test, the query of chain (b, i) sees the shared keys of sequence b at
+positions <= i (causal) and its own chain's keys of steps 1..j (`fspec.train.ttt.ttt_mask`), as one softmax.
+As a dense masked attention this materialises [B, N, S, S + Kc] scores and keeps the probabilities for the
+backward pass at every layer of every step: at Llama-3.2-1B head shapes (16 x 1024 tokens, 32 heads) 2.2 GB
+per step, most of what a TTT step kept (a 119.7 GiB peak on the H200, BENCHMARKS.md).
+
+Here the chain keys are Kc scores per row (one small batched product), the causal block is computed in
+chunks of query rows, and the backward pass recomputes the probabilities from the saved log-sum-exp per row
+(FlashAttention's recomputation, in plain PyTorch): what is kept is q, the keys and values, the output and one
+log-sum-exp per (row, head), O(S·Kc) besides the inputs instead of O(S²). Exact (the same softmax, fp32
+accumulation; fp64 stays fp64), a `torch.autograd.Function` with a generated vmap rule, so it composes with
+`torch.func.grad` and `vmap` as the dense formulation did.
+
+Layout (GQA: query head k·G + g reads KV head k): q [B, Nkv, G, S, D]; shared keys / values [B, Nkv, S, D];
+chain keys / values [B, Nkv, S, Kc, D]; `mine` [Kc] bool, the chain slots this step sees (slots < j).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fspec.ops.attention import autocast_off
+
+# Scores per chunk of the causal block: B·N·chunk·S values, 2^26 of them (256 MB in fp32) per live tensor.
+_CHUNK_ELEMENTS = 1 << 26
+
+
+def chain_attention(
+    q: torch.Tensor,
+    ks: torch.Tensor,
+    vs: torch.Tensor,
+    kd: torch.Tensor,
+    vd: torch.Tensor,
+    mine: torch.Tensor,
+    *,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """Attention of chain (b, i) over shared positions <= i and its chain slots where `mine` (module
+    docstring for the layout): [B, Nkv, G, S, D] in q's dtype. `chunk`: query rows per chunk of the causal
+    block (None: about 2^26 scores per chunk). Internal (its caller, `bind_chain`, builds every argument)."""
+    b, nkv, g, s, _ = q.shape
+    rows = chunk if chunk is not None else max(1, min(s, _CHUNK_ELEMENTS // max(b * nkv * g * s, 1)))
+    return _ChainAttention.apply(q, ks, vs, kd, vd, mine, rows)[0]
+
+
+class _ChainAttention(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, ks, vs, kd, vd, mine, rows):
+        # autocast off: the forward pass must compute the scores exactly as the backward pass recomputes them
+        with autocast_off(q.device.type):
+            return _forward(q, ks, vs, kd, vd, mine, rows)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, ks, vs, kd, vd, mine, rows = inputs
+        out, lse = output
+        ctx.save_for_backward(q, ks, vs, kd, vd, mine, out, lse)
+        ctx.rows = rows
+        ctx.mark_non_differentiable(lse)
+
+    @staticmethod
+    def backward(ctx, d_out, _d_lse):
+        q, ks, vs, kd, vd, mine, out, lse = ctx.saved_tensors
+        with autocast_off(d_out.device.type):
+            grads = _backward(q, ks, vs, kd, vd, mine, out, lse, d_out, ctx.rows)
+        return (*grads, None, None)
+
+
+def _acc(q: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(q.dtype, torch.float32)  # fp32 accumulation (fp64 stays fp64)
+
+
+def _chain_scores(qh, kdh, mine, scale):
+    """[B, Nkv, G, S, Kc]: each row's scores against its own chain's keys, -inf where not `mine`."""
+    sd = torch.einsum("bkgsd,bkstd->bkgst", qh, kdh) * scale
+    return sd.masked_fill(~mine, float("-inf"))
+
+
+def _causal(lo: int, hi: int, s: int, device) -> torch.Tensor:
+    """[C, S] bool: query row lo + c sees shared positions <= lo + c."""
+    return torch.arange(s, device=device)[None, :] <= torch.arange(lo, hi, device=device)[:, None]
+
+
+def _forward(q, ks, vs, kd, vd, mine, rows):
+    acc = _acc(q)
+    s, d = q.shape[3], q.shape[4]
+    scale = 1.0 / math.sqrt(d)
+    qh, ksh, vsh = q.to(acc), ks.to(acc)[:, :, None], vs.to(acc)[:, :, None]  # shared: [B, Nkv, 1, S, D]
+    kdh, vdh = kd.to(acc), vd.to(acc)
+    sd = _chain_scores(qh, kdh, mine, scale)
+    outs, lses = [], []
+    for lo in range(0, s, rows):
+        hi = min(lo + rows, s)
+        s0 = (qh[:, :, :, lo:hi] @ ksh.transpose(-1, -2)) * scale  # [B, Nkv, G, C, S]
+        s0 = s0.masked_fill(~_causal(lo, hi, s, q.device), float("-inf"))
+        sdc = sd[:, :, :, lo:hi]  # [B, Nkv, G, C, Kc]
+        m = torch.maximum(s0.amax(-1), sdc.amax(-1))  # finite: row lo + c sees shared key lo + c
+        e0, ed = torch.exp(s0 - m[..., None]), torch.exp(sdc - m[..., None])
+        den = e0.sum(-1) + ed.sum(-1)
+        num = e0 @ vsh + torch.einsum("bkgct,bkctd->bkgcd", ed, vdh[:, :, lo:hi])
+        outs.append(num / den[..., None])
+        lses.append(m + torch.log(den))
+    return torch.cat(outs, dim=3).to(q.dtype), torch.cat(lses, dim=3)
+
+
+def _backward(q, ks, vs, kd, vd, mine, out, lse, d_out, rows):
+    acc = lse.dtype
+    s, d = q.shape[3], q.shape[4]
+    scale = 1.0 / math.sqrt(d)
+    qh, ksh, vsh = q.to(acc), ks.to(acc)[:, :, None], vs.to(acc)[:, :, None]
+    kdh, vdh = kd.to(acc), vd.to(acc)
+    do = d_out.to(acc)  # [B, Nkv, G, S, D]
+    delta = (do * out.to(acc)).sum(-1)  # [B, Nkv, G, S]
+    pd = torch.exp(_chain_scores(qh, kdh, mine, scale) - lse[..., None])  # 0 where not mine
+    dsd = pd * (torch.einsum("bkgsd,bkstd->bkgst", do, vdh) - delta[..., None])
+    d_kd = torch.einsum("bkgst,bkgsd->bkstd", dsd, qh) * scale
+    d_vd = torch.einsum("bkgst,bkgsd->bkstd", pd, do)
+    dq = torch.einsum("bkgst,bkstd->bkgsd", dsd, kdh) * scale
+    d_ks, d_vs = torch.zeros_like(ksh[:, :, 0]), torch.zeros_like(vsh[:, :, 0])  # [B, Nkv, S, D]
+    dq_parts = []
+    for lo in range(0, s, rows):
+        hi = min(lo + rows, s)
+        qc, doc = qh[:, :, :, lo:hi], do[:, :, :, lo:hi]
+        s0 = (qc @ ksh.transpose(-1, -2)) * scale  # [B, Nkv, G, C, S]
+        p0 = torch.exp(s0 - lse[:, :, :, lo:hi, None]).masked_fill(~_causal(lo, hi, s, q.device), 0.0)
+        ds0 = p0 * (doc @ vsh.transpose(-1, -2) - delta[:, :, :, lo:hi, None])
+        dq_parts.append(ds0 @ ksh * scale)
+        d_ks = d_ks + torch.einsum("bkgcs,bkgcd->bksd", ds0, qc) * scale
+        d_vs = d_vs + torch.einsum("bkgcs,bkgcd->bksd", p0, doc)
+    dq = dq + torch.cat(dq_parts, dim=3)
+    return dq.to(q.dtype), d_ks.to(ks.dtype), d_vs.to(vs.dtype), d_kd.to(kd.dtype), d_vd.to(vd.dtype)
