@@ -15,7 +15,9 @@
 #   profile   benchmarks/profile_round.py on /root/head ($OUT/profile_round.json and tables)
 #   head      build the EAGLE-3 head (python -m fspec.train.default_model --out /root/head, the training stream kept
 #             in /root/stream.pt for a rebuild; ARGS after "head:" are its options, "+" for spaces); the
-#             head's files and train_log.json copied to $OUT/head
+#             head's files and train_log.json copied to $OUT/head; with "--steps+N+--minutes+M+--train-dir+/root/train"
+#             distillation spans several calls (M minutes each, the state kept in /root/train), the head and its
+#             log written by the call that reaches step N
 #   bench     benchmarks/bench_real_model.py with the head of /root/head ($OUT/real_model.json; "bench:ARGS"
 #             passes options, "+" for spaces)
 #   stream    the head recipe's training stream only (default_model --stream /root/stream.pt --stream-only;

@@ -333,14 +333,22 @@ def build(
     seed: int = 0,
     stream_file=None,
     stream_only: bool = False,
+    train_dir=None,
 ) -> dict:
     """Run the recipe (module docstring) into `out` (default: the package's assets); returns the log.
 
     stream_file: where to keep the training stream of (a)-(c): read from there when the file exists (the
     answers are not generated again), written there otherwise. stream_only: stop once the stream is
-    written (steps (d) and (e) are left to a later build that reads it)."""
+    written (steps (d) and (e) are left to a later build that reads it).
+    train_dir: distillation in several runs (each under a time limit, a machine's per-call limit say): the
+    training state is saved there after recipe.minutes of training and the build returns unfinished
+    (log["distill"]["finished"] False, nothing written to `out`); the next build with the same train_dir,
+    stream and recipe resumes from it, exactly where the last stopped, until recipe.steps (required > 0: the
+    learning-rate schedule spans them), then saves and evaluates the head as a one-run build would."""
     if stream_only and stream_file is None:
         raise ValueError("stream_file: expected a file to write the stream to with stream_only, got None")
+    if train_dir is not None and recipe.steps <= 0:
+        raise ValueError(f"recipe.steps: expected a step count > 0 with train_dir, got {recipe.steps}")
     out = ASSETS if out is None else Path(out)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, recipe.target_dtype)
@@ -416,6 +424,15 @@ def build(
     batches = D.online_batches(target, draft, stream.to(dev), cfg=cfg)
     began = time.perf_counter()
     limit = None if recipe.steps else 1.1 * recipe.minutes * 60
+    resume = records = None
+    if train_dir is not None:
+        train_dir, limit = Path(train_dir), recipe.minutes * 60
+        train_dir.mkdir(parents=True, exist_ok=True)
+        records = train_dir / "records.jsonl"
+        if (train_dir / D.STATE_FILE).is_file():
+            resume = train_dir
+        elif records.is_file():
+            records.unlink()  # records of a run whose state is gone: this one starts at step 0
     validate = None
     if val_stream is not None and val_stream.numel() > recipe.seq_len and recipe.val_batches:
         # fixed windows (their own seed), the same at every record: answers never trained on, and training
@@ -432,9 +449,18 @@ def build(
             }
 
     draft, history = D.distill_head(
-        draft, batches, cfg=cfg, time_limit_s=limit, progress=False, validate=validate
-    )
+        draft, batches, cfg=cfg, time_limit_s=limit, progress=False, validate=validate,
+        out=train_dir, resume=resume, log_path=records,
+    )  # fmt: skip
     log["distill"] = {"steps": steps, "seconds": time.perf_counter() - began, "records": history}
+    if train_dir is not None:
+        reached = history[-1]["step"] if history else steps
+        log["distill"].update(finished=reached >= steps, reached=reached, train_dir=str(train_dir))
+        log["distill"]["records"] = [json.loads(line) for line in records.read_text().splitlines()]
+        (train_dir / "build_log.json").write_text(json.dumps(log, indent=1))
+        if reached < steps:
+            print(f"distill: step {reached} of {steps}; state in {train_dir}, resume with it", flush=True)
+            return log
     # (e) save in bf16, load back, evaluate
     save_draft(_bf16(draft), out)
     (out / "train_log.json").write_text(json.dumps(log, indent=1))  # again below, with the evaluation
@@ -497,6 +523,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gen-eager", action="store_true", help="answer with eager (uncompiled) calls")
     parser.add_argument("--stream", default=None, help="training stream file: read if present, else written")
     parser.add_argument("--stream-only", action="store_true", help="stop once the stream file is written")
+    parser.add_argument(
+        "--train-dir", default=None, help="train --minutes per run, keep the state here, resume from it"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE", help="any Recipe field (repeatable)"
@@ -518,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         stream_file=args.stream,
         stream_only=args.stream_only,
+        train_dir=args.train_dir,
     )
     return 0
 

@@ -150,3 +150,33 @@ def test_any_recipe_field_can_be_set_from_the_command_line():
 def test_load_default_names_a_missing_head_directory(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match="python -m fspec.train.default_model"):
         default_model.load_default(tmp_path / "absent")
+
+
+def test_a_build_in_several_runs_through_train_dir_equals_one_run(tmp_path: Path):
+    """`--train-dir` with a zero time budget: each run trains one step, saves the state and returns
+    unfinished (no head written); the third resumes to recipe.steps and writes a head equal to the one an
+    uninterrupted build of the same stream trains, with every step's record in its log."""
+    stream = tmp_path / "stream.pt"
+    base = ["--tiny", "--device", "cpu", "--stream", str(stream)]
+    assert default_model.main([*base, "--out", str(tmp_path / "one")]) == 0
+    runs = [*base, "--out", str(tmp_path / "three"), "--train-dir", str(tmp_path / "state"), "--minutes", "0"]
+    for i in range(default_model.TINY.steps):
+        assert not (tmp_path / "three" / "train_log.json").exists(), i
+        assert default_model.main(runs) == 0
+        log = json.loads((tmp_path / "state" / "build_log.json").read_text())
+        assert log["distill"]["reached"] == i + 1
+        assert log["distill"]["finished"] == (i + 1 == default_model.TINY.steps)
+    one = json.loads((tmp_path / "one" / "train_log.json").read_text())
+    three = json.loads((tmp_path / "three" / "train_log.json").read_text())
+    assert [r["step"] for r in three["distill"]["records"]] == [1, 2, 3]
+    assert three["distill"]["records"][-1]["loss"] == pytest.approx(
+        one["distill"]["records"][-1]["loss"], rel=1e-6
+    )
+    _, a = default_model.load_default(tmp_path / "one")
+    _, b = default_model.load_default(tmp_path / "three")
+    for name in a.params:
+        torch.testing.assert_close(a.params[name], b.params[name], rtol=0, atol=0, msg=name)
+    with pytest.raises(ValueError, match=r"recipe.steps: expected a step count > 0 with train_dir, got 0"):
+        default_model.build(
+            tmp_path / "x", recipe=dataclasses.replace(default_model.TINY, steps=0), train_dir=tmp_path
+        )
