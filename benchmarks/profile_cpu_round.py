@@ -160,8 +160,8 @@ class Timers:
     def add(self, name: str, seconds: float) -> None:
         self.totals[name] = self.totals.get(name, 0.0) + seconds * 1e3
 
-    def wrap(self, owner, attr: str, name, *, profiler_label: bool = False):
-        fn = getattr(owner, attr)
+    def timed(self, fn, name, *, profiler_label: bool = False):
+        """fn, adding each call's time to the component `name` (or name(*args) when callable)."""
         timers = self
 
         def wrapped(*args, **kwargs):
@@ -173,29 +173,20 @@ class Timers:
             timers.add(label, time.perf_counter() - t0)
             return out
 
+        return wrapped
+
+    def wrap(self, owner, attr: str, name, *, profiler_label: bool = False):
+        fn = getattr(owner, attr)
         self.patches.append((owner, attr, fn))
-        setattr(owner, attr, wrapped)
+        setattr(owner, attr, self.timed(fn, name, profiler_label=profiler_label))
 
     def __enter__(self):
-        timers = self
-
         class Functional:  # llama's `F`: the embedding and the LM head's product, timed
+            embedding = staticmethod(self.timed(F.embedding, "embedding"))
+            linear = staticmethod(self.timed(F.linear, "lm_head"))
+
             def __getattr__(self, attr):
                 return getattr(F, attr)
-
-            @staticmethod
-            def embedding(*args, **kwargs):
-                t0 = time.perf_counter()
-                out = F.embedding(*args, **kwargs)
-                timers.add("embedding", time.perf_counter() - t0)
-                return out
-
-            @staticmethod
-            def linear(*args, **kwargs):
-                t0 = time.perf_counter()
-                out = F.linear(*args, **kwargs)
-                timers.add("lm_head", time.perf_counter() - t0)
-                return out
 
         self.patches.append((llama, "F", llama.F))
         llama.F = Functional()
