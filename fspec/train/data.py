@@ -120,9 +120,16 @@ def sample_windows(
         raise ValueError(
             f"tokens: expected a 1-D tensor longer than seq_len={seq_len}, got {tuple(tokens.shape)}"
         )
-    starts = torch.randint(0, tokens.numel() - seq_len, (batch_size,), generator=generator)
-    idx = starts[:, None] + torch.arange(seq_len)[None, :]
-    return tokens[idx].long()
+    return tokens[
+        window_index(tokens.numel(), batch_size=batch_size, seq_len=seq_len, generator=generator)
+    ].long()
+
+
+def window_index(length: int, *, batch_size: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
+    """[batch_size, seq_len] int64 indices of windows at random offsets of a stream of `length` tokens (what
+    `sample_windows` reads; index a parallel stream, such as a loss mask, with the same windows)."""
+    starts = torch.randint(0, length - seq_len, (batch_size,), generator=generator)
+    return starts[:, None] + torch.arange(seq_len)[None, :]
 
 
 def spread_starts(tokens: torch.Tensor, *, count: int, length: int, eos: int = 0) -> list[int]:

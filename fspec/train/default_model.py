@@ -20,10 +20,12 @@ Recipe (`build`):
     at `temperature`; self-distillation trains the head on exactly the distribution it drafts at serving
     time (Medusa, Cai et al. 2024, §2.3.2; EAGLE-3 recipes regenerate their data with the target);
 (c) prompt + answer + EOS rows concatenated into one stream, less the last `val_share` of the answers, kept
-    out as a validation stream; the draft vocabulary is its `draft_vocab_size`
-    most frequent ids (keeps the head under 25 MB in bf16); the head reads the published EAGLE-3 layers
-    (2, L // 2, L - 3);
-(d) training-time-test distillation (`fspec.train.distill`) on random windows of the stream, K = `ttt_steps`;
+    out as a validation stream, with a loss mask beside it (`loss_mask_of`: the positions whose next token
+    is one a head drafts, inside an answer after its first token); the draft vocabulary is the
+    `draft_vocab_size` ids most frequent among those drafted tokens (keeps the head under 25 MB in bf16);
+    the head reads the published EAGLE-3 layers (2, L // 2, L - 3);
+(d) training-time-test distillation (`fspec.train.distill`) on random windows of the stream, K = `ttt_steps`,
+    the loss over the masked positions only (`answer_loss`), step j >= 1 fed the data's next token (`feed`);
     every log record scores the head on fixed windows of the validation stream and of the training stream
     (per-depth agreement: how far it generalises, as it trains);
 (e) evaluation on the held-out sets (`fspec.train.prompts.HELDOUT`): acceptance length at K = 5, greedy and at
@@ -110,15 +112,22 @@ class Recipe:
             gives for n_code, n_chat, code_phrasings).
         self_prompts: how many requests the target is asked to write itself (`self_prompts`; those it ends
             with EOS within self_prompt_tokens, distinct and overlapping no held-out set, are answered
-            beside the training prompts); self_prompt_temperature: how they are sampled. 0 in FULL: the
-            shipped head was built before them (`--set self_prompts=12000` builds with them).
+            beside the training prompts); self_prompt_temperature: how they are sampled.
         max_prompt_tokens: longer templated prompts are dropped.
         new_tokens: the target's answer length cap; greedy_share, temperature: how the answers are sampled.
         gen_batch: prompts per `generate` call; gen_minutes: no batch starts after this long (the prompts
             left unanswered are logged); gen_compile: the calls compiled (CUDA only; the log records the
             tokens/s, compiles included).
         draft_vocab_size, ttt_steps, step_weight, batch_size, seq_len, lr, warmup_steps, steps,
-            minutes: the head and its distillation (a step count > 0 wins over the minutes).
+            minutes: the head and its distillation (a step count > 0 wins over the minutes; with
+            `build(train_dir=...)` each run trains `minutes` and the run that reaches `steps` finishes).
+        feed: what step j >= 1 of the training-time test reads (`DistillConfig.feed`): "data", the
+            answer's next token (EAGLE-3's and SpecForge's trainers), or "prediction", the head's argmax.
+            At serving time draft j + 1 counts only when draft j was accepted, that is, when draft j was
+            the answer's token, which is what "data" feeds; "prediction" also trains rows that follow a
+            wrong draft, towards tokens that do not follow it.
+        answer_loss: the loss over the positions of `loss_mask_of` only (a head never drafts prompt text,
+            29% of the stream's tokens in the first builds); False: every position, as the first builds.
         val_share: the share of answers kept out of training (the last ones, in the shuffled prompt
             order); val_batches: batches of them (and of training windows) scored at every log record.
         eval_prompts: held-out prompts per set; eval_new_tokens, eval_k: the acceptance measurement.
@@ -129,7 +138,7 @@ class Recipe:
     n_code: int = 12000
     n_chat: int = 12000
     code_phrasings: int = 2
-    self_prompts: int = 0
+    self_prompts: int = 12000
     self_prompt_tokens: int = 96
     self_prompt_temperature: float = 1.0
     max_prompt_tokens: int = 384
@@ -140,14 +149,16 @@ class Recipe:
     gen_minutes: float = 3.5
     gen_compile: bool = True
     draft_vocab_size: int = 8192
-    ttt_steps: int = 7
+    ttt_steps: int = 5
     step_weight: float = 0.8
+    feed: str = "data"
+    answer_loss: bool = True
     batch_size: int = 32
     seq_len: int = 512
     lr: float = 2e-3
     warmup_steps: int = 100
-    steps: int = 0
-    minutes: float = 4.5
+    steps: int = 4800
+    minutes: float = 7.5
     val_share: float = 0.03
     val_batches: int = 8
     eval_prompts: int = 64
@@ -294,6 +305,24 @@ def stream_of(target: Target, prompts: list[list[int]], replies: list[list[int]]
     return torch.tensor([t for row in rows for t in row], dtype=torch.int32)
 
 
+def loss_mask_of(target: Target, prompts: list[list[int]], replies: list[list[int]]) -> torch.Tensor:
+    """[N] bool beside `stream_of`'s stream: True at position t when the token at t + 1 is one a head drafts,
+    an answer's token after its first (the first comes from the target's prefill; its EOS counts). The
+    target's distribution at t is then a training target; never across two rows."""
+    eos = target.cfg.eos_token_ids
+    out = []
+    for p, a in zip(prompts, replies):
+        n = len(a) + (0 if a and a[-1] in eos else 1)  # the answer's tokens with its EOS
+        out += [False] * len(p) + [True] * (n - 1) + [False]
+    return torch.tensor(out, dtype=torch.bool)
+
+
+def drafted_tokens(stream: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The tokens a head drafts in `stream` (those after a masked position), or the whole stream without a
+    mask: what the draft vocabulary is chosen from."""
+    return stream if mask is None else stream[1:][mask[:-1]]
+
+
 def evaluate(target: Target, draft: Draft, r: Recipe) -> dict:
     """Acceptance length at K = r.eval_k on every held-out set, greedy and at temperature 0.7."""
     out = {}
@@ -360,6 +389,8 @@ def build(
     if stream_file is not None and Path(stream_file).is_file():
         saved = torch.load(stream_file)
         stream, val_stream = saved["stream"], saved["val_stream"]
+        # streams written before the loss mask have none: every position is then a target
+        mask, val_mask = saved.get("mask"), saved.get("val_mask")
         log["prompts"], log["answers"] = saved["prompts"], saved["answers"]
         if saved.get("self_prompts"):
             log["self_prompts"] = saved["self_prompts"]
@@ -388,10 +419,12 @@ def build(
         n = len(replies)
         n_val = min(max(round(recipe.val_share * n), 1), n - 1) if recipe.val_share > 0 and n > 1 else 0
         stream = stream_of(target, ids[: n - n_val], replies[: n - n_val])
+        mask = loss_mask_of(target, ids[: n - n_val], replies[: n - n_val])
         val_stream = stream_of(target, ids[n - n_val : n], replies[n - n_val :]) if n_val else None
+        val_mask = loss_mask_of(target, ids[n - n_val : n], replies[n - n_val :]) if n_val else None
         log["answers"]["validation_answers"] = n_val
         if stream_file is not None:
-            saved = {"stream": stream, "val_stream": val_stream}
+            saved = {"stream": stream, "val_stream": val_stream, "mask": mask, "val_mask": val_mask}
             saved.update(prompts=log["prompts"], answers=log["answers"], self_prompts=log.get("self_prompts"))
             torch.save(saved, stream_file)
     if stream_only:
@@ -399,11 +432,14 @@ def build(
         return log
     log["stream_tokens"] = stream.numel()
     log["validation_tokens"] = 0 if val_stream is None else val_stream.numel()
-    print(f"stream: {stream.numel()} tokens; answers {log['answers']}", flush=True)
+    if not recipe.answer_loss or mask is None:
+        mask = val_mask = None
+    log["loss_positions"] = stream.numel() if mask is None else int(mask.sum())
+    print(f"stream: {stream.numel()} tokens, {log['loss_positions']} targets; {log['answers']}", flush=True)
     draft = D.new_draft(
         target,
         kind="eagle3",
-        tokens=stream,
+        tokens=drafted_tokens(stream, mask),
         draft_vocab_size=recipe.draft_vocab_size,
         seed=seed,
         num_speculative_steps=recipe.eval_k,
@@ -412,6 +448,7 @@ def build(
     settings = dict(
         ttt_steps=recipe.ttt_steps,
         step_weight=recipe.step_weight,
+        feed=recipe.feed,
         batch_size=recipe.batch_size,
         seq_len=recipe.seq_len,
         lr=recipe.lr,
@@ -421,7 +458,7 @@ def build(
     )
     steps = recipe.steps or _steps_for(target, draft, stream.to(dev), settings, recipe.minutes * 60)
     cfg = DistillConfig(steps=steps, log_every=max(steps // 25, 1), **settings)
-    batches = D.online_batches(target, draft, stream.to(dev), cfg=cfg)
+    batches = D.online_batches(target, draft, stream.to(dev), cfg=cfg, loss_mask=_to(mask, dev))
     began = time.perf_counter()
     limit = None if recipe.steps else 1.1 * recipe.minutes * 60
     resume = records = None
@@ -438,8 +475,8 @@ def build(
         # fixed windows (their own seed), the same at every record: answers never trained on, and training
         # windows beside them, so the records show the gap between the two as training goes on
         vcfg = dataclasses.replace(cfg, seed=seed + 7919)
-        held = D.online_batches(target, draft, val_stream.to(dev), cfg=vcfg)
-        seen = D.online_batches(target, draft, stream.to(dev), cfg=vcfg)
+        held = D.online_batches(target, draft, val_stream.to(dev), cfg=vcfg, loss_mask=_to(val_mask, dev))
+        seen = D.online_batches(target, draft, stream.to(dev), cfg=vcfg, loss_mask=_to(mask, dev))
         score = range(recipe.val_batches)
 
         def validate(head):
@@ -470,6 +507,10 @@ def build(
     log["bytes"] = sum(f.stat().st_size for f in out.glob("*") if f.is_file())
     (out / "train_log.json").write_text(json.dumps(log, indent=1))
     return log
+
+
+def _to(mask: torch.Tensor | None, dev: torch.device) -> torch.Tensor | None:
+    return None if mask is None else mask.to(dev)
 
 
 def _steps_for(target, draft, stream, settings: dict, budget_s: float) -> int:

@@ -56,7 +56,7 @@ from fspec.models import llama
 from fspec.models.checkpoint import Draft, Target, init_draft, load_draft, load_target, save_draft
 from fspec.models.heads import head_kind, lookup, names
 from fspec.train import data
-from fspec.train.data import sample_windows
+from fspec.train.data import window_index
 from fspec.train.ttt import (
     DistillConfig,
     adamw_init,
@@ -119,8 +119,12 @@ def online_batches(
     cfg: DistillConfig,
     rank: int = 0,
     world: int = 1,
+    loss_mask: torch.Tensor | None = None,
 ) -> Batches:
-    """step -> this process's batch: windows of the 1-D `tokens` through the target, in the loop."""
+    """step -> this process's batch: windows of the 1-D `tokens` through the target, in the loop.
+
+    loss_mask: None, or a 1-D bool tensor as long as `tokens`: True where the target's distribution at that
+    position is a training target (`fspec.train.ttt`); each batch then carries its windows as "loss_mask"."""
     rows = _rows(cfg.batch_size, rank, world)
     device = target.params["embed"].device
     v = target.cfg.vocab_size
@@ -130,12 +134,28 @@ def online_batches(
             f"tokens: expected token ids in [0, {v}) (the target's vocabulary), "
             f"got min {int(tokens.min())}, max {int(tokens.max())}"
         )
+    if loss_mask is not None and (
+        not isinstance(loss_mask, torch.Tensor)
+        or loss_mask.dtype != torch.bool
+        or tuple(loss_mask.shape) != tuple(tokens.shape)
+    ):
+        got = (
+            f"shape {tuple(loss_mask.shape)}, {loss_mask.dtype}"
+            if isinstance(loss_mask, torch.Tensor)
+            else type(loss_mask).__name__
+        )
+        raise ValueError(
+            f"loss_mask: expected None or a bool tensor of shape {tuple(tokens.shape)}, got {got}"
+        )
 
     def batches(step: int) -> dict:
         gen = step_generator(cfg.seed, step)
-        ids = sample_windows(tokens, batch_size=cfg.batch_size, seq_len=cfg.seq_len, generator=gen)
-        ids = ids[rows].to(device)  # [B/W, S]
-        return target_batch(target, draft, ids, autocast=cfg.autocast)
+        idx = window_index(tokens.numel(), batch_size=cfg.batch_size, seq_len=cfg.seq_len, generator=gen)
+        idx = idx[rows]  # [B/W, S]
+        batch = target_batch(target, draft, tokens[idx].long().to(device), autocast=cfg.autocast)
+        if loss_mask is not None:
+            batch["loss_mask"] = loss_mask[idx].to(device)
+        return batch
 
     return batches
 
@@ -508,6 +528,21 @@ def check_batch(batch: object, draft: Draft, *, values: bool = True) -> None:
             raise ValueError(
                 f"batch[{key!r}]: expected a float [{b}, {s}, {width}] tensor on {device}, got {got}"
             )
+    mask = batch.get("loss_mask")
+    if mask is not None and (
+        not isinstance(mask, torch.Tensor)
+        or tuple(mask.shape) != (b, s)
+        or mask.dtype != torch.bool
+        or mask.device != device
+    ):
+        got = (
+            f"shape {tuple(mask.shape)}, {mask.dtype} on {mask.device}"
+            if isinstance(mask, torch.Tensor)
+            else mask
+        )
+        raise ValueError(
+            f"batch['loss_mask']: expected absent or a bool [{b}, {s}] tensor on {device}, got {got}"
+        )
     v = cfg.model.vocab_size
     if values and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= v):
         raise ValueError(

@@ -9,8 +9,12 @@ made):
      "hidden": [B, S, Hin]          what `project_target_hidden` reads: the aux states [.., 3·Ht] for EAGLE-3
                                     (fc is a trained head parameter, so it is applied inside the loss), the
                                     final-normed last hidden [.., Ht] for EAGLE-1 / MTP,
-     "target_logits": [B, S, Vd]}   the target's logits restricted to the draft vocabulary (EAGLE-3: the Vd
+     "target_logits": [B, S, Vd],   the target's logits restricted to the draft vocabulary (EAGLE-3: the Vd
                                     columns of d2t; others: all V); `target_batch` makes one
+     "loss_mask": [B, S] bool}      optional: True where the target's distribution at that position is a
+                                    training target (the self-distillation recipe marks the positions inside
+                                    the target's answers, so prompt text, which a head never drafts, costs no
+                                    capacity); absent = every position
 
 The head step is unrolled as K calls of the draft loop's own step (`fspec.draft.dense_step`, what
 `draft_step` runs over a dense cache) over a `ChainKVCache` of B·S one-row chains, so serving and training
@@ -25,7 +29,8 @@ share one head step:
 * row i of step j predicts token i + j + 2, whose target distribution is p = softmax(target_logits[i+j+1]);
   rows with i + j + 1 >= S have no target and are left out of the loss.
 
-loss = sum_j w^j · CE(p_j, q_j), CE(p, q) = -sum_x p(x) log q(x) (soft targets), averaged over rows. The loss
+loss = sum_j w^j · CE(p_j, q_j), CE(p, q) = -sum_x p(x) log q(x) (soft targets), averaged over rows (over the
+rows whose target position the loss mask keeps, when the batch has one). The loss
 computes each step's lm_head and CE together in chunks of rows (`linear_soft_cross_entropy`), so no step's
 [B, S, Vd] logits are kept for the backward pass; `unroll` returns them for inspection and tests.
 """
@@ -310,13 +315,18 @@ class _SoftCrossEntropy(torch.autograd.Function):
 
 
 def head_cross_entropy(
-    params: dict, out: torch.Tensor, p_logits: torch.Tensor, *, cfg: DraftConfig
+    params: dict,
+    out: torch.Tensor,
+    p_logits: torch.Tensor,
+    *,
+    cfg: DraftConfig,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean soft cross-entropy of the head's q for output hidden `out` [B, n, H] against
-    p = softmax(p_logits) [B, n, Vd], the head's argmax [B, n]) without keeping q's logits:
-    `linear_soft_cross_entropy` over the head's pre-logits and lm_head."""
+    p = softmax(p_logits) [B, n, Vd] (weighted by `weight` [B, n] when given), the head's argmax [B, n])
+    without keeping q's logits: `linear_soft_cross_entropy` over the head's pre-logits and lm_head."""
     h = head_pre_logits(params, out, cfg=cfg)
-    return linear_soft_cross_entropy(h, params["lm_head"], p_logits)
+    return linear_soft_cross_entropy(h, params["lm_head"], p_logits, weight=weight)
 
 
 # Logits per chunk of rows: B·rows·V values, 2^26 (256 MB in fp32) at a time.
@@ -336,7 +346,7 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(h, w, p_logits, dtype, chunk):
+    def forward(h, w, p_logits, weight, dtype, chunk):
         acc = torch.promote_types(dtype, torch.float32)  # softmax arithmetic (fp64 stays fp64)
         with autocast_off(h.device.type):
             wt = w.to(dtype).transpose(-1, -2)  # [H, V]
@@ -345,45 +355,60 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
             for lo in range(0, h.shape[1], chunk):
                 q = (h[:, lo : lo + chunk].to(dtype) @ wt).to(acc)  # [B, c, V]
                 p = p_logits[:, lo : lo + chunk].to(acc).softmax(-1)
-                total = total + (torch.logsumexp(q, -1) - (p * q).sum(-1)).sum()
+                ce = torch.logsumexp(q, -1) - (p * q).sum(-1)  # [B, c]
+                total = total + (ce if weight is None else ce * weight[:, lo : lo + chunk].to(acc)).sum()
                 preds.append(q.argmax(-1))
-            rows = h.shape[0] * h.shape[1]
-            return total / max(rows, 1), torch.cat(preds, dim=1)
+            return total / _ce_denominator(h, weight), torch.cat(preds, dim=1)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        h, w, p_logits, dtype, chunk = inputs
-        ctx.save_for_backward(h, w, p_logits)
+        h, w, p_logits, weight, dtype, chunk = inputs
+        ctx.save_for_backward(h, w, p_logits, weight)
         ctx.dtype, ctx.chunk = dtype, chunk
         ctx.mark_non_differentiable(output[1])
 
     @staticmethod
     def backward(ctx, grad, _grad_pred):
-        h, w, p_logits = ctx.saved_tensors
+        h, w, p_logits, weight = ctx.saved_tensors
         dtype, chunk = ctx.dtype, ctx.chunk
         acc = torch.promote_types(dtype, torch.float32)
         with autocast_off(h.device.type):
             wd = w.to(dtype)  # [V, H]
-            g = grad / max(h.shape[0] * h.shape[1], 1)
+            g = grad / _ce_denominator(h, weight)
             dh, dw = [], torch.zeros(w.shape, dtype=acc, device=w.device)
             for lo in range(0, h.shape[1], chunk):
                 hc = h[:, lo : lo + chunk].to(dtype)
                 q = (hc @ wd.transpose(-1, -2)).to(acc)
-                dq = ((q.softmax(-1) - p_logits[:, lo : lo + chunk].to(acc).softmax(-1)) * g).to(dtype)
+                gc = g if weight is None else g * weight[:, lo : lo + chunk, None].to(acc)
+                dq = ((q.softmax(-1) - p_logits[:, lo : lo + chunk].to(acc).softmax(-1)) * gc).to(dtype)
                 dh.append((dq @ wd).to(h.dtype))
                 if ctx.needs_input_grad[1]:
                     dw = dw + (dq.flatten(0, 1).transpose(0, 1) @ hc.flatten(0, 1)).to(acc)
             d_w = dw.to(w.dtype) if ctx.needs_input_grad[1] else None
-            return torch.cat(dh, dim=1), d_w, None, None, None
+            return torch.cat(dh, dim=1), d_w, None, None, None, None
+
+
+def _ce_denominator(h: torch.Tensor, weight: torch.Tensor | None):
+    """What the summed cross-entropy is divided by: the row count, or the weights' sum (at least 1e-6 of a
+    row, so a batch whose weights are all zero gives a zero loss, not NaN)."""
+    if weight is None:
+        return max(h.shape[0] * h.shape[1], 1)
+    return weight.sum().to(torch.promote_types(weight.dtype, torch.float32)).clamp(min=1e-6)
 
 
 def linear_soft_cross_entropy(
-    h: torch.Tensor, w: torch.Tensor, p_logits: torch.Tensor, *, chunk: int | None = None
+    h: torch.Tensor,
+    w: torch.Tensor,
+    p_logits: torch.Tensor,
+    *,
+    weight: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean over rows of -sum_x softmax(p)(x) log softmax(h @ w^T)(x), argmax(h @ w^T) [B, n]) for h
     [B, n, H], w [V, H], p_logits [B, n, V] (no gradient to p). Equals `soft_cross_entropy(F.linear(h, w),
-    p_logits)` without materialising the [B, n, V] logits for the backward pass. `chunk`: rows per chunk
-    (default: about 2^26 logits at a time)."""
+    p_logits)` without materialising the [B, n, V] logits for the backward pass. `weight` [B, n] (>= 0, no
+    gradient): the weighted mean sum_r weight_r CE_r / sum_r weight_r instead (0 when every weight is 0);
+    a 0/1 weight is a loss mask. `chunk`: rows per chunk (default: about 2^26 logits at a time)."""
     for name, x, dims in (("h", h, 3), ("w", w, 2), ("p_logits", p_logits, 3)):
         if not isinstance(x, torch.Tensor) or x.dim() != dims or not x.is_floating_point():
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -394,11 +419,18 @@ def linear_soft_cross_entropy(
             f"w: expected h [B, n, H], w [V, H], p_logits [B, n, V] with matching sizes, got h "
             f"{tuple(h.shape)}, w {tuple(w.shape)}, p_logits {tuple(p_logits.shape)}"
         )
+    if weight is not None and (
+        not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (b, n) or weight.is_complex()
+    ):
+        got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"weight: expected None or a real [{b}, {n}] tensor, got {got}")
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         raise ValueError(f"chunk: expected a positive int or None, got {chunk!r}")
     if chunk is None:
         chunk = max(1, min(n, _CE_CHUNK_ELEMENTS // max(b * v, 1)))
-    return _LinearSoftCrossEntropy.apply(h, w, p_logits, _compute_dtype(h), chunk)
+    if weight is not None:
+        weight = weight.detach().to(torch.promote_types(h.dtype, torch.float32))
+    return _LinearSoftCrossEntropy.apply(h, w, p_logits, weight, _compute_dtype(h), chunk)
 
 
 def soft_cross_entropy(q_logits: torch.Tensor, p_logits: torch.Tensor) -> torch.Tensor:
@@ -417,7 +449,8 @@ def ttt_loss(
     feed: str = "prediction",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss, metrics): loss = sum_j w^j CE(p_j, q_j); metrics "loss" [K] (CE per step) and "agreement" [K]
-    (fraction of rows where argmax q == argmax p), detached. Differentiable in `trainable`; composes with
+    (fraction of rows where argmax q == argmax p), detached; both over the rows `batch["loss_mask"]` keeps
+    when present. Differentiable in `trainable`; composes with
     torch.func.grad and vmap (vmap over stacked `trainable` with in_dims None for `frozen` and `batch`).
 
     The head steps are K calls of the draft loop's own step over a `ChainKVCache` (`_unroll_steps`, the
@@ -433,15 +466,18 @@ def ttt_loss(
         raise ValueError(f"batch['input_ids']: expected more than ttt_steps={ttt_steps} tokens, got {s}")
     params = merge_params(trainable, frozen)
     p_logits = batch["target_logits"]  # [B, S, Vd]
+    mask = batch.get("loss_mask")  # [B, S] bool or None: which positions' distributions are targets
     terms, losses, agree = [], [], []
 
     def score(j: int, out: torch.Tensor) -> None:
         n = s - 1 - j  # rows i whose target distribution exists: position i + j + 1 <= S - 1
         p_j = p_logits[:, j + 1 :]  # [B, n, Vd], a view
-        ce, pred = head_cross_entropy(params, out[:, :n], p_j, cfg=cfg)
+        w_j = None if mask is None else mask[:, j + 1 :].float()  # [B, n]
+        ce, pred = head_cross_entropy(params, out[:, :n], p_j, cfg=cfg, weight=w_j)
         terms.append(step_weight**j * ce)
         losses.append(ce.detach())
-        agree.append((pred == p_j.argmax(-1)).float().mean().detach())
+        hit = (pred == p_j.argmax(-1)).float()
+        agree.append((hit.mean() if w_j is None else (hit * w_j).sum() / w_j.sum().clamp(min=1)).detach())
 
     _unroll_steps(params, batch, cfg=cfg, ttt_steps=ttt_steps, feed=feed, score=score)
     total = torch.stack(terms).sum()

@@ -73,6 +73,11 @@ def test_tiny_recipe_builds_a_head_that_loads_and_generates(tmp_path: Path, monk
     assert 0 < log["answers"]["new_tokens"] <= r.new_tokens * log["prompts"]["kept"]
     assert log["distill"]["steps"] == r.steps and log["distill"]["records"][-1]["step"] == r.steps
     assert log["answers"]["validation_answers"] >= 1 and log["validation_tokens"] > r.seq_len
+    saved = torch.load(stream)  # the loss mask beside each stream: answer positions only
+    assert (
+        saved["mask"].shape == saved["stream"].shape and saved["val_mask"].shape == saved["val_stream"].shape
+    )
+    assert 0 < log["loss_positions"] == int(saved["mask"].sum()) < log["stream_tokens"]
     for rec in log["distill"]["records"]:  # answers kept out of training, scored beside training windows
         assert set(rec["validation"]) == {"held_out_answers", "training_answers"}
         assert all(0 <= a <= 1 for v in rec["validation"].values() for a in v["agreement"])
@@ -90,6 +95,21 @@ def test_tiny_recipe_builds_a_head_that_loads_and_generates(tmp_path: Path, monk
     assert default_model.main([*args, "--out", str(tmp_path / "again")]) == 0
     again = json.loads((tmp_path / "again" / "train_log.json").read_text())
     assert again["stream_tokens"] == log["stream_tokens"] > 0 and again["answers"]["read_from"] == str(stream)
+
+
+def test_loss_mask_keeps_the_positions_before_drafted_answer_tokens():
+    """loss_mask_of marks position t when token t + 1 is an answer token after the answer's first (its EOS
+    included, added or its own), never a prompt token or the next row's; drafted_tokens reads those."""
+    target = fspec.load_toy()[0]
+    eos = target.cfg.eos_token_ids[0]
+    prompts_ = [[5, 6, 7], [8, 9]]
+    replies = [[10, 11, 12], [13, eos]]  # the first answer gets an EOS appended, the second has its own
+    stream = default_model.stream_of(target, prompts_, replies)
+    mask = default_model.loss_mask_of(target, prompts_, replies)
+    assert stream.tolist() == [5, 6, 7, 10, 11, 12, eos, 8, 9, 13, eos]
+    assert mask.tolist() == [False, False, False, True, True, True, False, False, False, True, False]
+    assert default_model.drafted_tokens(stream, mask).tolist() == [11, 12, eos, eos]
+    assert torch.equal(default_model.drafted_tokens(stream, None), stream)
 
 
 def test_self_prompts_keep_only_finished_new_requests_that_overlap_no_held_out_set(smollm2, monkeypatch):

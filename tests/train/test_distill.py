@@ -487,5 +487,28 @@ def test_bad_inputs_name_the_argument(tmp_path: Path):
         D.offline_batches(tmp_path / "missing", target, draft, cfg=cfg)
     with pytest.raises(ValueError, match="batch_size"):
         D.online_batches(target, draft, token_stream(), cfg=small_cfg(batch_size=3), rank=0, world=2)
+    for bad in (torch.ones(10, dtype=torch.bool), torch.ones(3000), [True] * 3000):
+        with pytest.raises(ValueError, match="loss_mask"):
+            D.online_batches(target, draft, token_stream(), cfg=cfg, loss_mask=bad)
+    with pytest.raises(ValueError, match="loss_mask"):
+        D.check_batch({**batch, "loss_mask": torch.ones(batch["input_ids"].shape)}, draft)
     with pytest.raises(FileNotFoundError, match="path"):
         D.main(["train", "--target", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), "--device", "cpu"])
+
+
+def test_online_batches_carry_the_loss_mask_of_the_same_windows():
+    """With loss_mask, each batch's "loss_mask" is the mask at the very positions of its input_ids (a mask
+    that is a function of the token id shows it), and the windows are those of the batches without it."""
+    target = tiny_target()
+    draft = tiny_draft(target)
+    tokens = token_stream()
+    mask = tokens % 3 == 0
+    cfg = small_cfg()
+    with_mask = D.online_batches(target, draft, tokens, cfg=cfg, loss_mask=mask)
+    without = D.online_batches(target, draft, tokens, cfg=cfg)
+    for step in range(3):
+        batch = with_mask(step)
+        assert torch.equal(batch["loss_mask"], batch["input_ids"] % 3 == 0)
+        assert torch.equal(batch["input_ids"], without(step)["input_ids"])
+        assert "loss_mask" not in without(step)
+        D.check_batch(batch, draft)

@@ -35,6 +35,31 @@ def test_linear_soft_cross_entropy_equals_the_plain_expression(b, n, hd, v, chun
         torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("b,n,hd,v,chunk", [(2, 7, 8, 37, 3), (3, 5, 6, 101, None)])
+def test_weighted_linear_soft_cross_entropy_is_the_weighted_mean(b, n, hd, v, chunk):
+    """weight [B, n]: sum_r w_r CE_r / sum_r w_r, values and gradients in fp64; all-zero weights give 0 with
+    zero gradients (not NaN); a wrong weight shape is a ValueError naming `weight`."""
+    gen = torch.Generator().manual_seed(b * 10 + n)
+    h = torch.randn(b, n, hd, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(v, hd, generator=gen, dtype=torch.float64, requires_grad=True)
+    p = torch.randn(b, n, v, generator=gen, dtype=torch.float64) * 2
+    weight = (torch.rand(b, n, generator=gen, dtype=torch.float64) > 0.4).double()
+    weight[0, 0] = 1.0
+    ce, pred = ttt.linear_soft_cross_entropy(h, w, p, weight=weight, chunk=chunk)
+    q = F.linear(h, w)
+    rows = -(p.softmax(-1) * q.log_softmax(-1)).sum(-1)
+    want = (rows * weight).sum() / weight.sum()
+    torch.testing.assert_close(ce, want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(pred, q.argmax(-1))
+    for x, y in zip(torch.autograd.grad(ce, (h, w)), torch.autograd.grad(want, (h, w))):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
+    zero, _ = ttt.linear_soft_cross_entropy(h, w, p, weight=torch.zeros(b, n, dtype=torch.float64))
+    gz = torch.autograd.grad(zero, (h, w))
+    assert float(zero.detach()) == 0.0 and all(float(g.abs().max()) == 0.0 for g in gz)
+    with pytest.raises(ValueError, match="weight"):
+        ttt.linear_soft_cross_entropy(h, w, p, weight=torch.ones(b, n + 1))
+
+
 def test_keeps_only_its_inputs_and_skips_frozen_weight_gradients():
     """Saved for backward: h, w and p_logits themselves — no [B, n, V] logits or probabilities. A frozen w
     (EAGLE-1 / MTP share the target's lm_head) gets no gradient computed."""

@@ -64,6 +64,31 @@ def test_ttt_loss_equals_the_reference_loss_and_gradients(kind, feed):
     _assert_equals_reference(tiny_draft(TARGET, kind=kind, sharpen=True), feed)
 
 
+@pytest.mark.parametrize("kind,feed", [("eagle3", "data"), ("eagle", "prediction")])
+def test_ttt_loss_with_a_loss_mask_equals_the_reference(kind, feed):
+    """With batch["loss_mask"] (answer positions only), loss, per-step CE, agreement and gradients equal the
+    reference's mean over the kept rows (fp64); the masked loss differs from the unmasked one, so a loss
+    that ignored the mask fails; an all-True mask gives the unmasked loss."""
+    draft = tiny_draft(TARGET, kind=kind, sharpen=True)
+    _, trainable, frozen, batch = _fp64(draft)
+    mask = torch.zeros(batch["input_ids"].shape, dtype=torch.bool)
+    mask[0, 2:7], mask[1, 4:] = True, True  # a prompt, then an answer; the second row's answer runs on
+    masked = {**batch, "loss_mask": mask}
+    g_ref, (loss_ref, aux_ref) = _loss_and_grads(R.ttt_loss, draft, trainable, frozen, masked, feed)
+    g, (loss, aux) = _loss_and_grads(ttt.ttt_loss, draft, trainable, frozen, masked, feed)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(aux["loss"], aux_ref["loss"], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(aux["agreement"], aux_ref["agreement"], rtol=1e-12, atol=1e-12)
+    for a, b in zip(fspec.tree.tree_leaves(g), fspec.tree.tree_leaves(g_ref)):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10 * float(b.abs().max()))
+    _, (plain, _) = _loss_and_grads(ttt.ttt_loss, draft, trainable, frozen, batch, feed)
+    # ignoring the mask would fail the comparison above: the kept rows' mean is 1e4 tolerances away
+    assert abs(float(plain - loss_ref)) > 1e-6 * abs(float(plain)), "the mask must change the loss"
+    everything = {**batch, "loss_mask": torch.ones_like(mask)}
+    _, (full, _) = _loss_and_grads(ttt.ttt_loss, draft, trainable, frozen, everything, feed)
+    torch.testing.assert_close(full, plain, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp"])
 def test_unroll_gives_the_reference_logits_and_hiddens(kind):
     """`ttt.unroll` (the draft step's K logits and hiddens) equals the reference's at every row and step."""

@@ -89,7 +89,8 @@ def ttt_loss(
     """(loss, {"loss": [K] CE per step, "agreement": [K]}): the contract of `fspec.train.ttt.ttt_loss`.
 
     Row i of step j predicts token i + j + 2 against p = softmax(target_logits[i + j + 1]); rows with
-    i + j + 1 >= S have no target. loss = sum_j w^j · mean over rows of -sum_x p(x) log q(x)."""
+    i + j + 1 >= S have no target. loss = sum_j w^j · mean over rows of -sum_x p(x) log q(x); with
+    batch["loss_mask"], the mean over the rows whose target position i + j + 1 the mask keeps."""
     check_ttt(ttt_steps, step_weight, feed)
     params = merge_params(trainable, frozen)
     logits, _ = unroll(params, batch, cfg=cfg, ttt_steps=ttt_steps, feed=feed)
@@ -99,8 +100,13 @@ def ttt_loss(
     for j, q in enumerate(logits):
         n = s - 1 - j
         p, q = p_logits[:, j + 1 :], q[:, :n]
-        ce = -(p.softmax(-1) * q.log_softmax(-1)).sum(-1).mean()
+        rows = -(p.softmax(-1) * q.log_softmax(-1)).sum(-1)  # [B, n]
+        hit = (q.argmax(-1) == p.argmax(-1)).float()
+        if "loss_mask" in batch:
+            keep = batch["loss_mask"][:, j + 1 :]
+            rows, hit = rows[keep], hit[keep]
+        ce = rows.mean() if rows.numel() else rows.sum()
         total = total + step_weight**j * ce
         losses.append(ce.detach())
-        agree.append((q.argmax(-1) == p.argmax(-1)).float().mean().detach())
+        agree.append((hit.mean() if hit.numel() else hit.sum()).detach())
     return total, {"loss": torch.stack(losses), "agreement": torch.stack(agree)}
