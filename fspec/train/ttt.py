@@ -42,6 +42,7 @@ import math
 
 import torch
 from einops import rearrange
+from torch.autograd.function import once_differentiable
 
 from fspec.core.cache import ChainKVCache
 from fspec.core.config import DraftConfig
@@ -307,6 +308,7 @@ class _SoftCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(*inputs)
 
     @staticmethod
+    @once_differentiable  # no graph of its own ops under torch.func.grad (see _LinearSoftCrossEntropy)
     def backward(ctx, grad):
         q_logits, p_logits = ctx.saved_tensors
         rows = q_logits.numel() // q_logits.shape[-1]
@@ -341,7 +343,11 @@ def _compute_dtype(h: torch.Tensor) -> torch.dtype:
 class _LinearSoftCrossEntropy(torch.autograd.Function):
     """mean CE(softmax(p_logits), softmax(h @ w^T)) and argmax(h @ w^T), in chunks of rows, keeping only h,
     w and p_logits for the backward pass (which recomputes each chunk's logits). The matmuls run in the
-    autocast dtype when autocast is on (as F.linear would), the softmax arithmetic in fp32."""
+    autocast dtype when autocast is on (as F.linear would), the softmax arithmetic in fp32.
+
+    Both backward passes here are `once_differentiable`: under `torch.func.grad` a Function's backward
+    otherwise runs with grad on and keeps every chunk's [B, c, V] temporaries in a graph until it ends
+    (fspec/ops/chain_attention.py measured what that cost its attention). No second derivative is taken."""
 
     generate_vmap_rule = True
 
@@ -368,6 +374,7 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
         ctx.mark_non_differentiable(output[1])
 
     @staticmethod
+    @once_differentiable  # no graph of its own ops under torch.func.grad (class docstring)
     def backward(ctx, grad, _grad_pred):
         h, w, p_logits, weight = ctx.saved_tensors
         dtype, chunk = ctx.dtype, ctx.chunk

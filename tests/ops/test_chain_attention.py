@@ -110,3 +110,20 @@ def test_keeps_o_of_s_for_the_backward_pass_where_the_dense_form_keeps_o_of_s_sq
     assert lean[1] <= 2.1 * lean[0], lean
     assert dense[1] >= 3.5 * dense[0], dense
     assert dense[1] > 25 * lean[1], (dense, lean)  # seen: 33x
+
+
+def test_the_backward_runs_untracked_so_it_is_once_differentiable():
+    """The backward pass records no graph of its own chunked ops (`once_differentiable`): under
+    `torch.func.grad` an autograd.Function's backward otherwise runs with grad on, and every chunk's
+    [B, N, C, S] temporaries stayed alive until the backward ended (a TTT step at SmolLM2 head shapes kept
+    34.7 GiB instead of 24.0). The contract that shows it: a second derivative is refused, not computed."""
+    q, ks, vs, kd, vd = _inputs()
+    out = chain_attention(q, ks, vs, kd, vd, torch.tensor([True, True, False, False]), chunk=5)
+    (dq,) = torch.autograd.grad(out.square().sum(), (q,), create_graph=True)
+    with pytest.raises(RuntimeError):  # "does not require grad" or "not used in the graph"
+        torch.autograd.grad(dq.sum(), (q,))
+    first = torch.func.grad(lambda x: chain_attention(x, ks, vs, kd, vd, torch.tensor([True] * 4)).sum())
+    torch.testing.assert_close(
+        first(q.detach()),
+        torch.autograd.grad(chain_attention(q, ks, vs, kd, vd, torch.tensor([True] * 4)).sum(), (q,))[0],
+    )

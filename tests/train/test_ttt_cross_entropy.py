@@ -139,3 +139,17 @@ def test_bad_inputs_name_the_argument():
     for args, kw, match in cases:
         with pytest.raises(ValueError, match=match):
             ttt.linear_soft_cross_entropy(*args, **kw)
+
+
+def test_the_fused_cross_entropy_backward_is_once_differentiable():
+    """Its chunked backward records no graph of its own ops (`once_differentiable`; under `torch.func.grad`
+    it would otherwise keep every chunk's [B, c, V] temporaries until the backward ended): a second
+    derivative is refused, not computed."""
+    gen = torch.Generator().manual_seed(8)
+    h = torch.randn(2, 6, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(40, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    p = torch.randn(2, 6, 40, generator=gen, dtype=torch.float64)
+    ce, _ = ttt.linear_soft_cross_entropy(h, w, p, chunk=2)
+    (dh,) = torch.autograd.grad(ce, (h,), create_graph=True)
+    with pytest.raises(RuntimeError):  # "does not require grad" or "not used in the graph"
+        torch.autograd.grad(dh.sum(), (h,))
