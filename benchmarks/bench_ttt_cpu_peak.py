@@ -3,7 +3,7 @@ step's memory that needs no GPU (peak resident growth of the process during the 
 
     python benchmarks/bench_ttt_cpu_peak.py --batch 4 --label now --out benchmarks/results/ttt_cpu_peak.json
     # an older tree beside it (its fspec first on the path; --via-draft-step for commits that had the switch):
-    PYTHONPATH=OLD_TREE python benchmarks/bench_ttt_cpu_peak.py --batch 4 --label old --via-draft-step 0 --out ...
+    PYTHONPATH=OLD_TREE python benchmarks/bench_ttt_cpu_peak.py --label old --via-draft-step 0 --out ...
 
 The head and batch are `bench_ttt_step.build_case("smollm2")`'s (random EAGLE-3 head, hidden 576, 9 / 3 heads,
 draft vocabulary 8192, S = 512, K = 7, fp32, feed "prediction"), the first `--batch` sequences. One step,
@@ -33,7 +33,8 @@ from fspec.train import ttt  # noqa: E402
 
 
 def measure(batch_size: int, reps: int, via: int | None) -> dict:
-    draft, trainable, opt, frozen, batch, (_, s, k) = bench_ttt_step.build_case("smollm2", torch.device("cpu"))
+    cpu = torch.device("cpu")
+    draft, trainable, opt, frozen, batch, (_, s, k) = bench_ttt_step.build_case("smollm2", cpu)
     batch = {key: v[:batch_size].contiguous() for key, v in batch.items()}
     kw = dict(steps=10, batch_size=batch_size, seq_len=s, ttt_steps=k)
     if via is not None:
