@@ -200,3 +200,49 @@ def test_a_build_in_several_runs_through_train_dir_equals_one_run(tmp_path: Path
         default_model.build(
             tmp_path / "x", recipe=dataclasses.replace(default_model.TINY, steps=0), train_dir=tmp_path
         )
+
+
+@pytest.mark.parametrize("answer_loss", [True, False])
+def test_the_build_trains_with_the_recipes_feed_loss_mask_and_drafted_vocabulary(
+    tmp_path, monkeypatch, answer_loss
+):
+    """From a kept stream, `build` hands distillation the recipe's feed and, with answer_loss, batches that
+    carry the stream's loss mask and a draft vocabulary that covers every drafted token. The prompt ids
+    are the most frequent (3 times each against 2), so a vocabulary counted over the whole stream, as
+    answer_loss=False does, leaves drafted ids out."""
+    target = fspec.load_target(default_model.gguf_path())
+    prompts_ = [[1000 + (6 * r + i) % 600 for i in range(6)] for r in range(300)]
+    replies = [[2000 + r, 2500 + r % 150, 2700 + r % 150] for r in range(300)]
+    stream = default_model.stream_of(target, prompts_, replies)
+    mask = default_model.loss_mask_of(target, prompts_, replies)
+    file = tmp_path / "stream.pt"
+    torch.save({"stream": stream, "val_stream": None, "mask": mask, "val_mask": None,
+                "prompts": {}, "answers": {}}, file)  # fmt: skip
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(draft, batches, *, cfg, **kw):
+        seen.update(draft=draft, batch=batches(0), cfg=cfg)
+        raise Stop
+
+    monkeypatch.setattr(default_model.D, "distill_head", capture)
+    recipe = dataclasses.replace(default_model.TINY, feed="data", answer_loss=answer_loss)
+    with pytest.raises(Stop):
+        default_model.build(tmp_path / "head", recipe=recipe, device="cpu", stream_file=file)
+    assert seen["cfg"].feed == "data" and seen["cfg"].ttt_steps == recipe.ttt_steps
+    vocab = set(
+        fspec.draft_to_target(torch.arange(recipe.draft_vocab_size), seen["draft"].params["d2t"]).tolist()
+    )
+    drafted = set(default_model.drafted_tokens(stream, mask).tolist())
+    if answer_loss:
+        assert drafted <= vocab, "every drafted id is in the draft vocabulary"
+        ids, got = seen["batch"]["input_ids"], seen["batch"]["loss_mask"]
+        assert got.dtype == torch.bool and got.shape == ids.shape and got.any() and not got.all()
+        # the mask is True exactly where the next token is a drafted one (an answer's second or later token)
+        cur, nxt, eos = ids[:, :-1], ids[:, 1:], target.cfg.eos_token_ids[0]
+        want = ((nxt >= 2500) & (nxt < 3000)) | ((nxt == eos) & (cur >= 2700) & (cur < 2850))
+        assert torch.equal(got[:, :-1], want)
+    else:
+        assert not drafted <= vocab and "loss_mask" not in seen["batch"]
