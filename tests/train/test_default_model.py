@@ -204,13 +204,14 @@ def test_a_build_in_several_runs_through_train_dir_equals_one_run(tmp_path: Path
 
 @pytest.mark.parametrize("answer_loss", [True, False])
 def test_the_build_trains_with_the_recipes_feed_loss_mask_and_drafted_vocabulary(
-    tmp_path, monkeypatch, answer_loss
+    smollm2, tmp_path, monkeypatch, answer_loss
 ):
     """From a kept stream, `build` hands distillation the recipe's feed and, with answer_loss, batches that
     carry the stream's loss mask and a draft vocabulary that covers every drafted token. The prompt ids
     are the most frequent (3 times each against 2), so a vocabulary counted over the whole stream, as
     answer_loss=False does, leaves drafted ids out."""
-    target = fspec.load_target(default_model.gguf_path())
+    target = smollm2[0]
+    monkeypatch.setattr(default_model, "load_target", lambda *a, **k: target)  # the module's loaded copy
     prompts_ = [[1000 + (6 * r + i) % 600 for i in range(6)] for r in range(300)]
     replies = [[2000 + r, 2500 + r % 150, 2700 + r % 150] for r in range(300)]
     stream = default_model.stream_of(target, prompts_, replies)
