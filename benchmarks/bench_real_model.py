@@ -5,7 +5,9 @@ and Hugging Face transformers, in one run on one GPU.
         [--temperature 0 0.7] [--new-tokens 256] [--k 5] [--reps 3] [--dtype bfloat16] [--head DIR]
 
 Prompts: the held-out sets of `fspec.train.prompts` (never trained on), rendered with the model's chat
-template; a batch of B takes the first B prompts of the sets interleaved (code, chat, code, ...). Each call
+template; a batch of B takes the first B prompts of the sets interleaved (code, chat, code, ...); B = 1 takes
+the first --b1-prompts of them, one call each in sequence (one prompt would make a row of one answer's length
+and acceptance), timed together, tau weighted by rounds. Each call
 stops a request at EOS or after --new-tokens. tokens/s = new tokens of the batch (EOS included) / wall time of
 one call, warm: every fspec call is made twice first (compiles, records CUDA graphs), then --reps times on the
 same prompts; the median is reported (HF: one warm-up call for the dynamic cache, two for the static one,
@@ -53,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--budget-s", type=float, default=1e9, help="stop adding rows after this many seconds")
     p.add_argument("--device", default="cuda")
+    p.add_argument(
+        "--b1-prompts", type=int, default=8, help="B = 1: this many prompts, one call each, in sequence"
+    )
     return p.parse_args(argv)
 
 
@@ -128,6 +133,21 @@ def hf_call(model, prompts, new_tokens: int, temperature: float, eos: set[int], 
     return call
 
 
+def run_fspec(target, head, prompts, *, one_by_one: bool, **kw):
+    """(token lists, tau) of fspec.generate over prompts: one call, or with one_by_one one call per prompt
+    (tau weighted by each call's rounds)."""
+    if not one_by_one:
+        res = fspec.generate(target, head, prompts, **kw)
+        return res.tokens, res.stats["acceptance_length"], res.stats.get("acceptance_rate_per_position")
+    tokens, weighted, rounds = [], 0.0, 0
+    for p in prompts:
+        res = fspec.generate(target, head, [p], **kw)
+        tokens += res.tokens
+        r = res.stats["rounds"]
+        weighted, rounds = weighted + res.stats["acceptance_length"] * r, rounds + r
+    return tokens, weighted / max(rounds, 1), None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = args.device
@@ -150,7 +170,8 @@ def main(argv=None) -> int:
     hf = None if args.skip_hf else hf_model(target, dtype, device, tmp)
     began = time.perf_counter()
     for b in args.batch:
-        prompts = batch_prompts(target, b)
+        one_by_one = b == 1 and args.b1_prompts > 1
+        prompts = batch_prompts(target, args.b1_prompts if one_by_one else b)
         for t in args.temperature:
             if time.perf_counter() - began > args.budget_s:
                 print(f"budget spent: skipping B={b} T={t}", flush=True)
@@ -163,36 +184,48 @@ def main(argv=None) -> int:
             if t and (args.top_k, args.top_p, args.min_p) != (0, 1.0, 0.0):
                 case.update(filters)
             row: dict = {"case": case, "prompt_tokens": [len(p) for p in prompts]}
+            if one_by_one:
+                kw["seed"] = [0]
             s_spec, spec = timed(
-                lambda prompts=prompts, kw=kw: fspec.generate(
-                    target, head, prompts, num_speculative_steps=args.k, **kw
+                lambda prompts=prompts, kw=kw, one=one_by_one: run_fspec(
+                    target, head, prompts, one_by_one=one, num_speculative_steps=args.k, **kw
                 ),
                 args.reps,
                 device,
             )
             s_plain, plain = timed(
-                lambda prompts=prompts, kw=kw: fspec.generate(target, None, prompts, **kw), args.reps, device
+                lambda prompts=prompts, kw=kw, one=one_by_one: run_fspec(
+                    target, None, prompts, one_by_one=one, **kw
+                ),
+                args.reps,
+                device,
             )
-            n_spec, n_plain = sum(map(len, spec.tokens)), sum(map(len, plain.tokens))
+            n_spec, n_plain = sum(map(len, spec[0])), sum(map(len, plain[0]))
             row.update(
                 spec_tok_s=n_spec / s_spec,
                 target_only_tok_s=n_plain / s_plain,
-                tau=spec.stats["acceptance_length"],
-                acceptance_rate_per_position=spec.stats["acceptance_rate_per_position"],
+                tau=spec[1],
                 new_tokens_spec=n_spec,
                 new_tokens_target_only=n_plain,
             )
+            if spec[2] is not None:
+                row["acceptance_rate_per_position"] = spec[2]
+            if one_by_one:
+                row["calls"] = len(prompts)
             row["speedup"] = row["spec_tok_s"] / row["target_only_tok_s"]
             if t == 0:
-                row["same_greedy_tokens"] = spec.tokens == plain.tokens
+                row["same_greedy_tokens"] = spec[0] == plain[0]
             # HF eager needs no warm-up beyond one call; the static cache compiles in its first call
             peers = (("hf_tok_s", {}, 1), ("hf_static_tok_s", {"cache_implementation": "static"}, 2))
             for name, extra, warmups in peers:
                 if hf is None:
                     continue
                 try:
+                    calls = [hf_call(hf, [q], args.new_tokens, t, eos, filters, **extra) for q in prompts]
+                    if not one_by_one:
+                        calls = [hf_call(hf, prompts, args.new_tokens, t, eos, filters, **extra)]
                     sec, n = timed(
-                        hf_call(hf, prompts, args.new_tokens, t, eos, filters, **extra),
+                        lambda calls=calls: sum(c() for c in calls),
                         max(args.reps - 1, 1),
                         device,
                         warmups,

@@ -7,7 +7,8 @@ the same call target-only, each under torch.profiler (CPU and CUDA activities) a
 calls. Written to --out: `profile_round.json` (per call: wall time, rounds = target forwards, GPU-busy time
 = the sum of kernel and memcpy durations, and the 25 CUDA kernels with the most total time, with
 counts and µs per round) and the profiler's own tables (`profile_spec.txt`, `profile_target_only.txt`).
-Round cost = wall / rounds; GPU share = busy / wall: a share well below 1 means the host or launch gaps
+Round cost = wall / rounds (also the median of three unprofiled calls: `round_us_unprofiled`); GPU share =
+busy / wall: a share well below 1 means the host or launch gaps
 bound the round, not the kernels (it can pass 1: programmatic dependent launch overlaps a kernel's start with
 its predecessor's end). The profiler's "## Call CompiledFxGraph" rows wrap kernels listed on their own and are
 left out of the busy time.
@@ -87,6 +88,12 @@ def main(argv=None) -> int:
         call()
         call()
         torch.cuda.synchronize()
+        plain = []  # the same call without the profiler: its overhead is not the round's
+        for _ in range(3):
+            t0 = time.perf_counter()
+            res = call()
+            torch.cuda.synchronize()
+            plain.append((time.perf_counter() - t0) / max(res.stats.get("target_forwards") or 1, 1) * 1e6)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
             res = call()
@@ -94,6 +101,7 @@ def main(argv=None) -> int:
             wall = time.perf_counter() - t0
         rounds = res.stats.get("target_forwards") or res.stats.get("rounds") or 0
         s = summarise(prof, wall, rounds)
+        s["round_us_unprofiled"] = sorted(plain)[1]
         s["new_tokens"] = sum(map(len, res.tokens))
         s["tau"] = res.stats.get("acceptance_length")
         s["stats"] = {k: v for k, v in res.stats.items() if isinstance(v, (int, float))}
@@ -103,7 +111,8 @@ def main(argv=None) -> int:
         (out / f"profile_{name}.txt").write_text(table)
         print(
             f"{name}: {s['new_tokens']} tokens, {rounds} rounds, {s['round_us']:.0f} us/round, "
-            f"GPU busy {s['gpu_busy_us_per_round']:.0f} us/round ({s['gpu_share']:.2f} of wall)",
+            f"GPU busy {s['gpu_busy_us_per_round']:.0f} us/round ({s['gpu_share']:.2f} of wall), "
+            f"unprofiled {s['round_us_unprofiled']:.0f} us/round",
             flush=True,
         )
     results_io.write(out / "profile_round.json", doc)
