@@ -1,0 +1,151 @@
+"""Which kernels a B = 1 speculative round should run its several-row layers on, on the real model: the round
+cost of SmolLM2-135M-Instruct with its shipped head, compiled, greedy, one held-out prompt per call.
+
+    python benchmarks/bench_verify_rows.py [--prompts 8] [--k 3 5] [--new-tokens 256] [--out FILE]
+
+A round's verification forward runs K + 1 rows per request through the target, and its first draft step
+K + 1 rows through the head. fspec runs one-row layers (decode, later draft steps) as the fused layer of
+`fspec::skinny_linear` launches (`fspec.models.layers.use_fused_layer`) and several-row layers unfused: cuBLAS
+products with the norms, SiLU * up and residual adds as separate kernels. On a 1B-shaped target the fused
+layer for several rows lost (docs/experiments.md); at SmolLM2's width (576) every product is a few µs
+whatever its kernel, so each launch saved may count more than the kernel's speed. Variants, each in a fresh
+`fspec.Generator` after `torch._dynamo.reset()` (the choice is made when a round is traced):
+
+* `unfused`: the library as it is;
+* `fused_tile`: the fused layer for up to 16 rows, several-row products on the tensor-core tile kernel;
+* `fused_fma`: the same with the 2..8-row CUDA-core kernel (`_skinny_rows_kernel`).
+
+The variants are set by replacing `use_fused_layer` / `default_config` in this process only. Rows:
+{"case": {"variant", "k"}, "spec_tok_s", "target_only_tok_s", "round_us", "tau", "same_tokens_as_unfused"};
+tokens/s over --prompts held-out prompts (code, chat, health interleaved), one call each, after two warm-up
+passes; round_us = wall time / target forwards of the speculative calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import results_io  # noqa: E402
+
+import fspec  # noqa: E402
+from fspec.kernels import skinny_linear as sk  # noqa: E402
+from fspec.models import layers  # noqa: E402
+from fspec.train import default_model  # noqa: E402
+from fspec.train import prompts as P  # noqa: E402
+
+ORIGINAL = (layers.use_fused_layer, sk.default_config)
+
+
+def fused_any_rows(p, x, cfg, *, cuda=None):
+    """`use_fused_layer` with its one-row condition widened to the skinny kernels' 16 rows."""
+    if not (x.is_cuda if cuda is None else cuda):
+        return False
+    if not 1 <= math.prod(x.shape[:-1]) <= layers.SKINNY_ROWS:
+        return False
+    one = x.reshape(-1, x.shape[-1])[:1]
+    return ORIGINAL[0](p, one, cfg, cuda=cuda) and layers._skinny_inference(x, p["qkv"], cuda=cuda)
+
+
+def fma_rows_config(n, k, *, one_row=False):
+    """`default_config` with 2..8 rows on `_skinny_rows_kernel`."""
+    cfg = ORIGINAL[1](n, k, one_row=one_row)
+    if one_row:
+        return cfg
+    return dataclasses.replace(cfg, fma=True, num_stages=1, block_n=16)
+
+
+def set_variant(name: str) -> None:
+    layers.use_fused_layer = ORIGINAL[0] if name == "unfused" else fused_any_rows
+    sk.default_config = fma_rows_config if name == "fused_fma" else ORIGINAL[1]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--k", type=int, nargs="+", default=[3, 5])
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--variants", nargs="+", default=["unfused", "fused_tile", "fused_fma"])
+    p.add_argument("--out", default="benchmarks/results/verify_rows.json")
+    args = p.parse_args(argv)
+    target, head = default_model.load_default(dtype=torch.bfloat16, device="cuda")
+    sets = [default_model.chat_ids(target, P.heldout(n), max_tokens=384) for n in P.HELDOUT]
+    prompts = [row for group in zip(*sets) for row in group][: args.prompts]
+    doc = results_io.header("bench_verify_rows.py", argv, torch.cuda.get_device_name())
+    doc.update(
+        model="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized), bf16, shipped head",
+        prompt_tokens=[len(q) for q in prompts],
+        new_tokens=args.new_tokens,
+        rows=[],
+    )
+    baseline: dict[int, list] = {}
+
+    def run_all(gen, draft, k):
+        tokens, forwards, taus = [], 0, []
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for q in prompts:
+            res = gen.generate(
+                target, draft, [q], max_new_tokens=args.new_tokens, num_speculative_steps=k, compile=True
+            )
+            tokens += res.tokens
+            forwards += res.stats["target_forwards"]
+            taus.append((res.stats["acceptance_length"], res.stats["rounds"]))
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        tau = sum(a * r for a, r in taus) / max(sum(r for _, r in taus), 1)
+        return tokens, wall, forwards, tau
+
+    for variant in args.variants:
+        set_variant(variant)
+        torch._dynamo.reset()
+        gen = fspec.Generator(max_batch=1)
+        t0 = time.perf_counter()
+        for k in args.k:
+            run_all(gen, head, k)
+        run_all(gen, None, args.k[0])
+        warm = time.perf_counter() - t0
+        plain = [run_all(gen, None, args.k[0]) for _ in range(3)]
+        plain_s = statistics.median(w for _, w, _, _ in plain)
+        for k in args.k:
+            reps = [run_all(gen, head, k) for _ in range(3)]
+            tokens, _, forwards, tau = reps[-1]
+            wall = statistics.median(w for _, w, _, _ in reps)
+            n = sum(map(len, tokens))
+            row = {
+                "case": {"variant": variant, "k": k},
+                "spec_tok_s": n / wall,
+                "target_only_tok_s": sum(map(len, plain[-1][0])) / plain_s,
+                "round_us": wall / forwards * 1e6,
+                "target_only_step_us": plain_s / plain[-1][2] * 1e6,
+                "tau": tau,
+                "warmup_s": warm,
+                "same_tokens_as_unfused": None if k not in baseline else tokens == baseline[k],
+                "same_tokens_as_target_only": tokens == plain[-1][0],
+            }
+            baseline.setdefault(k, tokens)
+            row["speedup"] = row["spec_tok_s"] / row["target_only_tok_s"]
+            doc["rows"].append(row)
+            results_io.write(Path(args.out), doc)
+            print(
+                f"{variant:10s} K={k}: spec {row['spec_tok_s']:7.1f} tok/s, target-only "
+                f"{row['target_only_tok_s']:7.1f} (x{row['speedup']:.2f}), round {row['round_us']:6.0f} us, "
+                f"step {row['target_only_step_us']:5.0f} us, tau {tau:.2f}, "
+                f"same {row['same_tokens_as_unfused']}",
+                flush=True,
+            )
+    set_variant("unfused")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
