@@ -28,6 +28,14 @@ SKINNY_ROWS = 16  # fspec::skinny_linear's row limit (kernels/skinny_linear.py M
 # vocabulary, 31.7 vs cuBLAS 33.2 us; target LM heads, 128k outputs, stay with cuBLAS:
 # benchmarks/results/skinny_linear_one_row.json)
 SKINNY_ROW_MAX_OUT = 32768
+# Several rows (2..SKINNY_ROWS: a batch-1 round's K + 1 verification rows, its first draft step, a short
+# prefill chunk) run the fused layer only in models at most this wide, where every product costs a few µs
+# whatever its kernel and the launches the fusion saves (the norms, SiLU * up, the residual adds: three a
+# layer) weigh more than cuBLAS's speed. SmolLM2-135M (hidden 576), bf16, B = 1, H100: a K = 5 round
+# 1189 -> 950 µs, K = 3 1127 -> 884 (benchmarks/results/verify_rows.json); the 2..8-row CUDA-core kernel
+# instead: 1820 µs. A 1B-shaped target (hidden 2048) lost with the fused layer for several rows
+# (docs/experiments.md, FSPEC_FUSED_LAYER=1). Widths between were not measured.
+FUSED_ROWS_MAX_HIDDEN = 1024
 
 
 def use_skinny_linear(x: torch.Tensor, w: torch.Tensor, *, cuda: bool | None = None) -> bool:
@@ -35,8 +43,9 @@ def use_skinny_linear(x: torch.Tensor, w: torch.Tensor, *, cuda: bool | None = N
     steps: the one-row CUDA-core kernel, ahead of cuBLAS at every one-row shape of the H200 sweep but one;
     table `switches`, run i) and a 2-d weight of at most SKINNY_ROW_MAX_OUT output features, x and w of one
     floating dtype, on CUDA, no autograd through it (training keeps F.linear). Several rows (verification,
-    a round's first draft step, batches) keep cuBLAS, which the tile kernels did not beat there
-    (docs/experiments.md). Decided when a graph is traced."""
+    a round's first draft step, batches) keep cuBLAS, which the tile kernels did not beat for a product alone
+    (docs/experiments.md); a narrow model's few rows take the fused layer instead (`use_fused_layer`).
+    Decided when a graph is traced."""
     if not (x.is_cuda if cuda is None else cuda):  # first: per product, per layer
         return False
     if w.dim() != 2 or math.prod(x.shape[:-1]) != 1 or w.shape[0] > SKINNY_ROW_MAX_OUT:
@@ -304,15 +313,17 @@ def decoder_layer(
 
 def use_fused_layer(p: dict, x: torch.Tensor, cfg: ModelConfig, *, cuda: bool | None = None) -> bool:
     """Whether a pre-norm layer runs as `fused_decoder_layer`: for one row of x, a batch-1 decode or draft
-    step, where the one-row kernel runs it (table `switches`, run j), so that verification's K + 1 rows keep
-    the unfused layer; for a layer with fused projections ("qkv", "gate_up"), a post-attention norm, no
-    biases and no q/k norm, its weights and norms in x's dtype (the input norm too where the layer has one:
-    an EAGLE head's first layer has none, and `decoder_layer` fuses only what follows its attention), and
-    the conditions of `use_skinny_linear` for x (CUDA, inference), wide weights included. Decided when a
-    graph is traced."""
+    step, where the one-row kernel runs it (table `switches`, run j), and for up to SKINNY_ROWS rows (a
+    batch-1 round's K + 1 verification rows, its first draft step) in a model at most
+    FUSED_ROWS_MAX_HIDDEN wide, on the tensor-core tile kernel (wider models keep cuBLAS there); for a
+    layer with fused projections ("qkv", "gate_up"), a post-attention norm, no biases and no q/k norm,
+    its weights and norms in x's dtype (the input norm too where the layer has one: an EAGLE head's first
+    layer has none, and `decoder_layer` fuses only what follows its attention), and the conditions of
+    `use_skinny_linear` for x (CUDA, inference), wide weights included. Decided when a graph is traced."""
     if not (x.is_cuda if cuda is None else cuda):  # the kernel's device, first
         return False
-    if math.prod(x.shape[:-1]) != 1:
+    rows = math.prod(x.shape[:-1])
+    if rows != 1 and not (rows <= SKINNY_ROWS and cfg.hidden_size <= FUSED_ROWS_MAX_HIDDEN):
         return False
     if "qkv" not in p or "gate_up" not in p or "qkv_bias" in p or "o_bias" in p or cfg.qk_norm:
         return False

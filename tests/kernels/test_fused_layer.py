@@ -64,15 +64,21 @@ def test_model_through_fused_layers_gives_the_unfused_logits(monkeypatch):
     torch.testing.assert_close(got_h.last, want_h.last, rtol=1e-4, atol=1e-4)
 
 
-def test_routing_needs_one_row_of_inference_and_a_fused_unbiased_layer():
+def test_routing_needs_few_rows_of_inference_and_a_fused_unbiased_layer():
     target, row = _fused_target(), torch.randn(1, 48)
     p, cfg = target.params["layers"][0], target.cfg
     assert L.use_fused_layer(p, row, cfg, cuda=True)
     assert L.use_fused_layer(p, torch.randn(1, 1, 48), cfg, cuda=True)
     assert not L.use_fused_layer(p, row, cfg, cuda=False)
-    # one row of x only: verification's K + 1 rows (and batches) keep the unfused layer
-    for rows in ((4, 48), (2, 48), (1, 2, 48), (17, 48)):
-        assert not L.use_fused_layer(p, torch.randn(rows), cfg, cuda=True)
+    # several rows (verification's K + 1 at B = 1) only up to the kernels' 16 rows and in a narrow model;
+    # a wide one keeps the unfused layer for them, and takes the fused one for one row
+    for rows in ((4, 48), (2, 48), (1, 2, 48), (16, 48)):
+        assert L.use_fused_layer(p, torch.randn(rows), cfg, cuda=True)
+    assert not L.use_fused_layer(p, torch.randn(17, 48), cfg, cuda=True)
+    wide = dataclasses.replace(cfg, hidden_size=L.FUSED_ROWS_MAX_HIDDEN + 1)
+    assert L.use_fused_layer(p, row, wide, cuda=True)
+    for rows in ((2, 48), (6, 48), (1, 6, 48)):
+        assert not L.use_fused_layer(p, torch.randn(rows), wide, cuda=True)
     assert not L.use_fused_layer(p, row.double(), cfg, cuda=True)
     fp32_norms = {**p, "post_norm": p["post_norm"].double()}  # a checkpoint keeping norms in another dtype
     assert not L.use_fused_layer(fp32_norms, row, cfg, cuda=True)
@@ -91,17 +97,20 @@ def test_routing_needs_one_row_of_inference_and_a_fused_unbiased_layer():
 
 
 @pytest.mark.gpu
-def test_fused_layers_on_gpu_give_the_unfused_logits_eager_and_compiled(monkeypatch):
-    """On CUDA the routing takes the fused path by itself for a one-row step: float32 logits equal the
-    unfused model's, eagerly and inside torch.compile (the op's optional tensors traced)."""
+@pytest.mark.parametrize("tokens", [1, 6, 16])
+def test_fused_layers_on_gpu_give_the_unfused_logits_eager_and_compiled(monkeypatch, tokens):
+    """On CUDA the routing takes the fused path by itself for a one-row step and for a narrow model's few
+    rows (a B = 1 verification): float32 logits equal the unfused model's, eagerly and inside torch.compile
+    (the op's optional tensors traced)."""
     target = _fused_target()
     params = fspec.tree.tree_map(lambda t: t.cuda(), target.params)
-    ids = torch.tensor([[17]], device="cuda")
+    ids = torch.tensor([[17, 3, 40, 8, 22, 5, 1, 9, 30, 2, 11, 7, 50, 4, 19, 6][:tokens]], device="cuda")
     with torch.no_grad():
         with monkeypatch.context() as m:
             m.setattr(L, "use_fused_layer", lambda *a, **k: False)
             want, _ = llama.forward_dense(params, ids, cfg=target.cfg)
-        assert L.use_fused_layer(params["layers"][0], torch.zeros(1, 1, 48, device="cuda"), target.cfg)
+        x = torch.zeros(1, tokens, 48, device="cuda")
+        assert L.use_fused_layer(params["layers"][0], x, target.cfg)
         got, _ = llama.forward_dense(params, ids, cfg=target.cfg)
         compiled = torch.compile(lambda p, i: llama.forward_dense(p, i, cfg=target.cfg)[0], fullgraph=True)
         got_compiled = compiled(params, ids)
