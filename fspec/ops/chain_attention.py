@@ -7,7 +7,9 @@ backward pass at every layer of every step: at Llama-3.2-1B head shapes (16 x 10
 per step, most of what a TTT step kept (a 119.7 GiB peak on the H200, BENCHMARKS.md).
 
 Here the chain keys are Kc scores per row (one small batched product), the causal block is computed in
-chunks of query rows, and the backward pass recomputes the probabilities from the saved log-sum-exp per row
+chunks of query rows, each against the shared keys up to its last row only (a chunk of rows lo..hi-1 reads
+keys 0..hi-1, masked on its diagonal block alone), with 1/sqrt(D) folded into q once, and the backward pass
+recomputes the probabilities from the saved log-sum-exp per row
 (FlashAttention's recomputation, in plain PyTorch): what is kept is q, the keys and values, the output and one
 log-sum-exp per (row, head), O(S·Kc) besides the inputs instead of O(S²). Exact (the same softmax, fp32
 accumulation; fp64 stays fp64), a `torch.autograd.Function` with a generated vmap rule, so it composes with
@@ -50,9 +52,12 @@ def chain_attention(
 ) -> torch.Tensor:
     """Attention of chain (b, i) over shared positions <= i and its chain slots where `mine` (module
     docstring for the layout): [B, Nkv, G, S, D] in q's dtype. `chunk`: query rows per chunk of the causal
-    block (None: about 2^26 scores per chunk). Internal (its caller, `bind_chain`, builds every argument)."""
+    block (None: about 2^26 scores per chunk, at least four chunks). Internal (its caller, `bind_chain`,
+    builds every argument)."""
     b, nkv, g, s, _ = q.shape
-    rows = chunk if chunk is not None else max(1, min(s, _CHUNK_ELEMENTS // max(b * nkv * g * s, 1)))
+    rows = chunk
+    if rows is None:  # at most ~2^26 scores a chunk, at least four chunks (each reads its causal keys only)
+        rows = max(1, min(-(-s // 4), _CHUNK_ELEMENTS // max(b * nkv * g * s, 1)))
     return _ChainAttention.apply(q, ks, vs, kd, vd, mine, rows)[0]
 
 
@@ -86,62 +91,83 @@ def _acc(q: torch.Tensor) -> torch.dtype:
     return torch.promote_types(q.dtype, torch.float32)  # fp32 accumulation (fp64 stays fp64)
 
 
-def _chain_scores(qh, kdh, mine, scale):
-    """[B, Nkv, G, S, Kc]: each row's scores against its own chain's keys, -inf where not `mine`."""
-    sd = torch.einsum("bkgsd,bkstd->bkgst", qh, kdh) * scale
+def _chain_scores(qs, kdh, mine):
+    """[B, Nkv, G, S, Kc]: each row's scores (qs: q already scaled) against its own chain's keys, -inf where
+    not `mine`."""
+    sd = torch.einsum("bkgsd,bkstd->bkgst", qs, kdh)
     return sd.masked_fill(~mine, float("-inf"))
 
 
-def _causal(lo: int, hi: int, s: int, device) -> torch.Tensor:
-    """[C, S] bool: query row lo + c sees shared positions <= lo + c."""
-    return torch.arange(s, device=device)[None, :] <= torch.arange(lo, hi, device=device)[:, None]
+def _future(lo: int, hi: int, device) -> torch.Tensor:
+    """[C, C] bool, C = hi - lo: key lo + j lies after query row lo + c (j > c), within the chunk's diagonal
+    block; every key before lo is visible to every row of the chunk, every key from hi on to none."""
+    c = torch.arange(hi - lo, device=device)
+    return c[None, :] > c[:, None]
+
+
+def _inputs(q, ks, vs, kd, vd):
+    """q scaled by 1/sqrt(D) (once, on the small tensor, not on every score) and the keys and values, in the
+    accumulation dtype; shared ones as [B, Nkv, 1, S, D]."""
+    acc = _acc(q)
+    qs = q.to(acc) * (1.0 / math.sqrt(q.shape[4]))
+    return qs, ks.to(acc)[:, :, None], vs.to(acc)[:, :, None], kd.to(acc), vd.to(acc)
+
+
+def _chunk_scores(qs, ksh, lo: int, hi: int) -> torch.Tensor:
+    """[B, Nkv, G, C, hi]: rows lo..hi-1 against the shared keys they can see (0..hi-1), -inf after the
+    diagonal. Forward and backward compute them alike, so the recomputed probabilities are the forward's."""
+    s0 = qs[:, :, :, lo:hi] @ ksh[:, :, :, :hi].transpose(-1, -2)
+    s0[..., lo:hi].masked_fill_(_future(lo, hi, qs.device), float("-inf"))
+    return s0
+
+
+def _add_head(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """total [B, Nkv, S, D] with part [B, Nkv, h, D] added to its first h positions, out of place (under vmap
+    either may be the batched one)."""
+    h = part.shape[2]
+    return total.slice_scatter(total[:, :, :h] + part, dim=2, start=0, end=h)
 
 
 def _forward(q, ks, vs, kd, vd, mine, rows):
-    acc = _acc(q)
-    s, d = q.shape[3], q.shape[4]
-    scale = 1.0 / math.sqrt(d)
-    qh, ksh, vsh = q.to(acc), ks.to(acc)[:, :, None], vs.to(acc)[:, :, None]  # shared: [B, Nkv, 1, S, D]
-    kdh, vdh = kd.to(acc), vd.to(acc)
-    sd = _chain_scores(qh, kdh, mine, scale)
+    qs, ksh, vsh, kdh, vdh = _inputs(q, ks, vs, kd, vd)
+    s = q.shape[3]
+    sd = _chain_scores(qs, kdh, mine)
     outs, lses = [], []
     for lo in range(0, s, rows):
         hi = min(lo + rows, s)
-        s0 = (qh[:, :, :, lo:hi] @ ksh.transpose(-1, -2)) * scale  # [B, Nkv, G, C, S]
-        s0 = s0.masked_fill(~_causal(lo, hi, s, q.device), float("-inf"))
+        s0 = _chunk_scores(qs, ksh, lo, hi)  # [B, Nkv, G, C, hi]
         sdc = sd[:, :, :, lo:hi]  # [B, Nkv, G, C, Kc]
         m = torch.maximum(s0.amax(-1), sdc.amax(-1))  # finite: row lo + c sees shared key lo + c
-        e0, ed = torch.exp(s0 - m[..., None]), torch.exp(sdc - m[..., None])
+        e0 = torch.exp(s0 - m[..., None])  # out of place, as below: under vmap s0 may be unbatched
+        ed = torch.exp(sdc - m[..., None])
         den = e0.sum(-1) + ed.sum(-1)
-        num = e0 @ vsh + torch.einsum("bkgct,bkctd->bkgcd", ed, vdh[:, :, lo:hi])
+        num = e0 @ vsh[:, :, :, :hi] + torch.einsum("bkgct,bkctd->bkgcd", ed, vdh[:, :, lo:hi])
         outs.append(num / den[..., None])
         lses.append(m + torch.log(den))
     return torch.cat(outs, dim=3).to(q.dtype), torch.cat(lses, dim=3)
 
 
 def _backward(q, ks, vs, kd, vd, mine, out, lse, d_out, rows):
-    acc = lse.dtype
-    s, d = q.shape[3], q.shape[4]
-    scale = 1.0 / math.sqrt(d)
-    qh, ksh, vsh = q.to(acc), ks.to(acc)[:, :, None], vs.to(acc)[:, :, None]
-    kdh, vdh = kd.to(acc), vd.to(acc)
-    do = d_out.to(acc)  # [B, Nkv, G, S, D]
-    delta = (do * out.to(acc)).sum(-1)  # [B, Nkv, G, S]
-    pd = torch.exp(_chain_scores(qh, kdh, mine, scale) - lse[..., None])  # 0 where not mine
+    qs, ksh, vsh, kdh, vdh = _inputs(q, ks, vs, kd, vd)
+    s = q.shape[3]
+    scale = 1.0 / math.sqrt(q.shape[4])
+    do = d_out.to(lse.dtype)  # [B, Nkv, G, S, D]
+    delta = (do * out.to(lse.dtype)).sum(-1)  # [B, Nkv, G, S]
+    pd = torch.exp(_chain_scores(qs, kdh, mine) - lse[..., None])  # 0 where not mine
     dsd = pd * (torch.einsum("bkgsd,bkstd->bkgst", do, vdh) - delta[..., None])
-    d_kd = torch.einsum("bkgst,bkgsd->bkstd", dsd, qh) * scale
+    d_kd = torch.einsum("bkgst,bkgsd->bkstd", dsd, qs)
     d_vd = torch.einsum("bkgst,bkgsd->bkstd", pd, do)
     dq = torch.einsum("bkgst,bkstd->bkgsd", dsd, kdh) * scale
     d_ks, d_vs = torch.zeros_like(ksh[:, :, 0]), torch.zeros_like(vsh[:, :, 0])  # [B, Nkv, S, D]
     dq_parts = []
     for lo in range(0, s, rows):
         hi = min(lo + rows, s)
-        qc, doc = qh[:, :, :, lo:hi], do[:, :, :, lo:hi]
-        s0 = (qc @ ksh.transpose(-1, -2)) * scale  # [B, Nkv, G, C, S]
-        p0 = torch.exp(s0 - lse[:, :, :, lo:hi, None]).masked_fill(~_causal(lo, hi, s, q.device), 0.0)
-        ds0 = p0 * (doc @ vsh.transpose(-1, -2) - delta[:, :, :, lo:hi, None])
-        dq_parts.append(ds0 @ ksh * scale)
-        d_ks = d_ks + torch.einsum("bkgcs,bkgcd->bksd", ds0, qc) * scale
-        d_vs = d_vs + torch.einsum("bkgcs,bkgcd->bksd", p0, doc)
-    dq = dq + torch.cat(dq_parts, dim=3)
+        qc, doc = qs[:, :, :, lo:hi], do[:, :, :, lo:hi]
+        kc, vc = ksh[:, :, :, :hi], vsh[:, :, :, :hi]
+        p0 = torch.exp(_chunk_scores(qs, ksh, lo, hi) - lse[:, :, :, lo:hi, None])  # 0 after the diagonal
+        ds0 = (doc @ vc.transpose(-1, -2) - delta[:, :, :, lo:hi, None]) * p0  # [B, Nkv, G, C, hi]
+        dq_parts.append(ds0 @ kc)
+        d_ks = _add_head(d_ks, torch.einsum("bkgcs,bkgcd->bksd", ds0, qc))
+        d_vs = _add_head(d_vs, torch.einsum("bkgcs,bkgcd->bksd", p0, doc))
+    dq = dq + torch.cat(dq_parts, dim=3) * scale
     return dq.to(q.dtype), d_ks.to(ks.dtype), d_vs.to(vs.dtype), d_kd.to(kd.dtype), d_vd.to(vd.dtype)
