@@ -37,6 +37,9 @@ from torch.autograd.function import once_differentiable
 from fspec.ops.attention import autocast_off
 
 # Scores per chunk of the causal block: B·N·chunk·S values, 2^26 of them (256 MB in fp32) per live tensor.
+# Fewer, larger chunks: each chunk is ~20 eager ops forward and backward, and a TTT step runs eagerly under
+# torch.func.grad, where an op's host cost counts: on an H100, at SmolLM2 head shapes (32 x 512, K = 7),
+# four chunks took a train step from 0.184 to 0.199 s (benchmarks/results/ttt_step_h100_after.json).
 _CHUNK_ELEMENTS = 1 << 26
 
 
@@ -52,12 +55,13 @@ def chain_attention(
 ) -> torch.Tensor:
     """Attention of chain (b, i) over shared positions <= i and its chain slots where `mine` (module
     docstring for the layout): [B, Nkv, G, S, D] in q's dtype. `chunk`: query rows per chunk of the causal
-    block (None: about 2^26 scores per chunk, at least four chunks). Internal (its caller, `bind_chain`,
-    builds every argument)."""
+    block (None: as few chunks of equal rows as about 2^26 scores per chunk allow). Internal (its caller,
+    `bind_chain`, builds every argument)."""
     b, nkv, g, s, _ = q.shape
     rows = chunk
-    if rows is None:  # at most ~2^26 scores a chunk, at least four chunks (each reads its causal keys only)
-        rows = max(1, min(-(-s // 4), _CHUNK_ELEMENTS // max(b * nkv * g * s, 1)))
+    if rows is None:  # as few chunks as ~2^26 scores each allow, of equal rows
+        chunks = -(-b * nkv * g * s * s // _CHUNK_ELEMENTS)
+        rows = max(1, -(-s // max(chunks, 1)))
     return _ChainAttention.apply(q, ks, vs, kd, vd, mine, rows)[0]
 
 
