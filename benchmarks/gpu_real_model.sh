@@ -30,6 +30,11 @@
 #             allocator off, then compiled with it on ($OUT/memcheck_eager.log, memcheck_compiled.log);
 #             memcheck:eager or memcheck:compiled runs one (each may take up to 540 s)
 #   ttt       benchmarks/bench_ttt_step.py --real-model: the TTT step through the draft step ($OUT/ttt_step.json)
+#   verify    benchmarks/bench_verify_rows.py: the B = 1 round with several-row layers unfused / fused
+#             ($OUT/verify_rows.json; "verify:ARGS" passes options, "+" for spaces)
+#   ttt-old   bench_ttt_step.py --cases smollm2 of this tree, then of commit b9097a0's tree (the layer loop
+#             beside its draft step; carry it as .old: `git archive b9097a0 fspec kernels benchmarks
+#             ':!fspec/assets' | tar -x -C .old`), one run ($OUT/ttt_new.json, $OUT/ttt_old.json)
 #   continuous  benchmarks/bench_continuous.py ($OUT/continuous.json; "continuous:ARGS" passes options)
 #   interactive  benchmarks/bench_interactive.py with the shipped head ($OUT/interactive.json and
 #             bench_interactive.log; "interactive:ARGS" passes options, "+" for spaces)
@@ -93,6 +98,16 @@ for stage in "$@"; do
     ttt)
       timeout 300 python3 benchmarks/bench_ttt_step.py --real-model --out "$OUT/ttt_step.json" 2>&1 \
         | tee "$OUT/bench_ttt_step.log" | tail -12 ;;
+    verify*)
+      args=${stage#verify}; args=${args#:}
+      timeout 560 python3 benchmarks/bench_verify_rows.py --out "$OUT/verify_rows.json" ${args//+/ } 2>&1 \
+        | tee "$OUT/bench_verify_rows.log" | grep -v -i warn | tail -10 ;;
+    ttt-old)
+      timeout 120 python3 benchmarks/bench_ttt_step.py --cases smollm2 --reps 6 --out "$OUT/ttt_new.json" 2>&1 | tail -1
+      [ -e .old/fspec/kernels ] || ln -sfn ../kernels .old/fspec/kernels
+      [ -e .old/fspec/assets ] || ln -sfn "$PWD/fspec/assets" .old/fspec/assets
+      (cd .old && PYTHONPATH=$PWD:/tmp/site timeout 120 python3 benchmarks/bench_ttt_step.py --cases smollm2 \
+        --reps 6 --out "$OUT/ttt_old.json" 2>&1 | tail -1) ;;
     continuous*)
       args=${stage#continuous}; args=${args#:}
       timeout 560 python3 benchmarks/bench_continuous.py --out "$OUT/continuous.json" ${args//+/ } 2>&1 \
