@@ -34,7 +34,7 @@ SKINNY_ROW_MAX_OUT = 32768
 # layer) weigh more than cuBLAS's speed. SmolLM2-135M (hidden 576), bf16, B = 1, H100: a K = 5 round
 # 1189 -> 950 µs, K = 3 1127 -> 884 (benchmarks/results/verify_rows.json); the 2..8-row CUDA-core kernel
 # instead: 1820 µs. A 1B-shaped target (hidden 2048) lost with the fused layer for several rows
-# (docs/experiments.md, FSPEC_FUSED_LAYER=1). Widths between were not measured.
+# (docs/experiments.md, the fused layer for 1..16 rows). Widths between were not measured.
 FUSED_ROWS_MAX_HIDDEN = 1024
 
 
