@@ -11,8 +11,9 @@ layer for several rows lost (docs/experiments.md); at SmolLM2's width (576) ever
 whatever its kernel, so each launch saved may count more than the kernel's speed. Variants, each in a fresh
 `fspec.Generator` after `torch._dynamo.reset()` (the choice is made when a round is traced):
 
-* `unfused`: the library as it is;
-* `fused_tile`: the fused layer for up to 16 rows, several-row products on the tensor-core tile kernel;
+* `unfused`: several-row layers unfused (cuBLAS), one-row layers fused (the library before 81a862b);
+* `fused_tile`: the fused layer for up to 16 rows, several-row products on the tensor-core tile kernel (what
+  the library now does for models at most `FUSED_ROWS_MAX_HIDDEN` wide);
 * `fused_fma`: the same with the 2..8-row CUDA-core kernel (`_skinny_rows_kernel`).
 
 The variants are set by replacing `use_fused_layer` / `default_config` in this process only. Rows:
@@ -47,13 +48,18 @@ ORIGINAL = (layers.use_fused_layer, sk.default_config)
 
 
 def fused_any_rows(p, x, cfg, *, cuda=None):
-    """`use_fused_layer` with its one-row condition widened to the skinny kernels' 16 rows."""
+    """`use_fused_layer` for up to the skinny kernels' 16 rows whatever the model's width."""
     if not (x.is_cuda if cuda is None else cuda):
         return False
     if not 1 <= math.prod(x.shape[:-1]) <= layers.SKINNY_ROWS:
         return False
     one = x.reshape(-1, x.shape[-1])[:1]
     return ORIGINAL[0](p, one, cfg, cuda=cuda) and layers._skinny_inference(x, p["qkv"], cuda=cuda)
+
+
+def one_row_only(p, x, cfg, *, cuda=None):
+    """`use_fused_layer` for one row only (the library before several rows of narrow models were fused)."""
+    return math.prod(x.shape[:-1]) == 1 and ORIGINAL[0](p, x, cfg, cuda=cuda)
 
 
 def fma_rows_config(n, k, *, one_row=False):
@@ -65,7 +71,7 @@ def fma_rows_config(n, k, *, one_row=False):
 
 
 def set_variant(name: str) -> None:
-    layers.use_fused_layer = ORIGINAL[0] if name == "unfused" else fused_any_rows
+    layers.use_fused_layer = one_row_only if name == "unfused" else fused_any_rows
     sk.default_config = fma_rows_config if name == "fused_fma" else ORIGINAL[1]
 
 
@@ -143,7 +149,7 @@ def main(argv=None) -> int:
                 f"same {row['same_tokens_as_unfused']}",
                 flush=True,
             )
-    set_variant("unfused")
+    layers.use_fused_layer, sk.default_config = ORIGINAL
     return 0
 
 
