@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -272,7 +273,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--real-model", action="store_true", help="also distill_head on the real SmolLM2 target")
     p.add_argument("--steps", type=int, default=60, help="--real-model: distill_head steps")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script)")
+    p.add_argument(
+        "--chain",
+        choices=["auto", "chunks"],
+        default="auto",
+        help="the chain attention's causal block: the library's choice (the flash kernel in half precision "
+        "on CUDA) or the fp32 chunks (what main ran before the kernel), patched in this process only",
+    )
     args = p.parse_args(argv)
+    if args.chain == "chunks":
+        from fspec.ops import dense_cache
+
+        dense_cache.chain_attention = functools.partial(dense_cache.chain_attention, fused=False)
     if args.smoke:
         torch.set_num_threads(1)
         dev, cases, reps, steps = torch.device("cpu"), ["tiny"], 2, 4
@@ -287,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         what="one TTT train_step through the draft loop's own step over a ChainKVCache",
         reps=reps,
         warmup=3,
+        chain=args.chain,
         rows=[],
     )
     out = Path(args.out)

@@ -52,17 +52,34 @@ def chain_attention(
     mine: torch.Tensor,
     *,
     chunk: int | None = None,
+    fused: bool | None = None,
 ) -> torch.Tensor:
     """Attention of chain (b, i) over shared positions <= i and its chain slots where `mine` (module
     docstring for the layout): [B, Nkv, G, S, D] in q's dtype. `chunk`: query rows per chunk of the causal
-    block (None: as few chunks of equal rows as about 2^26 scores per chunk allow). Internal (its caller,
-    `bind_chain`, builds every argument)."""
+    block (None: as few chunks of equal rows as about 2^26 scores per chunk allow). `fused`: the causal
+    block through PyTorch's flash-attention kernel (None: wherever `fused_available` says it runs; False:
+    the chunks, as under vmap). Internal (its caller, `bind_chain`, builds every argument)."""
     b, nkv, g, s, _ = q.shape
+    if fused is None:
+        fused = fused_available(q)
+    elif fused and not fused_available(q):
+        raise ValueError(f"fused: expected a flash-attention device and dtype, got {q.device.type} {q.dtype}")
     rows = chunk
     if rows is None:  # as few chunks as ~2^26 scores each allow, of equal rows
         chunks = -(-b * nkv * g * s * s // _CHUNK_ELEMENTS)
         rows = max(1, -(-s // max(chunks, 1)))
-    return _ChainAttention.apply(q, ks, vs, kd, vd, mine, rows)[0]
+    return _ChainAttention.apply(q, ks, vs, kd, vd, mine, 0 if fused else rows)[0]
+
+
+def fused_available(q: torch.Tensor) -> bool:
+    """Whether the causal block of q's attention can go through PyTorch's flash-attention kernel: a CUDA
+    tensor in fp16 or bf16 (the kernel's dtypes there), or a CPU tensor (its CPU kernel takes every float
+    dtype); never a vmap-batched tensor (the kernel has no batching rule, so `vmap` takes the chunks)."""
+    if _under_vmap(q):
+        return False
+    if q.device.type == "cuda":
+        return q.dtype in (torch.float16, torch.bfloat16)
+    return q.device.type == "cpu"
 
 
 class _ChainAttention(torch.autograd.Function):
@@ -70,24 +87,31 @@ class _ChainAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, ks, vs, kd, vd, mine, rows):
-        # autocast off: the forward pass must compute the scores exactly as the backward pass recomputes them
+        # autocast off: the forward pass must compute the scores exactly as the backward pass recomputes them.
+        # rows == 0: the causal block through the flash kernel (its RNG state rides along for its backward)
         with autocast_off(q.device.type):
-            return _forward(q, ks, vs, kd, vd, mine, rows)
+            if rows == 0:
+                return _fused_forward(q, ks, vs, kd, vd, mine)
+            none = q.new_empty(0)
+            return (*_forward(q, ks, vs, kd, vd, mine, rows), none, none)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         q, ks, vs, kd, vd, mine, rows = inputs
-        out, lse = output
-        ctx.save_for_backward(q, ks, vs, kd, vd, mine, out, lse)
+        out, lse, seed, offset = output
+        ctx.save_for_backward(q, ks, vs, kd, vd, mine, out, lse, seed, offset)
         ctx.rows = rows
-        ctx.mark_non_differentiable(lse)
+        ctx.mark_non_differentiable(lse, seed, offset)
 
     @staticmethod
     @once_differentiable  # module docstring: no graph of its own ops under torch.func.grad
-    def backward(ctx, d_out, _d_lse):
-        q, ks, vs, kd, vd, mine, out, lse = ctx.saved_tensors
+    def backward(ctx, d_out, _d_lse, _d_seed, _d_offset):
+        q, ks, vs, kd, vd, mine, out, lse, seed, offset = ctx.saved_tensors
         with autocast_off(d_out.device.type):
-            grads = _backward(q, ks, vs, kd, vd, mine, out, lse, d_out, ctx.rows)
+            if ctx.rows == 0:
+                grads = _fused_backward(q, ks, vs, kd, vd, mine, out, lse, seed, offset, d_out)
+            else:
+                grads = _backward(q, ks, vs, kd, vd, mine, out, lse, d_out, ctx.rows)
         return (*grads, None, None)
 
 
@@ -174,4 +198,79 @@ def _backward(q, ks, vs, kd, vd, mine, out, lse, d_out, rows):
         d_ks = _add_head(d_ks, torch.einsum("bkgcs,bkgcd->bksd", ds0, qc))
         d_vs = _add_head(d_vs, torch.einsum("bkgcs,bkgcd->bksd", p0, doc))
     dq = dq + torch.cat(dq_parts, dim=3) * scale
+    return dq.to(q.dtype), d_ks.to(ks.dtype), d_vs.to(vs.dtype), d_kd.to(kd.dtype), d_vd.to(vd.dtype)
+
+
+def _under_vmap(x: torch.Tensor) -> bool:
+    """Whether any functorch level wrapping x is a vmap level (under grad-of-vmap the outer wrapper is
+    grad's)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(x):
+        if torch._C._functorch.is_batchedtensor(x):
+            return True
+        x = torch._C._functorch.get_unwrapped(x)
+    return False
+
+
+def _heads(q, ks, vs):
+    """q [B, Nkv, G, S, D] -> [B, N, S, D] and the shared keys / values repeated per query head (the flash
+    kernel's layout, head k·G + g reading KV head k), all contiguous."""
+    b, nkv, g, s, d = q.shape
+    wide = lambda x: x[:, :, None].expand(b, nkv, g, s, d).reshape(b, nkv * g, s, d)  # noqa: E731
+    return q.reshape(b, nkv * g, s, d).contiguous(), wide(ks).contiguous(), wide(vs).contiguous()
+
+
+def _flash(q, k, v, scale):
+    """(out, log-sum-exp, seed, offset) of causal attention through PyTorch's flash kernel of q's device."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+        return out, lse, q.new_empty(0), q.new_empty(0)
+    out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, True, False, scale=scale
+    )
+    return out, lse, seed, offset
+
+
+def _fused_forward(q, ks, vs, kd, vd, mine):
+    """The causal block by the flash kernel (its own log-sum-exp per row), the chain slots in the
+    accumulation dtype, merged by their log-sum-exps: (out in q's dtype, lse, seed, offset)."""
+    b, nkv, g, s, d = q.shape
+    scale = 1.0 / math.sqrt(d)
+    o0, lse0, seed, offset = _flash(*_heads(q, ks, vs), scale)
+    acc = _acc(q)
+    o0, lse0 = o0.view(b, nkv, g, s, d).to(acc), lse0.view(b, nkv, g, s).to(acc)
+    sd = _chain_scores(q.to(acc) * scale, kd.to(acc), mine)  # [B, Nkv, G, S, Kc]
+    lse = torch.logaddexp(lse0, torch.logsumexp(sd, dim=-1))  # the chain part may be empty: -inf
+    own = torch.einsum("bkgst,bkstd->bkgsd", torch.exp(sd - lse[..., None]), vd.to(acc))
+    out = o0 * torch.exp(lse0 - lse)[..., None] + own
+    return out.to(q.dtype), lse, seed, offset
+
+
+def _fused_backward(q, ks, vs, kd, vd, mine, out, lse, seed, offset, d_out):
+    """Gradients of `_fused_forward`. The flash kernel's backward, given the merged output and log-sum-exp,
+    recomputes the causal block's probabilities as exp(s - lse) and their row term as rowsum(dO · O): the
+    merged softmax's, so its gradients are the causal block's share of the merged attention's."""
+    b, nkv, g, s, d = q.shape
+    scale = 1.0 / math.sqrt(d)
+    qh, kh, vh = _heads(q, ks, vs)
+    oh, doh = out.reshape(b, nkv * g, s, d), d_out.to(q.dtype).reshape(b, nkv * g, s, d).contiguous()
+    lh = lse.reshape(b, nkv * g, s).to(torch.float32 if q.device.type == "cuda" else lse.dtype).contiguous()
+    if q.device.type == "cpu":
+        dqh, dkh, dvh = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            doh, qh, kh, vh, oh, lh, 0.0, True, scale=scale
+        )
+    else:
+        dqh, dkh, dvh = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            doh, qh, kh, vh, oh, lh, None, None, s, s, 0.0, True, seed, offset, scale=scale
+        )
+    acc = _acc(q)
+    qs, kdh, vdh = q.to(acc) * scale, kd.to(acc), vd.to(acc)
+    do = d_out.to(acc)
+    delta = (do * out.to(acc)).sum(-1)  # [B, Nkv, G, S]
+    pd = torch.exp(_chain_scores(qs, kdh, mine) - lse[..., None])  # 0 where not mine
+    dsd = pd * (torch.einsum("bkgsd,bkstd->bkgst", do, vdh) - delta[..., None])
+    d_kd = torch.einsum("bkgst,bkgsd->bkstd", dsd, qs)
+    d_vd = torch.einsum("bkgst,bkgsd->bkstd", pd, do)
+    dq = torch.einsum("bkgst,bkstd->bkgsd", dsd, kdh) * scale + dqh.view(b, nkv, g, s, d).to(acc)
+    d_ks = dkh.view(b, nkv, g, s, d).to(acc).sum(2)
+    d_vs = dvh.view(b, nkv, g, s, d).to(acc).sum(2)
     return dq.to(q.dtype), d_ks.to(ks.dtype), d_vs.to(vs.dtype), d_kd.to(kd.dtype), d_vd.to(vd.dtype)
