@@ -15,6 +15,14 @@ log-sum-exp per (row, head), O(S·Kc) besides the inputs instead of O(S²). Exac
 accumulation; fp64 stays fp64), a `torch.autograd.Function` with a generated vmap rule, so it composes with
 `torch.func.grad` and `vmap` as the dense formulation did.
 
+Wherever PyTorch's flash-attention kernel runs (`fused_available`: CUDA in fp16 / bf16, and the CPU), the
+causal block goes through it instead of the chunks: the kernel returns its block's output and log-sum-exp
+per row, the chain slots' scores are merged in by their own log-sum-exp (the softmax of the union), and the
+kernel's backward pass, handed the merged output and log-sum-exp, recomputes the causal block's share of the
+merged probabilities, exp(s - lse), and the row term rowsum(dO · O) of the merged attention: the exact
+gradients, in the kernel's time. On CUDA its P·V product is in the input's half precision (the chunks keep
+fp32). Under vmap the chunks run: the kernel has no batching rule.
+
 The backward pass is `once_differentiable`: it records no graph of its own ops. Under `torch.func.grad`
 (how distillation differentiates) an autograd.Function's backward otherwise runs with grad on, over wrapped
 tensors, and every chunk's [B, N, C, S] temporaries stayed alive until the backward ended. On an H100 a TTT
@@ -61,8 +69,8 @@ def chain_attention(
     the chunks, as under vmap). Internal (its caller, `bind_chain`, builds every argument)."""
     b, nkv, g, s, _ = q.shape
     if fused is None:
-        fused = fused_available(q)
-    elif fused and not fused_available(q):
+        fused = fused_available(q, ks, vs)
+    elif fused and not fused_available(q, ks, vs):
         raise ValueError(f"fused: expected a flash-attention device and dtype, got {q.device.type} {q.dtype}")
     rows = chunk
     if rows is None:  # as few chunks as ~2^26 scores each allow, of equal rows
@@ -71,11 +79,12 @@ def chain_attention(
     return _ChainAttention.apply(q, ks, vs, kd, vd, mine, 0 if fused else rows)[0]
 
 
-def fused_available(q: torch.Tensor) -> bool:
-    """Whether the causal block of q's attention can go through PyTorch's flash-attention kernel: a CUDA
-    tensor in fp16 or bf16 (the kernel's dtypes there), or a CPU tensor (its CPU kernel takes every float
-    dtype); never a vmap-batched tensor (the kernel has no batching rule, so `vmap` takes the chunks)."""
-    if _under_vmap(q):
+def fused_available(q: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the causal block of q's attention (over the keys and values in `others`) can go through
+    PyTorch's flash-attention kernel: a CUDA tensor in fp16 or bf16 (the kernel's dtypes there), or a CPU
+    tensor (its CPU kernel takes every float dtype); never when any of them is vmap-batched (the kernel has
+    no batching rule, so `vmap` takes the chunks)."""
+    if any(_under_vmap(t) for t in (q, *others)):
         return False
     if q.device.type == "cuda":
         return q.dtype in (torch.float16, torch.bfloat16)

@@ -80,6 +80,9 @@ def test_the_flash_kernel_is_the_default_where_it_runs_and_never_under_vmap():
     torch.func.grad(lambda x: seen.append(fused_available(x)) or x.sum())(q)
     torch.func.vmap(torch.func.grad(lambda x: seen.append(fused_available(x)) or x.sum()))(q)
     assert seen == [False, True, False]
+    batched_keys = []  # q unbatched, the keys batched (vmap over keys alone)
+    torch.func.vmap(lambda k: batched_keys.append(fused_available(q, k)) or k)(torch.stack([q, q]))
+    assert batched_keys == [False]
 
 
 def test_vmap_and_grad_over_a_leading_axis_equal_a_loop():
