@@ -79,16 +79,25 @@ def chain_attention(
     return _ChainAttention.apply(q, ks, vs, kd, vd, mine, 0 if fused else rows)[0]
 
 
-def fused_available(q: torch.Tensor, *others: torch.Tensor) -> bool:
-    """Whether the causal block of q's attention (over the keys and values in `others`) can go through
-    PyTorch's flash-attention kernel: a CUDA tensor in fp16 or bf16 (the kernel's dtypes there), or a CPU
-    tensor (its CPU kernel takes every float dtype); never when any of them is vmap-batched (the kernel has
-    no batching rule, so `vmap` takes the chunks)."""
-    if any(_under_vmap(t) for t in (q, *others)):
+def fused_available(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> bool:
+    """Whether the causal block of q's attention over the shared keys `ks` and values `vs` can go through
+    PyTorch's flash-attention kernel (`_kernel_dtype`), never when any of them is vmap-batched (the kernel
+    has no batching rule, so `vmap` takes the chunks)."""
+    if any(_under_vmap(t) for t in (q, ks, vs)):
         return False
+    return vs.dtype == ks.dtype and _kernel_dtype(q, ks) is not None
+
+
+def _kernel_dtype(q: torch.Tensor, ks: torch.Tensor) -> torch.dtype | None:
+    """The dtype the flash kernel runs in: on CUDA the shared keys' fp16 / bf16 (the kernel's dtypes there;
+    an fp32 q, as bf16 autocast training hands it over with bf16 keys, is cast to it as autocast casts a
+    product's inputs), on the CPU the promoted dtype of q and the keys (its CPU kernel takes every float
+    dtype); None where it does not run."""
     if q.device.type == "cuda":
-        return q.dtype in (torch.float16, torch.bfloat16)
-    return q.device.type == "cpu"
+        return ks.dtype if ks.dtype in (torch.float16, torch.bfloat16) else None
+    if q.device.type == "cpu":
+        return torch.promote_types(q.dtype, ks.dtype)
+    return None
 
 
 class _ChainAttention(torch.autograd.Function):
@@ -222,10 +231,11 @@ def _under_vmap(x: torch.Tensor) -> bool:
 
 def _heads(q, ks, vs):
     """q [B, Nkv, G, S, D] -> [B, N, S, D] and the shared keys / values repeated per query head (the flash
-    kernel's layout, head k·G + g reading KV head k), all contiguous."""
+    kernel's layout, head k·G + g reading KV head k), all contiguous and in the kernel's dtype."""
     b, nkv, g, s, d = q.shape
-    wide = lambda x: x[:, :, None].expand(b, nkv, g, s, d).reshape(b, nkv * g, s, d)  # noqa: E731
-    return q.reshape(b, nkv * g, s, d).contiguous(), wide(ks).contiguous(), wide(vs).contiguous()
+    dt = _kernel_dtype(q, ks)
+    wide = lambda x: x.to(dt)[:, :, None].expand(b, nkv, g, s, d).reshape(b, nkv * g, s, d)  # noqa: E731
+    return q.to(dt).reshape(b, nkv * g, s, d).contiguous(), wide(ks).contiguous(), wide(vs).contiguous()
 
 
 def _flash(q, k, v, scale):
@@ -261,7 +271,8 @@ def _fused_backward(q, ks, vs, kd, vd, mine, out, lse, seed, offset, d_out):
     b, nkv, g, s, d = q.shape
     scale = 1.0 / math.sqrt(d)
     qh, kh, vh = _heads(q, ks, vs)
-    oh, doh = out.reshape(b, nkv * g, s, d), d_out.to(q.dtype).reshape(b, nkv * g, s, d).contiguous()
+    oh = out.to(qh.dtype).reshape(b, nkv * g, s, d).contiguous()
+    doh = d_out.to(qh.dtype).reshape(b, nkv * g, s, d).contiguous()
     lh = lse.reshape(b, nkv * g, s).to(torch.float32 if q.device.type == "cuda" else lse.dtype).contiguous()
     if q.device.type == "cpu":
         dqh, dkh, dvh = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(

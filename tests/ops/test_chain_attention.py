@@ -15,7 +15,7 @@ def dense_reference(q, ks, vs, kd, vd, mine):
     s, d = q.shape[3], q.shape[4]
     shared = torch.einsum("bkgsd,bktd->bkgst", q, ks)
     own = torch.einsum("bkgsd,bkstd->bkgst", q, kd)
-    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
     visible = torch.cat((causal, mine[None, :].expand(s, -1)), dim=-1)
     p = torch.cat((shared, own), dim=-1).mul(d**-0.5).masked_fill(~visible, float("-inf")).softmax(-1)
     return torch.einsum("bkgst,bktd->bkgsd", p[..., :s], vs) + torch.einsum(
@@ -74,14 +74,14 @@ def test_the_flash_kernel_is_the_default_where_it_runs_and_never_under_vmap():
     """On the CPU the causal block goes through the flash kernel unless told not to; under vmap (even
     wrapped by grad) it never does: the kernel has no batching rule, and its per-sample fallback warns."""
     q = _inputs()[0].detach()
-    assert fused_available(q) and fused_available(q.bfloat16())
+    assert fused_available(q, q[:, :, 0], q[:, :, 0]) and fused_available(*[q.bfloat16()] * 3)
     seen = []
-    torch.func.vmap(lambda x: seen.append(fused_available(x)) or x)(q)
-    torch.func.grad(lambda x: seen.append(fused_available(x)) or x.sum())(q)
-    torch.func.vmap(torch.func.grad(lambda x: seen.append(fused_available(x)) or x.sum()))(q)
+    torch.func.vmap(lambda x: seen.append(fused_available(x, x, x)) or x)(q)
+    torch.func.grad(lambda x: seen.append(fused_available(x, x, x)) or x.sum())(q)
+    torch.func.vmap(torch.func.grad(lambda x: seen.append(fused_available(x, x, x)) or x.sum()))(q)
     assert seen == [False, True, False]
     batched_keys = []  # q unbatched, the keys batched (vmap over keys alone)
-    torch.func.vmap(lambda k: batched_keys.append(fused_available(q, k)) or k)(torch.stack([q, q]))
+    torch.func.vmap(lambda k: batched_keys.append(fused_available(q, k, q)) or k)(torch.stack([q, q]))
     assert batched_keys == [False]
 
 
@@ -169,7 +169,11 @@ def test_the_cuda_flash_path_equals_the_chunks_and_the_dense_softmax(dtype, mine
     m = torch.tensor(mine, dtype=torch.bool, device="cuda")
     w = torch.randn(x[0].shape, generator=torch.Generator().manual_seed(9)).to("cuda", dtype)
     tol = {"rtol": 3e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-2, "atol": 5e-3}
-    assert fused_available(x[0]) and not fused_available(x[0].float())
+    assert fused_available(*x[:3]) and not fused_available(*[t.float() for t in x[:3]])
+    # an fp32 q with half keys, as bf16 autocast training hands them over: the kernel in the keys' dtype
+    assert fused_available(x[0].float(), *x[1:3])
+    mixed = chain_attention(x[0].detach().float(), *[t.detach() for t in x[1:]], m)
+    assert mixed.dtype == torch.float32
     with pytest.raises(ValueError, match="fused"):
         chain_attention(*[t.float() for t in x], m, fused=True)
     fused = chain_attention(*x, m)
