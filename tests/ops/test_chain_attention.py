@@ -186,6 +186,6 @@ def test_the_cuda_flash_path_equals_the_chunks_and_the_dense_softmax(dtype, mine
     g_chunks = torch.autograd.grad((chunks * w).sum(), x)
     g_want = torch.autograd.grad((want * w.double()).sum(), xd)
     for a, b, c in zip(g_fused, g_chunks, g_want):
-        scale = c.abs().max().item()  # gradients of O(10): compare relative to their size
+        scale = max(c.abs().max().item(), 1.0)  # gradients of O(10) (of 0 for slots no step sees)
         torch.testing.assert_close(a.double() / scale, c / scale, **tol)
         torch.testing.assert_close(b.double() / scale, c / scale, **tol)
