@@ -35,6 +35,8 @@
 #   ttt-old   bench_ttt_step.py --cases smollm2 of this tree, then of commit b9097a0's tree (the layer loop
 #             beside its draft step; carry it as .old: `git archive b9097a0 fspec kernels benchmarks
 #             ':!fspec/assets' | tar -x -C .old`), one run ($OUT/ttt_new.json, $OUT/ttt_old.json)
+#   distill-old  benchmarks/bench_distill_random.py (distill_head on a random SmolLM2-shaped target: no GGUF)
+#             in this tree, then in b9097a0's (.old, as ttt-old), one run ($OUT/distill_new.json, distill_old.json)
 #   continuous  benchmarks/bench_continuous.py ($OUT/continuous.json; "continuous:ARGS" passes options)
 #   interactive  benchmarks/bench_interactive.py with the shipped head ($OUT/interactive.json and
 #             bench_interactive.log; "interactive:ARGS" passes options, "+" for spaces)
@@ -108,6 +110,11 @@ for stage in "$@"; do
       [ -e .old/fspec/assets ] || ln -sfn "$PWD/fspec/assets" .old/fspec/assets
       (cd .old && PYTHONPATH=$PWD:/tmp/site timeout 120 python3 benchmarks/bench_ttt_step.py --cases smollm2 \
         --reps 6 --out "$OUT/ttt_old.json" 2>&1 | tail -1) ;;
+    distill-old)
+      timeout 150 python3 benchmarks/bench_distill_random.py --out "$OUT/distill_new.json" 2>&1 | tail -1 | cut -c 1-400
+      [ -e .old/fspec/kernels ] || ln -sfn ../kernels .old/fspec/kernels
+      (cd .old && PYTHONPATH=$PWD:/tmp/site timeout 200 python3 ../benchmarks/bench_distill_random.py \
+        --out "$OUT/distill_old.json" 2>&1 | tail -1 | cut -c 1-600) ;;
     continuous*)
       args=${stage#continuous}; args=${args#:}
       timeout 560 python3 benchmarks/bench_continuous.py --out "$OUT/continuous.json" ${args//+/ } 2>&1 \

@@ -36,6 +36,14 @@ def test_ttt_step_smoke_times_the_train_step_and_distillation(tmp_path):
 
 
 @pytest.mark.slow
+def test_distill_random_smoke_times_distill_head_on_a_random_smollm2_shaped_target(tmp_path):
+    row = _run("bench_distill_random.py", "--steps", "4", "--layers", "2", out=tmp_path / "distill.json")
+    assert row["case"]["name"] == "smollm2_shaped_random_distill_head" and row["case"]["layers"] == 2
+    assert row["case"]["target_vocab"] == 49152 and row["case"]["draft_vocab"] == 8192
+    assert "error" not in row and row["s_per_step"] > 0 and math.isfinite(row["loss"])
+
+
+@pytest.mark.slow
 def test_gpu_soak_smoke_checks_every_call_s_blocks(tmp_path):
     d = _run("gpu_soak.py", "--smoke", out=tmp_path / "soak.json")
     assert d["failure"] is None and d["calls"] == 12 and d["blocks_checked"] >= 12
