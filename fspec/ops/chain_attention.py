@@ -193,17 +193,23 @@ def _forward(q, ks, vs, kd, vd, mine, rows):
     return torch.cat(outs, dim=3).to(q.dtype), torch.cat(lses, dim=3)
 
 
+def _chain_backward(qs, kdh, vdh, mine, lse, do, delta, scale):
+    """The chain slots' share of the gradients, in the accumulation dtype: (dq's chain term, d_kd, d_vd).
+    qs: q already scaled; lse: the merged log-sum-exp; delta: rowsum(dO · O) of the merged output."""
+    pd = torch.exp(_chain_scores(qs, kdh, mine) - lse[..., None])  # 0 where not mine
+    dsd = pd * (torch.einsum("bkgsd,bkstd->bkgst", do, vdh) - delta[..., None])
+    d_kd = torch.einsum("bkgst,bkgsd->bkstd", dsd, qs)
+    d_vd = torch.einsum("bkgst,bkgsd->bkstd", pd, do)
+    return torch.einsum("bkgst,bkstd->bkgsd", dsd, kdh) * scale, d_kd, d_vd
+
+
 def _backward(q, ks, vs, kd, vd, mine, out, lse, d_out, rows):
     qs, ksh, vsh, kdh, vdh = _inputs(q, ks, vs, kd, vd)
     s = q.shape[3]
     scale = 1.0 / math.sqrt(q.shape[4])
     do = d_out.to(lse.dtype)  # [B, Nkv, G, S, D]
     delta = (do * out.to(lse.dtype)).sum(-1)  # [B, Nkv, G, S]
-    pd = torch.exp(_chain_scores(qs, kdh, mine) - lse[..., None])  # 0 where not mine
-    dsd = pd * (torch.einsum("bkgsd,bkstd->bkgst", do, vdh) - delta[..., None])
-    d_kd = torch.einsum("bkgst,bkgsd->bkstd", dsd, qs)
-    d_vd = torch.einsum("bkgst,bkgsd->bkstd", pd, do)
-    dq = torch.einsum("bkgst,bkstd->bkgsd", dsd, kdh) * scale
+    dq, d_kd, d_vd = _chain_backward(qs, kdh, vdh, mine, lse, do, delta, scale)
     d_ks, d_vs = torch.zeros_like(ksh[:, :, 0]), torch.zeros_like(vsh[:, :, 0])  # [B, Nkv, S, D]
     dq_parts = []
     for lo in range(0, s, rows):
@@ -286,11 +292,8 @@ def _fused_backward(q, ks, vs, kd, vd, mine, out, lse, seed, offset, d_out):
     qs, kdh, vdh = q.to(acc) * scale, kd.to(acc), vd.to(acc)
     do = d_out.to(acc)
     delta = (do * out.to(acc)).sum(-1)  # [B, Nkv, G, S]
-    pd = torch.exp(_chain_scores(qs, kdh, mine) - lse[..., None])  # 0 where not mine
-    dsd = pd * (torch.einsum("bkgsd,bkstd->bkgst", do, vdh) - delta[..., None])
-    d_kd = torch.einsum("bkgst,bkgsd->bkstd", dsd, qs)
-    d_vd = torch.einsum("bkgst,bkgsd->bkstd", pd, do)
-    dq = torch.einsum("bkgst,bkstd->bkgsd", dsd, kdh) * scale + dqh.view(b, nkv, g, s, d).to(acc)
+    dq, d_kd, d_vd = _chain_backward(qs, kdh, vdh, mine, lse, do, delta, scale)
+    dq = dq + dqh.view(b, nkv, g, s, d).to(acc)
     d_ks = dkh.view(b, nkv, g, s, d).to(acc).sum(2)
     d_vs = dvh.view(b, nkv, g, s, d).to(acc).sum(2)
     return dq.to(q.dtype), d_ks.to(ks.dtype), d_vs.to(vs.dtype), d_kd.to(kd.dtype), d_vd.to(vd.dtype)
