@@ -44,6 +44,15 @@ def test_distill_random_smoke_times_distill_head_on_a_random_smollm2_shaped_targ
 
 
 @pytest.mark.slow
+def test_host_round_smoke_splits_a_call_into_a_fixed_part_and_a_part_per_token(tmp_path):
+    row = _run("bench_host_round.py", "--new-tokens", "6", "--reps", "2", "--top", "5", out=tmp_path / "host.json")
+    assert row["case"]["name"] == "target_only_host_round" and row["tokens"] == [6, 6]
+    assert row["fixed_ms"] > 0 and len(row["one_token_ms_all"]) == 2
+    assert math.isclose(row["ms_per_token"], 1e3 / row["tok_s"], rel_tol=1e-9)
+    assert sum("under cProfile" in line for line in row["profile"]) == 2  # one call of each length
+
+
+@pytest.mark.slow
 def test_gpu_soak_smoke_checks_every_call_s_blocks(tmp_path):
     d = _run("gpu_soak.py", "--smoke", out=tmp_path / "soak.json")
     assert d["failure"] is None and d["calls"] == 12 and d["blocks_checked"] >= 12

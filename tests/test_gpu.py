@@ -154,6 +154,29 @@ def test_own_cuda_graph_loop_equals_eager_with_one_capture_per_layout():
     assert not torch.equal(seen[0], seen[1])
 
 
+def test_graph_capture_given_keys_replay_their_own_layouts_in_any_order():
+    """`GraphCapture` with caller-given keys: the same key object again replays without a new capture (the
+    shortcut past the layout hash), another layout under its own key captures its own graph, and going back
+    to the first key (no longer the last) replays the first graph with the new values written in place."""
+    from fspec.compile.graph_capture import GraphCapture
+
+    fn = GraphCapture(lambda x, y: (x * 2 + y,))
+    a, b = torch.ones(3, device="cuda"), torch.ones(3, device="cuda")
+    c, d = torch.ones(5, device="cuda"), torch.ones(5, device="cuda")
+    key_ab, key_cd = GraphCapture.layout_key((a, b)), GraphCapture.layout_key((c, d))
+    for value, args, key, counts in (
+        (1.0, (a, b), key_ab, (1, 1)),
+        (2.0, (a, b), key_ab, (1, 2)),
+        (3.0, (c, d), key_cd, (2, 3)),
+        (4.0, (a, b), key_ab, (2, 4)),
+        (5.0, (a, b), None, (2, 5)),  # no key: the layout's own, equal to key_ab
+    ):
+        args[0].fill_(value)
+        (out,) = fn(*args, key=key)
+        assert (fn.captures, fn.replays) == counts
+        assert torch.equal(out.cpu(), torch.full((args[0].numel(),), 2 * value + 1))
+
+
 def test_rope_frequencies_kept_by_a_graphs_first_call_are_not_graph_pool_allocations():
     """A reduce-overhead graph whose first (warm-up) call misses the inverse-frequency cache of
     `fspec::rope_tables`: the kept tensor must not come from the graph's private pool (CUDA-graph trees

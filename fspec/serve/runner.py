@@ -120,6 +120,8 @@ class Run:
         self.captured = compile and self.device.type == "cuda"
         self.chunked = self.device.type == "cuda"  # prefill in fixed-length chunks (module docstring)
         self.graph_key = None  # the rounds' argument layout, the same every round of a run (`_launch`)
+        self.round_fn = None  # the compiled round of this run (`_launch`), looked up once
+        self.ring: list[tuple[torch.Tensor, torch.cuda.Event]] = []  # read-back homes (`_read_back`)
         start = self.host_sampling.take(slots).pad(self.b - slots).to_device(self.device)
         if self.bufs is not None:  # static buffers: written in place, read by the graphs where they lie
             self.sampling = start.copy_into(self.bufs["sampling"])
@@ -416,7 +418,7 @@ class Run:
             self.live_d = self._to_device(torch.tensor([not d for d in self.done]), bufs.get("live"))
             self.live_dirty = False
         self.stats.target_forwards += 1
-        if self.compile:
+        if self.compile and not self.captured:  # torch.compile's graph trees; fspec's own graphs need none
             torch.compiler.cudagraph_mark_step_begin()
         if self.draft is not None:
             args = (
@@ -432,10 +434,11 @@ class Run:
                 self.dcache,
             )
             if self.compile:
-                fn = self.res.graph(
-                    compiled_spec_round, self.target.cfg, self.draft.cfg, self.max_len, self.captured
-                )
-                tokens, accepted, d_tok, d_prob = self._replay(fn, args)
+                if self.round_fn is None:
+                    self.round_fn = self.res.graph(
+                        compiled_spec_round, self.target.cfg, self.draft.cfg, self.max_len, self.captured
+                    )
+                tokens, accepted, d_tok, d_prob = self._replay(self.round_fn, args)
                 # The next replay overwrites this one's outputs, and the drafts are its inputs: copy them
                 # (to their static homes when captured: the next replay reads them there).
                 if self.captured:
@@ -458,10 +461,11 @@ class Run:
                 self.tcache,
             )
             if self.compile:  # the graph advances cur_d and n_d in place and returns (token, 0)
-                graph = self.res.graph(
-                    compiled_decode_round, self.target.cfg, self.bs, self.max_len, self.captured
-                )
-                both = self._replay(graph, args)
+                if self.round_fn is None:
+                    self.round_fn = self.res.graph(
+                        compiled_decode_round, self.target.cfg, self.bs, self.max_len, self.captured
+                    )
+                both = self._replay(self.round_fn, args)
                 return self._read_back(both), drafts
             new = decode_step(
                 *args, tcfg=self.target.cfg, block_size=self.bs, max_len=self.max_len, greedy=self.greedy
@@ -489,10 +493,18 @@ class Run:
         """Queue the copy of a round's (tokens [B, K + 1], accepted [B]) as one [B, K + 2] tensor to the host;
         returns the round's record (event, host tensor, round index)."""
         if self.device.type == "cuda" and self.pipeline:
-            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            # Three pinned homes and events, used in turn: at most two rounds are in flight (the one being
+            # processed and the one just launched), and a round's row is copied out (`tolist`) when processed.
+            if not self.ring:
+                stream = torch.cuda.current_stream(self.device)
+                self.ring = [
+                    (torch.empty(both.shape, dtype=both.dtype, pin_memory=True), torch.cuda.Event())
+                    for _ in range(3)
+                ]
+                self.stream = stream
+            host, event = self.ring[self.rounds_launched % 3]
             host.copy_(both, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
+            event.record(self.stream)
         else:
             host, event = both, None
         return event, host, self.rounds_launched
