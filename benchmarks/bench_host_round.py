@@ -51,6 +51,27 @@ def smollm2_shaped(layers: int, dtype: torch.dtype, device: str) -> fspec.Target
     return fspec.Target(cfg=cfg, params=params)
 
 
+def kernel_table(fn, top: int) -> dict:
+    """GPU kernels of one fn() under torch.profiler (kernels inside replayed CUDA graphs included): the total
+    count and µs, and the `top` names by GPU time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+    rows = [
+        (e.key, e.count, e.self_device_time_total)
+        for e in prof.key_averages()
+        if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0
+    ]
+    rows.sort(key=lambda r: -r[2])
+    return {
+        "count": sum(r[1] for r in rows),
+        "us": sum(r[2] for r in rows),
+        "top": [{"name": k[:100], "count": c, "us": round(t, 1)} for k, c, t in rows[:top]],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=30)
@@ -59,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--top", type=int, default=30, help="profile rows (host functions by own time)")
     p.add_argument("--gguf", default=None, help="a real checkpoint (.gguf) instead of random weights")
+    p.add_argument(
+        "--kernels", action="store_true", help="a torch.profiler trace of a 1-token call: GPU kernels by name"
+    )
     p.add_argument("--label", default="", help="a name for the tree, kept in the row")
     p.add_argument("--out", default=None, help="write the row as JSON here too")
     args = p.parse_args(argv)
@@ -103,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         text.write(f"--- one call of {new} new tokens under cProfile: {s_prof * 1e3:.2f} ms\n")
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.top)
         profiles += text.getvalue().splitlines()
+    kernels = kernel_table(lambda: call(1), args.top) if args.kernels and cuda else None
     row = {
         "case": {
             "name": "target_only_host_round", "label": args.label, "layers": layers, "B": 1,
@@ -114,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         "fixed_ms": 1e3 * fixed, "per_token_ms": 1e3 * (long - fixed) / max(args.new_tokens - 1, 1),
         "one_token_ms_all": [1e3 * s for s in ones],
         "profile": profiles[:800],
+        "kernels_one_token_call": kernels,
     }  # fmt: skip
     print(json.dumps({k: v for k, v in row.items() if k != "profile"}))
     print("\n".join(row["profile"]), file=sys.stderr)
