@@ -27,6 +27,8 @@ kernel writes; callers pass whole buffers plus the column tensor, never views (p
                                 (kernels/rope_cos_sin.py)
     fspec::rope_tables          (positions [...], dtype, rope parameters) -> (cos, sin) [..., D], the
                                 inverse frequencies kept per device by the op
+    fspec::rms_norm             (x [..., H], weight [H], eps) -> [..., H]: RMSNorm in one launch, for eager
+                                CUDA code (kernels/rms_norm.py)
     fspec::value_flags          (logits, temperature, positions, span, col?, ncols, draft_tokens?,
                                 draft_probs?, d2t?) -> int32 [1]: the public functions' value checks, one bit
                                 each (kernels/value_flags.py)
@@ -36,6 +38,7 @@ import torch
 from torch import Tensor
 
 from . import gumbel, rejection
+from . import rms_norm as _rn
 from . import rope_cos_sin as _rcs
 from . import sampling_filter as _sf
 from . import skinny_linear as _sl
@@ -415,3 +418,20 @@ def _(
     d2t: Tensor | None,
 ) -> Tensor:
     return logits.new_empty(1, dtype=torch.int32)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# fspec::rms_norm (kernels/rms_norm.py)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@register("fspec::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of x's last axis times weight, in one launch (kernels/rms_norm.py)."""
+    impl = _rn.rms_norm if _use_triton(x) else _rn.rms_norm_ref
+    return impl(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))

@@ -45,7 +45,8 @@ def test_distill_random_smoke_times_distill_head_on_a_random_smollm2_shaped_targ
 
 @pytest.mark.slow
 def test_host_round_smoke_splits_a_call_into_a_fixed_part_and_a_part_per_token(tmp_path):
-    row = _run("bench_host_round.py", "--new-tokens", "6", "--reps", "2", "--top", "5", out=tmp_path / "host.json")
+    args = ("--new-tokens", "6", "--reps", "2", "--top", "5")
+    row = _run("bench_host_round.py", *args, out=tmp_path / "host.json")
     assert row["case"]["name"] == "target_only_host_round" and row["tokens"] == [6, 6]
     assert row["fixed_ms"] > 0 and len(row["one_token_ms_all"]) == 2
     assert math.isclose(row["ms_per_token"], 1e3 / row["tok_s"], rel_tol=1e-9)

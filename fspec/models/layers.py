@@ -20,6 +20,9 @@ from einops import rearrange
 
 from fspec.core.config import ModelConfig
 from fspec.kernels import ops as kops
+from fspec.kernels.dispatch import direct
+from fspec.kernels.rms_norm import DTYPES as RMS_DTYPES
+from fspec.kernels.rms_norm import rms_norm_ref
 from fspec.kernels.rope_cos_sin import inv_freq
 from fspec.ops.attention import Attend
 
@@ -80,10 +83,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last axis, computed in fp32 like HF's LlamaRMSNorm (fp64 stays fp64: gradient checks
-    by finite differences); result in x's dtype."""
-    x32 = x.to(torch.promote_types(x.dtype, torch.float32))
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    by finite differences), rounded to x's dtype, times the weight (`fspec.kernels.rms_norm.rms_norm_ref`).
+
+    Eager CUDA code where nothing traces or differentiates (`direct`: no torch.compile, functorch transform,
+    dispatch mode or tensor that requires grad) runs it as one kernel (`fspec::rms_norm`) instead of eight:
+    the captured prefill chunks and eager `generate`. Everywhere else it is the PyTorch code, which Inductor
+    fuses with its neighbours and autograd and vmap see through."""
+    if x.is_cuda and x.dtype in RMS_DTYPES and weight.dtype in RMS_DTYPES and direct((x, weight)):
+        return kops.rms_norm(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
 
 
 def rope_inv_freq(cfg: ModelConfig, device: torch.device | str) -> torch.Tensor:

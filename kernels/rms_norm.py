@@ -1,0 +1,87 @@
+"""RMSNorm in one launch for eager CUDA code.
+
+    rms_norm(x [..., H], weight [H], eps) -> weight * (x32 * rsqrt(mean(x32 ** 2) + eps)).to(x.dtype)
+
+x32 is x in float32 (HF's LlamaRMSNorm, `rms_norm_ref`): the normalised row is rounded to x's dtype, then
+multiplied by the weight in their promoted dtype, as PyTorch multiplies two tensors (bf16 * bf16: the float32
+product rounded once). Only the mean's summation order and rsqrt's last bit differ from the reference.
+float32 and bfloat16 (`DTYPES`); other dtypes take the reference.
+
+Why: eager PyTorch runs the reference as seven kernels (cast, pow, mean, add, rsqrt, mul, cast) and the weight
+multiply. A captured prefill chunk of SmolLM2 (60 norms) spent ~1.1 ms of its 2.3 ms of GPU time in them on
+the H100, against ~0.1 ms for Inductor's fused norms in compiled code (BENCHMARKS.md, "The target-only gap,
+split"). Compiled code keeps the reference, which Inductor fuses with the residual add around it.
+
+One program per row; the row is read twice (sum of squares, then the scaled write) in BLOCK-wide steps, so any
+H works with a fixed tile.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads and writes
+
+
+def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """The reference: RMSNorm over the last axis in float32 (fp64 stays fp64), rounded to x's dtype, times
+    the weight."""
+    x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+@triton.jit
+def _round_bf16(v):
+    """float32 v rounded to the nearest bfloat16, ties to even, kept in float32 (NaN stays NaN). Written out
+    because Triton's interpreter truncates a float32 -> bfloat16 cast where the GPU rounds to nearest."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, w_ptr, out_ptr, H, stride_x, stride_o, eps,
+    BLOCK: tl.constexpr, X_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, H, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        xv = tl.load(x_row + cols, mask=cols < H, other=0.0).to(tl.float32)
+        acc += xv * xv
+    rstd = tl.math.rsqrt(tl.sum(acc, axis=0) / H + eps)
+    for start in range(0, H, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < H
+        xv = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        y = xv * rstd
+        if X_BF16:
+            y = _round_bf16(y)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        out = w * y
+        if OUT_BF16:
+            out = _round_bf16(out)  # exact in bfloat16: the store's cast does not round again
+        tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """`rms_norm_ref` in one launch; x and weight of `DTYPES` on one device, weight [H] with H = x's last
+    axis (the caller checks: this is the kernel's launcher)."""
+    h = x.shape[-1]
+    rows = x.reshape(-1, h)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    w = weight.contiguous()
+    out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if rows.shape[0] and h:
+        block = min(triton.next_power_of_2(h), 4096)
+        warps = 4 if block <= 2048 else 8
+        _rms_norm_kernel[(rows.shape[0],)](
+            rows, w, out, h, rows.stride(0), out.stride(0), float(eps), BLOCK=block,
+            X_BF16=x.dtype == torch.bfloat16, OUT_BF16=out.dtype == torch.bfloat16, num_warps=warps,
+        )  # fmt: skip
+    return out.view(*x.shape[:-1], h)
