@@ -5,16 +5,17 @@
 
 At B = 1 a SmolLM2-135M decode step takes ~0.45 ms on the GPU, so the host's work per round (launching the
 captured round, reading its token back, the stop checks, the bookkeeping) decides whether the GPU waits. The
-real model's target-only tok/s fell 8% at the sampling pytree (BENCHMARKS.md, "Before and after the sampling
-pytree") while its graphs did not: host time. This script times that path without the GGUF: a random target
-with SmolLM2-135M-Instruct's config (30 layers, bf16 on CUDA) decodes a 128-token prompt greedily, compiled,
-one request (`--reps` calls after two warm-up calls; the median call's tok/s). Calls of one new token split a
+real model's target-only tok/s fell 8% after the sampling pytree while its graphs did not (BENCHMARKS.md,
+"Before and after the sampling pytree"); this script splits such a loss into a part per call and a part per
+token ("The target-only gap, split"). By default it runs without the GGUF: a random target with
+SmolLM2-135M-Instruct's config (30 layers, bf16 on CUDA) decodes a 128-token prompt greedily, compiled, one
+request (`--reps` calls after two warm-up calls; the median call's tok/s). Calls of one new token split a
 call's time into a fixed part (set-up, prefill, the last read-back: `fixed_ms`) and a part per token
 (`per_token_ms` = the difference over the other tokens). Then one call of each length runs under cProfile
-(host functions by own time, `--top` rows). `--gguf FILE` decodes with a real checkpoint instead (EOS
-ignored, so every call makes the same number of tokens; a step's work does not depend on the weights).
-Works in any tree that has `fspec.generate(target, None, prompts, max_new_tokens=..., compile=True)`: run it
-from an old commit's tree for the figure before a change.
+(host functions by own time, `--top` rows; the one-token call also by cumulative time). `--gguf FILE` decodes
+with a real checkpoint instead (EOS ignored, so every call makes the same number of tokens; a step's work does
+not depend on the weights). Works in any tree that has `fspec.generate(target, None, prompts,
+max_new_tokens=..., compile=True)`: run it from an old commit's tree for the figure before a change.
 On a machine without CUDA it runs a 2-layer eager model, a check of the script only.
 """
 
@@ -126,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         text = io.StringIO()
         text.write(f"--- one call of {new} new tokens under cProfile: {s_prof * 1e3:.2f} ms\n")
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.top)
+        if new == 1:  # where a call's fixed host time goes, by function and what it calls
+            pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(args.top)
         profiles += text.getvalue().splitlines()
     kernels = kernel_table(lambda: call(1), args.top) if args.kernels and cuda else None
     row = {
