@@ -16,7 +16,8 @@ then --reps - 1 timed calls, at least one). HF rows: transformers `generate` on 
 cache (`hf_tok_s`) and static cache (`hf_static_tok_s`, `cache_implementation="static"`, compiled by
 transformers), at batch B with left padding. tau = acceptance length (tokens per target forward) of the
 speculative call. Rows: {"case": {"B", "temperature"}, "spec_tok_s", "target_only_tok_s", "tau",
-"hf_tok_s", "hf_static_tok_s", "speedup", "same_greedy_tokens", ...}; written after every row.
+"hf_tok_s", "hf_static_tok_s", "speedup", "same_greedy_tokens", "draft_vocab_coverage" (the share of the
+target-only tokens inside the head's draft vocabulary), ...}; written after every row.
 """
 
 from __future__ import annotations
@@ -148,6 +149,17 @@ def run_fspec(target, head, prompts, *, one_by_one: bool, **kw):
     return tokens, weighted / max(rounds, 1), None
 
 
+def draft_vocab_coverage(head, sequences: list[list[int]]) -> float | None:
+    """The share of the target's own tokens (target-only output) that the head's reduced draft vocabulary
+    holds (`t2d`): a token outside it is never drafted, so it bounds each position's acceptance."""
+    t2d = head.params.get("t2d")
+    tokens = [t for seq in sequences for t in seq]
+    if t2d is None or not tokens:
+        return None
+    held = t2d.detach().cpu()[torch.tensor(tokens)]
+    return int(held.sum()) / len(tokens)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = args.device
@@ -210,6 +222,7 @@ def main(argv=None) -> int:
             )
             if spec[2] is not None:
                 row["acceptance_rate_per_position"] = spec[2]
+            row["draft_vocab_coverage"] = draft_vocab_coverage(head, plain[0])
             if one_by_one:
                 row["calls"] = len(prompts)
             row["speedup"] = row["spec_tok_s"] / row["target_only_tok_s"]

@@ -54,6 +54,16 @@ def test_host_round_smoke_splits_a_call_into_a_fixed_part_and_a_part_per_token(t
 
 
 @pytest.mark.slow
+def test_draft_vocab_coverage_smoke_reports_every_held_out_set(tmp_path):
+    args = ("--prompts", "1", "--new-tokens", "4", "--id-cuts", "8192", "49152")
+    d = _run("draft_vocab_coverage.py", *args, out=tmp_path / "coverage.json")
+    assert [r["case"]["set"] for r in d["rows"]] == ["code", "chat", "health"]
+    for row in d["rows"]:
+        assert row["tokens"] == 4 and 0 <= row["coverage"] <= 1 and row["tau"] >= 1
+        assert row["coverage_ids_below"]["49152"] == 1.0  # every id is below the vocabulary size
+
+
+@pytest.mark.slow
 def test_gpu_soak_smoke_checks_every_call_s_blocks(tmp_path):
     d = _run("gpu_soak.py", "--smoke", out=tmp_path / "soak.json")
     assert d["failure"] is None and d["calls"] == 12 and d["blocks_checked"] >= 12
@@ -200,6 +210,24 @@ def test_dispatch_smoke_times_every_op_both_ways_with_equal_results(tmp_path):
     names = ["gumbel_sample", "gumbel_sample_into", "rejection_sample", "kv_write", "rope_kv_write"]
     assert [r["op"] for r in d["rows"]] == [*names, "paged_attention"]
     assert all(r["same_result"] and r["dispatcher_us"] > 0 and r["direct_us"] > 0 for r in d["rows"])
+
+
+def test_draft_vocab_coverage_is_the_share_of_target_tokens_the_head_can_draft(monkeypatch):
+    import importlib.util
+    import types
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("brm", ROOT / "benchmarks" / "bench_real_model.py")
+    brm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(brm)
+    t2d = torch.zeros(10, dtype=torch.bool)
+    t2d[[2, 5]] = True
+    head = types.SimpleNamespace(params={"t2d": t2d})
+    assert brm.draft_vocab_coverage(head, [[2, 3, 5], [5, 9]]) == 3 / 5
+    assert brm.draft_vocab_coverage(head, [[], []]) is None
+    assert brm.draft_vocab_coverage(types.SimpleNamespace(params={}), [[1]]) is None
 
 
 def test_switches_table_is_rebuilt_from_its_committed_sources():
