@@ -68,9 +68,27 @@ def _rms_norm_kernel(
         tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def fits(x: Tensor, weight: Tensor) -> bool:
+    """Whether the kernel takes these arguments: x [..., H] and weight [H] of `DTYPES` on one device. Where
+    it does not, the reference computes (or raises PyTorch's error for mismatched shapes or devices)."""
+    return (
+        x.dtype in DTYPES
+        and weight.dtype in DTYPES
+        and weight.device == x.device
+        and x.dim() >= 1
+        and tuple(weight.shape) == (x.shape[-1],)
+    )
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """`rms_norm_ref` in one launch; x and weight of `DTYPES` on one device, weight [H] with H = x's last
-    axis (the caller checks: this is the kernel's launcher)."""
+    """`rms_norm_ref` in one launch; ValueError unless `fits(x, weight)` (a wrong weight length or device
+    would read out of bounds)."""
+    if not fits(x, weight):
+        raise ValueError(
+            f"x, weight: expected x [..., H] and weight [H] of {[str(d) for d in DTYPES]} on one device, got "
+            f"x {tuple(x.shape)} {x.dtype} on {x.device}, weight {tuple(weight.shape)} {weight.dtype} on "
+            f"{weight.device}"
+        )
     h = x.shape[-1]
     rows = x.reshape(-1, h)
     if rows.stride(-1) != 1:

@@ -21,7 +21,7 @@ from einops import rearrange
 from fspec.core.config import ModelConfig
 from fspec.kernels import ops as kops
 from fspec.kernels.dispatch import direct
-from fspec.kernels.rms_norm import DTYPES as RMS_DTYPES
+from fspec.kernels.rms_norm import fits as rms_norm_fits
 from fspec.kernels.rms_norm import rms_norm_ref
 from fspec.kernels.rope_cos_sin import inv_freq
 from fspec.ops.attention import Attend
@@ -89,7 +89,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dispatch mode or tensor that requires grad) runs it as one kernel (`fspec::rms_norm`) instead of eight:
     the captured prefill chunks and eager `generate`. Everywhere else it is the PyTorch code, which Inductor
     fuses with its neighbours and autograd and vmap see through."""
-    if x.is_cuda and x.dtype in RMS_DTYPES and weight.dtype in RMS_DTYPES and direct((x, weight)):
+    if x.is_cuda and rms_norm_fits(x, weight) and direct((x, weight)):
         return kops.rms_norm(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 

@@ -66,6 +66,31 @@ def test_rows_with_a_stride_empty_batches_and_a_large_epsilon():
     _close(rms_norm(tiny, w, 0.5), rms_norm_ref(tiny, w, 0.5))
 
 
+def test_the_launcher_refuses_what_it_would_read_out_of_bounds_and_layers_leave_it_to_the_reference():
+    """A weight of another length or device, or a dtype the kernel does not take: ValueError naming both
+    arguments and what they are, never a launch. `layers.rms_norm` sends such calls to the reference, which
+    computes (float16, a broadcastable [1] weight) or raises PyTorch's own error."""
+    x = torch.randn(3, 8, device=DEVICE)
+    for w, said in (
+        (torch.ones(7, device=DEVICE), "weight (7,)"),
+        (torch.ones(1, device=DEVICE), "weight (1,)"),
+        (torch.ones(8, device=DEVICE, dtype=torch.float16), "torch.float16"),
+    ):
+        with pytest.raises(ValueError, match=r"x, weight: expected x \[\.\.\., H\] and weight \[H\]") as err:
+            rms_norm(x, w, 1e-5)
+        assert said in str(err.value) and "x (3, 8)" in str(err.value)
+    half = x.half()
+    _close(
+        L.rms_norm(half, torch.ones(8, device=DEVICE, dtype=torch.float16), 1e-5),
+        rms_norm_ref(half, torch.ones(8, device=DEVICE, dtype=torch.float16), 1e-5),
+    )
+    torch.testing.assert_close(
+        L.rms_norm(x, torch.ones(1, device=DEVICE), 1e-5), rms_norm_ref(x, torch.ones(1, device=DEVICE), 1e-5)
+    )
+    with pytest.raises(RuntimeError):
+        L.rms_norm(x, torch.ones(7, device=DEVICE), 1e-5)
+
+
 def test_the_op_equals_the_reference_and_compiles_without_a_graph_break():
     g = torch.Generator().manual_seed(4)
     x, w = torch.randn(6, 48, generator=g).to(DEVICE), torch.randn(48, generator=g).to(DEVICE)
