@@ -70,6 +70,22 @@ def kernel_table(fn, top: int) -> dict:
         "count": sum(r[1] for r in rows),
         "us": sum(r[2] for r in rows),
         "top": [{"name": k[:100], "count": c, "us": round(t, 1)} for k, c, t in rows[:top]],
+        "all": {k[:100]: [c, t] for k, c, t in rows},
+    }
+
+
+def per_round(one: dict, more: dict, rounds: int, top: int) -> dict:
+    """GPU kernels per decode round: a call of rounds + 1 tokens minus a call of one, by name, / rounds."""
+    names = set(one["all"]) | set(more["all"])
+    diff = [
+        (n, *(more["all"].get(n, [0, 0.0])[i] - one["all"].get(n, [0, 0.0])[i] for i in (0, 1)))
+        for n in names
+    ]
+    diff.sort(key=lambda r: -r[2])
+    return {
+        "count": (more["count"] - one["count"]) / rounds,
+        "us": (more["us"] - one["us"]) / rounds,
+        "top": [{"name": n, "count": c / rounds, "us": round(t / rounds, 2)} for n, c, t in diff[:top]],
     }
 
 
@@ -82,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=30, help="profile rows (host functions by own time)")
     p.add_argument("--gguf", default=None, help="a real checkpoint (.gguf) instead of random weights")
     p.add_argument(
-        "--kernels", action="store_true", help="a torch.profiler trace of a 1-token call: GPU kernels by name"
+        "--kernels",
+        action="store_true",
+        help="torch.profiler traces of a 1- and a 17-token call: GPU kernels by name, per call and per round",
     )
     p.add_argument("--label", default="", help="a name for the tree, kept in the row")
     p.add_argument("--out", default=None, help="write the row as JSON here too")
@@ -130,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
         if new == 1:  # where a call's fixed host time goes, by function and what it calls
             pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(args.top)
         profiles += text.getvalue().splitlines()
-    kernels = kernel_table(lambda: call(1), args.top) if args.kernels and cuda else None
+    kernels = rounds = None
+    if args.kernels and cuda:
+        kernels = kernel_table(lambda: call(1), args.top)
+        rounds = per_round(kernels, kernel_table(lambda: call(17), args.top), 16, args.top)
+        kernels.pop("all")
     row = {
         "case": {
             "name": "target_only_host_round", "label": args.label, "layers": layers, "B": 1,
@@ -143,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         "one_token_ms_all": [1e3 * s for s in ones],
         "profile": profiles[:800],
         "kernels_one_token_call": kernels,
+        "kernels_per_decode_round": rounds,  # (a 17-token call's kernels - a 1-token call's) / 16
     }  # fmt: skip
     print(json.dumps({k: v for k, v in row.items() if k != "profile"}))
     print("\n".join(row["profile"]), file=sys.stderr)

@@ -29,6 +29,10 @@ kernel writes; callers pass whole buffers plus the column tensor, never views (p
                                 inverse frequencies kept per device by the op
     fspec::rms_norm             (x [..., H], weight [H], eps) -> [..., H]: RMSNorm in one launch, for eager
                                 CUDA code (kernels/rms_norm.py)
+    fspec::add_rms_norm         (x, residual [..., H], weight [H], eps) -> (x + residual, its RMSNorm), one
+                                launch (kernels/rms_norm.py)
+    fspec::silu_mul             (gate_up [..., 2I]) -> silu(gate) * up [..., I], one launch
+                                (kernels/silu_mul.py)
     fspec::value_flags          (logits, temperature, positions, span, col?, ncols, draft_tokens?,
                                 draft_probs?, d2t?) -> int32 [1]: the public functions' value checks, one bit
                                 each (kernels/value_flags.py)
@@ -41,6 +45,7 @@ from . import gumbel, rejection
 from . import rms_norm as _rn
 from . import rope_cos_sin as _rcs
 from . import sampling_filter as _sf
+from . import silu_mul as _silu
 from . import skinny_linear as _sl
 from . import step_metadata as _sm
 from . import value_flags as _vf
@@ -435,3 +440,32 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 @rms_norm.register_fake
 def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+@register("fspec::add_rms_norm", mutates_args=())
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(x + residual, its RMSNorm times weight), in one launch (kernels/rms_norm.py)."""
+    impl = _rn.add_rms_norm if _use_triton(x) else _rn.add_rms_norm_ref
+    return impl(x, residual, weight, eps)
+
+
+@add_rms_norm.register_fake
+def _(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape), x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# fspec::silu_mul (kernels/silu_mul.py)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@register("fspec::silu_mul", mutates_args=())
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up of a fused gate/up projection's output [..., 2I], one launch (kernels/silu_mul.py)."""
+    impl = _silu.silu_mul if _use_triton(gate_up) else _silu.silu_mul_ref
+    return impl(gate_up)
+
+
+@silu_mul.register_fake
+def _(gate_up: Tensor) -> Tensor:
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))

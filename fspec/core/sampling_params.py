@@ -118,12 +118,31 @@ class SamplingParams:
         )
 
     def to_device(self, device: torch.device | str) -> SamplingParams:
-        """These settings on `device` (the same object when they are there already)."""
-        if self.temperature.device == torch.device(device):
+        """These settings on `device` (the same object when they are there already).
+
+        From the CPU to CUDA the fields travel as one copy: packed into one pinned buffer, copied without
+        blocking the host, and viewed back as the fields on the device. Seven pageable copies would each wait
+        for the stream to drain (a `generate` call made them twice, while a prefill ran)."""
+        device = torch.device(device)
+        if self.temperature.device == device:
             return self
-        return SamplingParams(
-            **{name: t.to(device) for name, t in self._fields().items()}, filtered=self.filtered
-        )
+        fields = self._fields()
+        if device.type != "cuda" or any(t.device.type != "cpu" for t in fields.values()):
+            moved = {name: t.to(device) for name, t in fields.items()}
+            return SamplingParams(**moved, filtered=self.filtered)
+        parts, offsets, at = [], [], 0
+        for t in fields.values():
+            raw = t.contiguous().view(-1).view(torch.uint8)
+            pad = -raw.numel() % 8  # every field starts 8-byte aligned: a view as its dtype needs it
+            parts += [raw, raw.new_zeros(pad)]
+            offsets.append(at)
+            at += raw.numel() + pad
+        packed = torch.cat(parts).pin_memory().to(device, non_blocking=True)
+        out = {}
+        for (name, t), start in zip(fields.items(), offsets):
+            size = t.numel() * t.element_size()
+            out[name] = packed[start : start + size].view(t.dtype).view(t.shape)
+        return SamplingParams(**out, filtered=self.filtered)
 
     def fields(self) -> dict[str, torch.Tensor]:
         """Every [B] (and [B, E]) tensor of these settings by field name."""

@@ -22,8 +22,9 @@ from fspec.core.config import ModelConfig
 from fspec.kernels import ops as kops
 from fspec.kernels.dispatch import direct
 from fspec.kernels.rms_norm import fits as rms_norm_fits
-from fspec.kernels.rms_norm import rms_norm_ref
+from fspec.kernels.rms_norm import fits_residual, rms_norm_ref
 from fspec.kernels.rope_cos_sin import inv_freq
+from fspec.kernels.silu_mul import fits as silu_mul_fits
 from fspec.ops.attention import Attend
 
 SKINNY_ROWS = 16  # fspec::skinny_linear's row limit (kernels/skinny_linear.py MAX_ROWS)
@@ -92,6 +93,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.is_cuda and rms_norm_fits(x, weight) and direct((x, weight)):
         return kops.rms_norm(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, rms_norm(h, weight, eps)) with h = residual + x: a pre-norm layer's residual add and the norm
+    after it, one launch (`fspec::add_rms_norm`) where `rms_norm` would take its kernel and x and the residual
+    agree in shape and dtype; the two steps otherwise."""
+    if x.is_cuda and fits_residual(x, residual, weight) and direct((x, residual, weight)):
+        return kops.add_rms_norm(x, residual, weight, eps)
+    h = residual + x
+    return h, rms_norm(h, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up of a fused gate/up output [..., 2I]: one launch (`fspec::silu_mul`) in eager
+    CUDA code where nothing traces or differentiates (as `rms_norm`), the PyTorch code everywhere else."""
+    if gate_up.is_cuda and silu_mul_fits(gate_up) and direct((gate_up,)):
+        return kops.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def rope_inv_freq(cfg: ModelConfig, device: torch.device | str) -> torch.Tensor:
@@ -168,10 +190,8 @@ def project_qkv(
 def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
     """SwiGLU: down(silu(gate(x)) * up(x)); a fused layer computes gate and up with one matmul."""
     if "gate_up" in p:
-        gate, up = linear(x, p["gate_up"]).chunk(2, dim=-1)
-    else:
-        gate, up = linear(x, p["gate"]), linear(x, p["up"])
-    return linear(F.silu(gate) * up, p["down"])
+        return linear(silu_mul(linear(x, p["gate_up"])), p["down"])
+    return linear(F.silu(linear(x, p["gate"])) * linear(x, p["up"]), p["down"])
 
 
 # --- fused projections --------------------------------------------------------------------------------------
@@ -315,8 +335,8 @@ def decoder_layer(
         out, residual = out.index_select(0, rows), residual.index_select(0, rows)
     if use_fused_layer(p, residual, cfg):  # o, the post-attention norm, the MLP: three launches
         return _fused_after_attention(p, out, residual, cfg=cfg)
-    h = residual + linear(out, p["o"], p.get("o_bias"))
-    return h + mlp(p, rms_norm(h, p["post_norm"], cfg.rms_norm_eps))
+    h, normed = add_rms_norm(linear(out, p["o"], p.get("o_bias")), residual, p["post_norm"], cfg.rms_norm_eps)
+    return h + mlp(p, normed)
 
 
 def use_fused_layer(p: dict, x: torch.Tensor, cfg: ModelConfig, *, cuda: bool | None = None) -> bool:

@@ -264,10 +264,11 @@ class Run:
         group = bucket_for(len(reqs))
         sampling = self.host_sampling.rows(reqs).pad(group - len(reqs)).to_device(self.device)
         first, new = self._prefill(slots, reqs, group, sampling)
-        index = torch.tensor(slots, dtype=torch.int64).to(self.device)
+        # one pinned copy of (slots, lengths), queued behind the prefill: a pageable copy would wait for it
+        both = self._to_device(torch.tensor([slots, [self.n[s] for s in slots]], dtype=torch.int64))
+        index, lens = both[0], both[1]
         g = len(reqs)
         self.cur_d.index_copy_(0, index, first[:g])
-        lens = torch.tensor([self.n[s] for s in slots], dtype=torch.int64).to(self.device)
         self.n_d.index_copy_(0, index, lens)
         for name, t in self.sampling.fields().items():
             t.index_copy_(0, index, getattr(sampling, name)[:g])
@@ -307,7 +308,7 @@ class Run:
         sizes = chunk_sizes(group)
         done_upto = [0] * group
         out = None
-        table_d = self._to_device(table)
+        table_d = None if self.compile else self._to_device(table)  # compiled: into each chunk's buffer
         while True:
             left = [lens[b] - done_upto[b] for b in range(group)]
             if max(left) <= 0:
@@ -368,10 +369,10 @@ class Run:
         n = torch.tensor(self.n, dtype=torch.int64)
         live = torch.tensor([not d for d in self.done])
         if self.bufs is None:
-            self.cur_d, self.n_d, self.live_d = cur.to(self.device), n.to(self.device), live.to(self.device)
+            self.cur_d, self.n_d, self.live_d = (self._to_device(t) for t in (cur, n, live))
         else:
-            self.cur_d, self.n_d = self.bufs["cur"].copy_(cur), self.bufs["n"].copy_(n)
-            self.live_d, self.table_d = self.bufs["live"].copy_(live), self.bufs["table"]
+            self.cur_d, self.n_d = self._to_device(cur, self.bufs["cur"]), self._to_device(n, self.bufs["n"])
+            self.live_d, self.table_d = self._to_device(live, self.bufs["live"]), self.bufs["table"]
         if self.draft is None:
             return None
         k, dcfg = self.k, self.draft.cfg

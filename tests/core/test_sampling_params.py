@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fspec
+from fspec.core.sampling_params import validate_sampling_params
 
 
 def test_create_broadcasts_scalars_takes_lists_and_tensors_and_pads_with_the_off_values():
@@ -86,3 +87,26 @@ def test_filtered_says_whether_any_request_filters_and_travels_in_the_tree_struc
         fspec.core.sampling_params.validate_sampling_params(
             fspec.replace(off, filtered=1), batch_size=3, device=torch.device("cpu")
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("extra", [0, 3])
+def test_to_device_packs_the_fields_into_one_copy_and_gives_each_back_exactly(extra):
+    """CPU -> CUDA travels as one pinned buffer viewed back as the fields (8-byte aligned whatever the
+    fields' sizes: 5 requests of int32 top_k end on a 4-byte boundary); each field equals its own copy, is
+    contiguous and valid, and a request's values survive the round trip."""
+    ids = [2, 7, 11][:extra]
+    sp = fspec.SamplingParams.create(
+        5, temperature=[0.0, 0.7, 1.0, 0.2, 0.0], seed=[1, -2, 2**62, 4, 5], top_k=[0, 3, 40, 7, 1],
+        top_p=[1.0, 0.9, 0.5, 0.3, 1.0], min_p=0.05, suppress_ids=ids or None,
+        suppress_until=[10, 0, 5, 1, 2],
+    )  # fmt: skip
+    moved = sp.to_device("cuda")
+    assert moved.filtered == sp.filtered
+    for name, t in sp.fields().items():
+        got = moved.fields()[name]
+        assert got.is_cuda and got.dtype == t.dtype and got.shape == t.shape and got.is_contiguous()
+        assert torch.equal(got.cpu(), t)
+    validate_sampling_params(moved, batch_size=5, device=moved.temperature.device)
+    assert moved.to_device("cuda") is moved

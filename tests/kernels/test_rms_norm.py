@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fspec.kernels import ops
-from fspec.kernels.rms_norm import rms_norm, rms_norm_ref
+from fspec.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from fspec.models import layers as L
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -132,3 +132,64 @@ def test_cuda_kernel_at_smollm2_prefill_shapes_matches_the_reference():
             x = (torch.randn(rows, h, generator=g) * 4).to(dtype).cuda()
             w = (1 + 0.2 * torch.randn(h, generator=g)).to(dtype).cuda()
             _close(rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5))
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 576), (5, 1000), (2, 3, 96), (257, 64), (2, 5000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_form_equals_the_add_then_the_norm(shape, dtype):
+    """h is the add's exact result (bit for bit, both dtypes: it is rounded once, as PyTorch's add rounds it);
+    the norm is within the bounds above."""
+    g = torch.Generator().manual_seed(7 + sum(shape))
+    x = (torch.randn(shape, generator=g) * 3).to(dtype).to(DEVICE)
+    r = (torch.randn(shape, generator=g) * 5).to(dtype).to(DEVICE)
+    w = (1 + 0.5 * torch.randn(shape[-1], generator=g)).to(dtype).to(DEVICE)
+    h, normed = add_rms_norm(x, r, w, 1e-5)
+    want_h, want = add_rms_norm_ref(x, r, w, 1e-5)
+    assert h.dtype == dtype and torch.equal(h, want_h)
+    _close(normed, want)
+    _close(rms_norm(want_h, w, 1e-5), want)  # the norm of the sum is the plain kernel's
+
+
+def test_residual_form_with_strided_rows_and_its_refusals():
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(8, 40, generator=g).to(DEVICE)[::2]
+    r = torch.randn(4, 40, generator=g).to(DEVICE)
+    w = torch.randn(40, generator=g).to(DEVICE)
+    h, normed = add_rms_norm(x, r, w, 1e-5)
+    want_h, want = add_rms_norm_ref(x, r, w, 1e-5)
+    assert torch.equal(h, want_h)
+    _close(normed, want)
+    empty = torch.zeros(0, 40, device=DEVICE)
+    assert [t.shape for t in add_rms_norm(empty, empty, w, 1e-5)] == [(0, 40), (0, 40)]
+    for bad, said in (
+        (r[:3], "residual (3, 40)"),
+        (r.to(torch.bfloat16), "residual (4, 40) torch.bfloat16"),
+    ):
+        with pytest.raises(ValueError, match=r"x, residual, weight: expected x and residual") as err:
+            add_rms_norm(x, bad, w, 1e-5)
+        assert said in str(err.value) and "x (4, 40)" in str(err.value)
+    with pytest.raises(ValueError, match="weight \\(39,\\)"):
+        add_rms_norm(x, r, w[:39], 1e-5)
+
+
+def test_the_residual_op_and_the_layer_helper():
+    """`ops.add_rms_norm` equals the reference and compiles without a graph break; `layers.add_rms_norm`
+    calls it on CUDA when eager and plain, takes the two steps under autograd and for mismatched dtypes."""
+    g = torch.Generator().manual_seed(9)
+    x, r = torch.randn(6, 48, generator=g).to(DEVICE), torch.randn(6, 48, generator=g).to(DEVICE)
+    w = torch.randn(48, generator=g).to(DEVICE)
+    want_h, want = add_rms_norm_ref(x, r, w, 1e-6)
+    for got in (
+        ops.add_rms_norm(x, r, w, 1e-6),
+        torch.compile(lambda *a: ops.add_rms_norm(*a, 1e-6), fullgraph=True, backend="eager")(x, r, w),
+        L.add_rms_norm(x, r, w, 1e-6),
+    ):
+        assert torch.equal(got[0], want_h)
+        _close(got[1], want)
+    rg = r.clone().requires_grad_()
+    h, normed = L.add_rms_norm(x, rg, w, 1e-6)
+    (h.sum() + normed.sum()).backward()
+    assert rg.grad is not None and rg.grad.shape == r.shape
+    mixed = L.add_rms_norm(x.double(), r, w, 1e-6)
+    assert mixed[0].dtype == torch.float64
+    torch.testing.assert_close(mixed[0], x.double() + r)
