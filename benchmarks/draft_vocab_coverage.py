@@ -1,6 +1,7 @@
 """How much of the target's own output the shipped head's reduced draft vocabulary can draft, beside τ.
 
-    python benchmarks/draft_vocab_coverage.py [--prompts 8] [--new-tokens 64] [--threads 2] [--out FILE]
+    python benchmarks/draft_vocab_coverage.py [--prompts 8] [--new-tokens 64] [--threads 2] [--head DIR]
+        [--out FILE]
 
 The default model (SmolLM2-135M-Instruct and its EAGLE-3 head, float32, CPU) answers the first --prompts
 prompts of each held-out set (`fspec.train.prompts.HELDOUT`, chat template applied), greedy, K = 5, in one
@@ -39,10 +40,13 @@ def main(argv: list[str] | None = None) -> int:
         "--id-cuts", type=int, nargs="*", default=[8192, 16384, 32768],
         help="also the share of tokens with ids below each cut (the tokenizer's order, no held-out text)",
     )  # fmt: skip
+    p.add_argument("--head", default=None, help="another head directory for the default target")
     p.add_argument("--out", default="benchmarks/results/draft_vocab_coverage_cpu.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     target, head = fspec.load_default()
+    if args.head:
+        head = fspec.load_draft(args.head, target=target, dtype=torch.float32)
     t2d = head.params["t2d"].detach()
     doc = results_io.header("draft_vocab_coverage.py", argv, "cpu")
     doc.update(draft_vocab_size=head.cfg.draft_vocab_size, k=5, new_tokens=args.new_tokens, rows=[])
