@@ -124,6 +124,8 @@ class SamplingParams:
         blocking the host, and viewed back as the fields on the device. Seven pageable copies would each wait
         for the stream to drain (a `generate` call made them twice, while a prefill ran)."""
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" is the current device: cuda:0, say
+            device = torch.device("cuda", torch.cuda.current_device())
         if self.temperature.device == device:
             return self
         fields = self._fields()
