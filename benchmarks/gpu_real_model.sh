@@ -18,7 +18,8 @@
 #             in /root/stream.pt for a rebuild; ARGS after "head:" are its options, "+" for spaces); the
 #             head's files and train_log.json copied to $OUT/head; with "--steps+N+--minutes+M+--train-dir+/root/train"
 #             distillation spans several calls (M minutes each, the state kept in /root/train), the head and its
-#             log written by the call that reaches step N
+#             log written by the call that reaches step N; "--init+fspec/assets/smollm2_eagle3" starts from the
+#             shipped head (or another head directory) instead of a fresh one
 #   bench     benchmarks/bench_real_model.py with the head of /root/head ($OUT/real_model.json; "bench:ARGS"
 #             passes options, "+" for spaces)
 #   stream    the head recipe's training stream only (default_model --stream /root/stream.pt --stream-only;

@@ -363,6 +363,7 @@ def build(
     stream_file=None,
     stream_only: bool = False,
     train_dir=None,
+    init=None,
 ) -> dict:
     """Run the recipe (module docstring) into `out` (default: the package's assets); returns the log.
 
@@ -373,12 +374,18 @@ def build(
     training state is saved there after recipe.minutes of training and the build returns unfinished
     (log["distill"]["finished"] False, nothing written to `out`); the next build with the same train_dir,
     stream and recipe resumes from it, exactly where the last stopped, until recipe.steps (required > 0: the
-    learning-rate schedule spans them), then saves and evaluates the head as a one-run build would."""
+    learning-rate schedule spans them), then saves and evaluates the head as a one-run build would.
+    init: a head directory (a build's `out`, the shipped head) to start the distillation from instead of a
+    fresh head: its weights and its draft vocabulary (recipe.draft_vocab_size must be its size), with a fresh
+    optimizer and learning-rate schedule. Training longer moved τ where more data had not (docs/train.md);
+    a state in train_dir lives as long as its machine, a head directory as long as its files."""
     if stream_only and stream_file is None:
         raise ValueError("stream_file: expected a file to write the stream to with stream_only, got None")
     if train_dir is not None and recipe.steps <= 0:
         raise ValueError(f"recipe.steps: expected a step count > 0 with train_dir, got {recipe.steps}")
     out = ASSETS if out is None else Path(out)
+    if init is not None and not (Path(init) / "config.json").is_file():
+        raise FileNotFoundError(f"init: expected a head directory with a config.json, got {str(init)!r}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, recipe.target_dtype)
     log: dict = {"recipe": dataclasses.asdict(recipe), "device": str(dev), "seed": seed}
@@ -436,14 +443,23 @@ def build(
         mask = val_mask = None
     log["loss_positions"] = stream.numel() if mask is None else int(mask.sum())
     print(f"stream: {stream.numel()} tokens, {log['loss_positions']} targets; {log['answers']}", flush=True)
-    draft = D.new_draft(
-        target,
-        kind="eagle3",
-        tokens=drafted_tokens(stream, mask),
-        draft_vocab_size=recipe.draft_vocab_size,
-        seed=seed,
-        num_speculative_steps=recipe.eval_k,
-    )
+    if init is None:
+        draft = D.new_draft(
+            target,
+            kind="eagle3",
+            tokens=drafted_tokens(stream, mask),
+            draft_vocab_size=recipe.draft_vocab_size,
+            seed=seed,
+            num_speculative_steps=recipe.eval_k,
+        )
+    else:  # the layout `new_draft` gives (unfused projections, the target's dtype), from the file's weights
+        draft = load_draft(init, target=target, fuse=False, num_speculative_steps=recipe.eval_k)
+        if draft.cfg.kind != "eagle3" or draft.cfg.draft_vocab_size != recipe.draft_vocab_size:
+            raise ValueError(
+                f"init: expected an eagle3 head of draft_vocab_size {recipe.draft_vocab_size} (the "
+                f"recipe's), got a {draft.cfg.kind} head of {draft.cfg.draft_vocab_size} in {str(init)!r}"
+            )
+        log["init"] = {"from": str(init), "draft_vocab_size": draft.cfg.draft_vocab_size}
     # (d) distillation
     settings = dict(
         ttt_steps=recipe.ttt_steps,
@@ -567,6 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--train-dir", default=None, help="train --minutes per run, keep the state here, resume from it"
     )
+    parser.add_argument("--init", default=None, help="a head directory to start the distillation from")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE", help="any Recipe field (repeatable)"
@@ -589,6 +606,7 @@ def main(argv: list[str] | None = None) -> int:
         stream_file=args.stream,
         stream_only=args.stream_only,
         train_dir=args.train_dir,
+        init=args.init,
     )
     return 0
 

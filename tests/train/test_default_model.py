@@ -54,14 +54,25 @@ def test_shipped_head_speculates_losslessly_and_accepts_on_a_held_out_chat(smoll
     assert spec.stats["acceptance_length"] > 1.3
 
 
-def test_tiny_recipe_builds_a_head_that_loads_and_generates(tmp_path: Path, monkeypatch):
+@pytest.fixture(scope="module")
+def tiny_build(tmp_path_factory) -> tuple[Path, Path]:
+    """One `--tiny` build on the CPU (its stream kept): (head directory, stream file)."""
+    tmp_path = tmp_path_factory.mktemp("tiny")
+    stream = tmp_path / "stream.pt"
+    assert (
+        default_model.main(["--tiny", "--device", "cpu", "--stream", str(stream), "--out", str(tmp_path)])
+        == 0
+    )
+    return tmp_path, stream
+
+
+def test_tiny_recipe_builds_a_head_that_loads_and_generates(tiny_build, tmp_path: Path, monkeypatch):
     """`--tiny`: prompts answered by the target, a stream, a few distillation steps, a bf16 head that loads
     back with `load_default(path)`, and held-out acceptance in the log for every set. With `--stream FILE`
     the stream is kept there, and a second build reads it instead of answering again."""
-    stream = tmp_path / "stream.pt"
+    built, stream = tiny_build
     args = ["--tiny", "--device", "cpu", "--stream", str(stream)]
-    assert default_model.main([*args, "--out", str(tmp_path)]) == 0
-    log = json.loads((tmp_path / "train_log.json").read_text())
+    log = json.loads((built / "train_log.json").read_text())
     assert stream.is_file()
     r = default_model.TINY
     assert (
@@ -84,7 +95,7 @@ def test_tiny_recipe_builds_a_head_that_loads_and_generates(tmp_path: Path, monk
     assert set(log["held_out"]) == set(prompts.HELDOUT)
     for row in log["held_out"].values():
         assert 1.0 <= row["tau_T0.0"] <= r.eval_k + 1 and 1.0 <= row["tau_T0.7"] <= r.eval_k + 1
-    target, head = default_model.load_default(tmp_path)
+    target, head = default_model.load_default(built)
     assert head.cfg.draft_vocab_size == r.draft_vocab_size and head.params["fc"].dtype == torch.float32
     assert int(head.params["t2d"].sum()) == r.draft_vocab_size
 
@@ -247,3 +258,31 @@ def test_the_build_trains_with_the_recipes_feed_loss_mask_and_drafted_vocabulary
         assert torch.equal(got[:, :-1], want)
     else:
         assert not drafted <= vocab and "loss_mask" not in seen["batch"]
+
+
+def test_a_build_can_start_from_a_saved_head(tiny_build, tmp_path: Path, monkeypatch):
+    """`--init DIR`: the distillation starts from that head's weights and draft vocabulary (what a longer
+    build over several machines resumes from once a train_dir's state is gone); a head of another draft
+    vocabulary size, or a directory without a head, is refused."""
+    first, stream = tiny_build
+    target = fspec.load_target(default_model.gguf_path(), dtype=torch.float32, device="cpu")
+    want = fspec.load_draft(first, target=target, fuse=False)
+    seen = {}
+    real = default_model.D.distill_head
+
+    def spy(draft, *a, **k):
+        seen["params"] = fspec.tree.tree_map(lambda t: t.detach().clone(), draft.params)
+        return real(draft, *a, **k)
+
+    monkeypatch.setattr(default_model.D, "distill_head", spy)
+    args = ["--tiny", "--device", "cpu", "--stream", str(stream), "--init", str(first)]
+    assert default_model.main([*args, "--out", str(tmp_path / "second")]) == 0
+    log = json.loads((tmp_path / "second" / "train_log.json").read_text())
+    assert log["init"] == {"from": str(first), "draft_vocab_size": default_model.TINY.draft_vocab_size}
+    got, wanted = (fspec.tree.tree_flatten(t) for t in (seen["params"], want.params))
+    assert got[1] == wanted[1]  # the same tree: names and nesting
+    assert len(got[0]) == len(wanted[0]) and all(torch.equal(a, b) for a, b in zip(got[0], wanted[0]))
+    with pytest.raises(ValueError, match="init: expected an eagle3 head of draft_vocab_size 256"):
+        default_model.main([*args, "--out", str(tmp_path / "x"), "--set", "draft_vocab_size=256"])
+    with pytest.raises(FileNotFoundError, match="init: expected a head directory"):
+        default_model.main(["--tiny", "--device", "cpu", "--init", str(tmp_path / "none")])
