@@ -260,13 +260,25 @@ def test_the_build_trains_with_the_recipes_feed_loss_mask_and_drafted_vocabulary
         assert not drafted <= vocab and "loss_mask" not in seen["batch"]
 
 
-def test_a_build_can_start_from_a_saved_head(tiny_build, tmp_path: Path, monkeypatch):
+def test_a_build_can_start_from_a_saved_head(tmp_path: Path, monkeypatch):
     """`--init DIR`: the distillation starts from that head's weights and draft vocabulary (what a longer
     build over several machines resumes from once a train_dir's state is gone; the build stops there, at the
     first call of the distillation); a head of another draft vocabulary size, or a directory without a
-    head, is refused."""
-    first, stream = tiny_build
+    head, is refused. The stream is written here, so nothing is generated."""
     target = fspec.load_target(default_model.gguf_path(), dtype=torch.float32, device="cpu")
+    vd = default_model.TINY.draft_vocab_size
+    first = tmp_path / "first"
+    ids = torch.randperm(target.cfg.vocab_size, generator=torch.Generator().manual_seed(0))[:vd].sort().values
+    fspec.save_draft(
+        fspec.init_draft(target, kind="eagle3", draft_vocab_size=vd, draft_ids=ids, seed=3), first
+    )
+    stream = tmp_path / "stream.pt"
+    tokens = torch.randint(0, target.cfg.vocab_size, (400,), generator=torch.Generator().manual_seed(1))
+    torch.save(
+        {"stream": tokens, "val_stream": tokens[:100], "mask": None, "val_mask": None,
+         "prompts": {"given": 1}, "answers": {"new_tokens": 1}},
+        stream,
+    )  # fmt: skip
     want = fspec.load_draft(first, target=target, fuse=False)
     seen = {}
 
