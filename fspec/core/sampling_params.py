@@ -123,7 +123,10 @@ class SamplingParams:
         From the CPU to CUDA the fields travel as one copy: packed into one pinned buffer, copied without
         blocking the host, and viewed back as the fields on the device. Seven pageable copies would each wait
         for the stream to drain (a `generate` call made them twice, while a prefill ran)."""
-        device = torch.device(device)
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device: expected a torch.device or a device string, got {device!r}") from None
         if device.type == "cuda" and device.index is None:  # "cuda" is the current device: cuda:0, say
             device = torch.device("cuda", torch.cuda.current_device())
         if self.temperature.device == device:

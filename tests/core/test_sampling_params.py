@@ -110,3 +110,11 @@ def test_to_device_packs_the_fields_into_one_copy_and_gives_each_back_exactly(ex
         assert torch.equal(got.cpu(), t)
     validate_sampling_params(moved, batch_size=5, device=moved.temperature.device)
     assert moved.to_device("cuda") is moved
+
+
+def test_to_device_names_a_bad_device():
+    sp = fspec.SamplingParams.create(2)
+    assert sp.to_device("cpu") is sp
+    for bad in ("gpu0", 3.5):
+        with pytest.raises(ValueError, match="device: expected a torch.device or a device string, got"):
+            sp.to_device(bad)
