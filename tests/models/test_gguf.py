@@ -24,6 +24,7 @@ import fspec.models.gguf
 import fspec.models.gguf_tokenizer
 from fspec.models import checkpoint as ck
 from fspec.models import llama
+from fspec.models.gguf_file import TensorInfo
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -342,8 +343,8 @@ def test_gguf_k_quants_match_llama_cpp_reference(qtype):
     """gguf's vectorized k-quant dequantization (what fspec calls) equals a scalar port of llama.cpp's."""
     rng = np.random.default_rng(int(qtype))
     rows = random_k_blocks(rng, 3, 512, qtype)
-    reader_like = type("T", (), {"data": rows, "tensor_type": qtype})()
-    ours = fspec.models.gguf.dequantize(reader_like).numpy()
+    info = TensorInfo("blk.0.ffn_up.weight", qtype.name, (3, 512), 0, rows.nbytes, rows)
+    ours = fspec.models.gguf.dequantize(info).numpy()
     size = gguf.GGML_QUANT_SIZES[qtype][1]
     ref = np.stack(
         [np.concatenate([ref_k_block(r[s : s + size], qtype) for s in range(0, r.size, size)]) for r in rows]
