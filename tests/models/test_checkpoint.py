@@ -73,20 +73,28 @@ def leaves_equal(a, b) -> bool:
 
 
 def test_target_round_trips_sharded_with_tokenizer(tmp_path):
-    """save_target (sharded) then load_target is bit-exact, keeps the tokenizer, and writes HF's index."""
+    """save_target (sharded) then load_target is bit-exact, keeps the tokenizer and the chat template, and
+    writes HF's index."""
     target = tiny_target("qwen3", tied=True)
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator(
         ["def f(x): return x + 1", "import torch"] * 5, trainers.BpeTrainer(vocab_size=50)
     )
-    ck.save_target(ck.Target(target.cfg, target.params, tok), tmp_path, max_shard_bytes=2000)
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    ck.save_target(
+        ck.Target(target.cfg, target.params, tok, chat_template=template), tmp_path, max_shard_bytes=2000
+    )
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2 and "lm_head.weight" not in index["weight_map"]
     assert "model.layers.2.self_attn.q_norm.weight" in index["weight_map"]
     loaded = ck.load_target(tmp_path, fuse=False)
     assert loaded.cfg == target.cfg and leaves_equal(loaded.params, target.params)
     assert loaded.tokenizer.encode("def f(x)").ids == tok.encode("def f(x)").ids
+    assert loaded.chat_template == template  # chat_template.jinja
+    assert (
+        ck.render_chat(loaded, [{"role": "user", "content": "hi"}], add_generation_prompt=False) == "<user>hi"
+    )
 
 
 def test_target_dtype_is_kept_or_cast(tmp_path):

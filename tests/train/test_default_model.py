@@ -300,3 +300,37 @@ def test_a_build_can_start_from_a_saved_head(tmp_path: Path, monkeypatch):
         default_model.main([*args, "--out", str(tmp_path / "x"), "--set", "draft_vocab_size=256"])
     with pytest.raises(FileNotFoundError, match="init: expected a head directory"):
         default_model.main(["--tiny", "--device", "cpu", "--init", str(tmp_path / "none")])
+
+
+def test_the_recipe_builds_a_head_for_another_target(smollm2, tmp_path: Path):
+    """`--target DIR`: the recipe answers with, distills from and evaluates on that target (an 8-layer random
+    Llama saved with SmolLM2's tokenizer and chat template): the head reads its layers and loads onto it. A
+    target without a chat template, or without --out, is a ValueError naming the argument."""
+    tok = smollm2[0]
+    cfg = fspec.ModelConfig(
+        vocab_size=tok.cfg.vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=8,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+        eos_token_ids=tok.cfg.eos_token_ids, bos_token_id=tok.cfg.bos_token_id,
+    )  # fmt: skip
+    params = fspec.models.llama.init(cfg, seed=3)
+    other = fspec.Target(cfg=cfg, params=params, tokenizer=tok.tokenizer, chat_template=tok.chat_template)
+    fspec.save_target(other, tmp_path / "target")
+    out = tmp_path / "head"
+    args = ["--tiny", "--device", "cpu", "--target", str(tmp_path / "target")]
+    assert default_model.main([*args, "--out", str(out)]) == 0
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["target"] == str(tmp_path / "target") and log["distill"]["steps"] == default_model.TINY.steps
+    assert set(log["held_out"]) == set(prompts.HELDOUT)
+    loaded = fspec.load_target(tmp_path / "target")
+    head = fspec.load_draft(out, target=loaded)
+    assert head.cfg.target_hidden_size == 64 and head.cfg.target_layer_ids == (2, 4, 5)
+    got = fspec.generate(loaded, head, [[1, 2, 3]], max_new_tokens=4, ignore_eos=True)
+    assert got.tokens == fspec.generate(loaded, None, [[1, 2, 3]], max_new_tokens=4, ignore_eos=True).tokens
+    with pytest.raises(ValueError, match=r"out: expected a head directory for target .*target'?, got None"):
+        default_model.build(recipe=default_model.TINY, device="cpu", target=tmp_path / "target")
+    bare = tmp_path / "bare"
+    fspec.save_target(dataclasses.replace(other, chat_template=None), bare)
+    with pytest.raises(
+        ValueError, match=r"target: expected a model with a tokenizer and a chat template.*chat tem"
+    ):
+        default_model.build(tmp_path / "x", recipe=default_model.TINY, device="cpu", target=bare)
