@@ -618,7 +618,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="HF directory of the frozen target")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--kind", default="eagle3", choices=names())
-    p.add_argument("--tokens", help="1-D token file (.npy or torch.save); default: the stdlib's train split")
+    p.add_argument(
+        "--tokens",
+        help="1-D token file (.npy or torch.save); default: the stdlib's train split, source code, not the "
+        "target's answers: for a head that pays, self-distill with `python -m fspec.train.default_model "
+        "--target DIR --out HEAD`",
+    )
     p.add_argument("--max-files", type=int, default=0, help="use only the first N stdlib files (0 = all)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--device", default=None, help="default: cuda when available")
