@@ -9,6 +9,7 @@ transformers).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import time
@@ -432,7 +433,7 @@ def test_render_chat_rejects_missing_template_and_bad_messages(tiny):
 def test_load_target_reads_chat_template_of_hf_directory(tiny, tmp_path):
     """An HF directory's chat template: tokenizer_config.json's, overridden by chat_template.jinja."""
     _, _, target, _, _ = tiny
-    ck.save_target(target, tmp_path)
+    ck.save_target(dataclasses.replace(target, chat_template=None), tmp_path)  # no chat_template.jinja
     assert fspec.load_target(tmp_path).chat_template is None
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
     assert fspec.load_target(tmp_path).chat_template == TEMPLATE
