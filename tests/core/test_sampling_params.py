@@ -118,3 +118,63 @@ def test_to_device_names_a_bad_device():
     for bad in ("gpu0", 3.5):
         with pytest.raises(ValueError, match="device: expected a torch.device or a device string, got"):
             sp.to_device(bad)
+
+
+SCALARS = [
+    dict(temperature=0.0),
+    dict(temperature=0.7, seed=-5, top_k=40, top_p=0.9, min_p=0.05, suppress_until=12),
+    dict(temperature=1e-50, top_k=3),  # 0 in float32: greedy, so not filtered
+    dict(temperature=0.5, top_p=1 - 1e-9),  # 1.0 in float32: top_p off, not filtered
+    dict(temperature=2, top_k=2**40),  # an int temperature; top_k past int32 is clamped (general path)
+    dict(temperature=1, seed=2**63 - 1, min_p=0.999),
+]
+
+
+def _as_tensor(v) -> torch.Tensor:
+    values = v if isinstance(v, list) else [v] * 3
+    return torch.tensor(
+        values, dtype=torch.float64 if any(isinstance(x, float) for x in values) else torch.int64
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        *SCALARS,
+        dict(temperature=[0.0, 0.7, 1e-50], top_k=[0, 5, 9], top_p=[1.0, 1 - 1e-9, 0.5], seed=[1, 2, 3]),
+        dict(temperature=[0.0, 0.0, 0.0], min_p=[0.0, 0.2, 0.0]),  # filters on greedy rows only: not filtered
+        dict(temperature=(1, 0.5, 0), top_k=7),  # a tuple and a scalar together
+    ],
+)
+def test_plain_numbers_give_what_tensors_give(kwargs):
+    """`create` builds options given as Python numbers (scalars, or lists / tuples of one per request) in one
+    step per field; every field (values, dtype, shape, contiguity) and `filtered` equal what the general
+    path makes of the same values given as tensors."""
+    fast = fspec.SamplingParams.create(3, **kwargs)
+    general = fspec.SamplingParams.create(3, **{k: _as_tensor(list(v) if isinstance(v, tuple) else v)
+                                                for k, v in kwargs.items()})  # fmt: skip
+    for name in ("temperature", "seed", "top_k", "top_p", "min_p", "suppress_ids", "suppress_until"):
+        x, y = getattr(fast, name), getattr(general, name)
+        assert x.dtype == y.dtype and x.shape == y.shape and x.is_contiguous() and torch.equal(x, y), name
+    assert fast.filtered == general.filtered
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(temperature=1e39), r"sampling\.temperature: expected finite values >= 0, got \[inf"),
+        (dict(temperature=-0.1), r"temperature: expected finite values >= 0"),
+        (dict(top_p=0.0), r"top_p: expected values in \(0, 1\]"),
+        (dict(min_p=1.0), r"min_p: expected values in \[0, 1\)"),
+        (dict(seed=2**63), r"seed: expected a 64-bit int"),
+        (dict(temperature=True), r"temperature: expected a number"),
+        (dict(top_p=[1.0, 0.0]), r"sampling\.top_p: expected values in \(0, 1\] \(1 = off\), got \[0\.0\]"),
+        (dict(seed=[1, 2.0]), r"seed\[1\]: expected an int"),
+        (dict(top_k=[1, 2, 3]), r"top_k: expected 2 values \(one per request\), got 3"),
+    ],
+)
+def test_bad_scalars_raise_the_general_paths_errors(kwargs, match):
+    """A scalar outside its range (in float32: 1e39 is inf there) is refused with the message the general
+    path gives, never built by the scalar fast path."""
+    with pytest.raises(ValueError, match=match):
+        fspec.SamplingParams.create(2, **kwargs)
