@@ -113,11 +113,15 @@ def test_to_device_packs_the_fields_into_one_copy_and_gives_each_back_exactly(ex
 
 
 def test_to_device_names_a_bad_device():
+    """to_device and create (both of its paths: plain numbers and tensors) name a device they cannot parse."""
     sp = fspec.SamplingParams.create(2)
     assert sp.to_device("cpu") is sp
     for bad in ("gpu0", 3.5):
         with pytest.raises(ValueError, match="device: expected a torch.device or a device string, got"):
             sp.to_device(bad)
+        for temperature in (0.5, torch.tensor([0.5, 0.0])):
+            with pytest.raises(ValueError, match="device: expected a torch.device or a device string, got"):
+                fspec.SamplingParams.create(2, temperature=temperature, device=bad)
 
 
 SCALARS = [
