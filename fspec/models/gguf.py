@@ -9,8 +9,8 @@
    embeddings when there is no ``output.weight``; BOS / EOS (and EOT / EOM) ids from ``tokenizer.ggml.*``;
    RoPE scaling from ``llama.rope.scaling.*`` or a ``rope_freqs.weight`` tensor (Llama 3.1's scaling, which
    llama.cpp stores as per-frequency divisors);
-2. dequantizes every tensor (`gguf.quants.dequantize`; F16 / BF16 are reinterpreted, not converted) and
-   renames it to fspec's HF keys (`hf_key`);
+2. dequantizes every tensor (the `gguf` package's codecs, `dequantize`; F16 / BF16 are reinterpreted, not
+   converted) and renames it to fspec's HF keys (`hf_key`);
 3. undoes the row permutation llama.cpp's convert_hf_to_gguf.py applies to q_proj / k_proj (`unpermute_rows`);
 4. builds the tokenizer (`fspec.models.gguf_tokenizer`) and takes ``tokenizer.chat_template``.
 """
@@ -234,7 +234,8 @@ def hf_key(name: str) -> str | None:
 
 def dequantize(t: TensorInfo) -> torch.Tensor:
     """A tensor of the file as a CPU tensor in numpy order ([out, in] for a matrix): F32 / F16 / BF16 as
-    stored, quantized types dequantized to float32 by `gguf.quants.dequantize`. Copies out of the memmap."""
+    stored, quantized types dequantized to float32 by the `gguf` package's codec of the type
+    (`gguf.quants.Q4_1.dequantize_rows`, ...), DEQUANT_CHUNK elements at a time. Copies out of the memmap."""
     import gguf
 
     kind = t.type_name

@@ -190,9 +190,9 @@ def parse(path: Path) -> GGUFFile:
         kind = cur.scalar("<I", f"tensor {name!r}")
         offset = cur.scalar("<Q", f"tensor {name!r}")
         table.append((name, dims, kind, offset))
-    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-    if alignment <= 0:
-        raise GGUFFormatError(f"general.alignment: expected a positive byte count, got {alignment}")
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if type(alignment) is not int or alignment <= 0:
+        raise GGUFFormatError(f"general.alignment: expected a positive byte count, got {alignment!r}")
     start = -(-cur.pos // alignment) * alignment
     tensors = []
     for name, dims, kind, offset in table:

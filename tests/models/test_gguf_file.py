@@ -133,6 +133,18 @@ def test_malformed_bytes_are_a_format_error_saying_where(tmp_path, body, message
     assert issubclass(GGUFFormatError, ValueError)
 
 
+@pytest.mark.parametrize("value, kind", [(0, 4), (-64, 5), ("32", 8)])
+def test_an_alignment_that_is_not_a_positive_int_is_a_format_error(tmp_path, value, kind):
+    """general.alignment of 0, a negative int or a string (the data section's start is a multiple of it)."""
+    raw = struct.pack("<i" if kind == 5 else "<I", value) if kind != 8 else _string(value)
+    path = tmp_path / "align.gguf"
+    path.write_bytes(_header(n_kv=1) + _string("general.alignment") + struct.pack("<I", kind) + raw)
+    with pytest.raises(
+        GGUFFormatError, match=rf"general\.alignment: expected a positive byte count, got {value!r}"
+    ):
+        parse(path)
+
+
 def test_tensor_data_past_the_end_is_none_with_its_extent(files, tmp_path):
     """A file cut inside its tensor data parses; the tensors the cut reaches have data None (their offset
     and byte count kept for the caller's message) and the ones before it keep their bytes."""
