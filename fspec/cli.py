@@ -543,7 +543,13 @@ def _parser() -> argparse.ArgumentParser:
         "tokens/s, the speed-up and (greedy) whether the tokens are the same (exit code 1 if not); then one "
         "line of JSON.",
     )
-    demo.add_argument("-k", type=int, default=5, help="draft tokens per round (default 5)")
+    demo.add_argument(
+        "-k",
+        type=int,
+        default=3,
+        help="draft tokens per round (default 3: on the CPU K + 1 verification rows cost more as K grows, "
+        "and 3 gave the best speed-up of K = 2..5 over held-out prompts 1-6 of both sets, docs/serve.md)",
+    )
     demo.add_argument("--max-new-tokens", type=int, default=96)
     demo.add_argument("--prompt", default=None, help="your own user message (default: a held-out prompt)")
     demo.add_argument("--set", default="chat", help="held-out set of the default prompt (chat or code)")

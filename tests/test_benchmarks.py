@@ -333,3 +333,15 @@ def test_chain_memory_smoke_counts_both_forms_with_equal_losses(tmp_path):
     d = _run("bench_chain_memory.py", "--smoke", out=tmp_path / "chain.json")
     (row,) = d["rows"]
     assert row["loss_equal"] and row["dense_GB"] > row["lean_GB"] > 0
+
+
+@pytest.mark.slow
+def test_cpu_packed_smoke_runs_both_parts_and_keeps_tokens(tmp_path):
+    args = ("--prompts", "1", "--new-tokens", "6", "--skip-hf")
+    d = _run("bench_cpu_packed.py", *args, out=tmp_path / "p.json")
+    products = [r for r in d["rows"] if r["case"]["part"] == "products"]
+    assert [r["case"]["rows"] for r in products] == [1, 2, 3, 4, 6, 8]
+    assert all(r["f_linear_ms"] > 0 and r["packed_ms"] > 0 for r in products)
+    spec = [r for r in d["rows"] if r["case"].get("mode") == "spec"]
+    assert len(spec) == 2 * 4 * 2  # sets x K x prepack
+    assert all(r["same_tokens"] and r["tau_mean"] >= 1.0 for r in spec)

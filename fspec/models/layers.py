@@ -25,6 +25,7 @@ from fspec.kernels.rms_norm import fits as rms_norm_fits
 from fspec.kernels.rms_norm import fits_residual, rms_norm_ref
 from fspec.kernels.rope_cos_sin import inv_freq
 from fspec.kernels.silu_mul import fits as silu_mul_fits
+from fspec.models.packed import is_packed, packed_linear
 from fspec.ops.attention import Attend
 
 SKINNY_ROWS = 16  # fspec::skinny_linear's row limit (kernels/skinny_linear.py MAX_ROWS)
@@ -74,7 +75,10 @@ def _skinny_inference(x: torch.Tensor, w: torch.Tensor, *, cuda: bool | None) ->
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, b), through `fspec::skinny_linear` where `use_skinny_linear` says so."""
+    """F.linear(x, w, b), through `fspec::skinny_linear` where `use_skinny_linear` says so, and through oneDNN
+    for a weight that `fspec.models.packed.pack_params` packed."""
+    if is_packed(w):
+        return packed_linear(x, w, b)
     if not use_skinny_linear(x, w):
         return F.linear(x, w, b)
     y = kops.skinny_linear(x.reshape(-1, x.shape[-1]), w)
