@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from functools import partial
 
 import torch
 
@@ -156,7 +157,7 @@ class Resources:
         one-row product is as fast (38.6 vs 41.6 ms over SmolLM2's weights; results/cpu_packed.json). The
         packed copy of each role's latest model is kept and made again only when a weight changed: another
         tensor in the tree, or the same one written in place (its version counter moved, as an optimizer
-        step moves it)."""
+        step moves it). It goes when the model does (one of its packed weights is freed) or with `clear()`."""
         memo: dict = {}
         if target_rows >= 2:
             target = self._packed(target, "target", tied_head=True, memo={})
@@ -177,7 +178,11 @@ class Resources:
         if not fresh:
             self.packs.pop(role, None)  # the old copy's memory goes before the new one is made
             params = P.pack_params(model.params, memo, tied_head=tied_head)
-            kept = ([(weakref.ref(t), t._version) for t in now], params, memo)
+            kept = (
+                [(weakref.ref(t, partial(_drop_pack, self.packs, role)), t._version) for t in now],
+                params,
+                memo,
+            )
             self.packs[role] = kept
         return dataclasses.replace(model, params=kept[1])
 
@@ -185,6 +190,13 @@ class Resources:
     def recorded_graphs(self) -> int:
         """CUDA graphs captured so far by the kept functions (`GraphCapture.captures`)."""
         return sum(g.captures for g in self.graphs.values() if isinstance(g, GraphCapture))
+
+
+def _drop_pack(packs: dict, role: str, ref: weakref.ref) -> None:
+    """A packed copy goes when one of its sources does (the caller dropped the model): nothing can use it."""
+    entry = packs.get(role)
+    if entry is not None and any(r is ref for r, _ in entry[0]):
+        del packs[role]
 
 
 def _sampling_buffers(b: int, suppress: int, device) -> SamplingParams:

@@ -3,6 +3,8 @@ weights, the packed copy follows the weights when they change, and a model too s
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -102,6 +104,22 @@ def test_one_row_target_steps_keep_the_callers_weights():
     gen.clear()
     gen.generate(target, None, [[1, 2, 3], [4]], max_new_tokens=4)
     assert set(gen.resources.packs) == {"target"}
+
+
+def test_the_packed_copy_goes_with_the_model():
+    """A generator keeps no packed copy of a model the caller has dropped (the default generator lives as
+    long as the process)."""
+    target = packable_target(seed=4)
+    draft = fspec.init_draft(target, kind="eagle3", seed=5, num_speculative_steps=2)
+    gen = fspec.Generator()
+    gen.generate(target, draft, [[1, 2, 3]], max_new_tokens=4)
+    assert set(gen.resources.packs) == {"target", "draft"}
+    del draft
+    gc.collect()
+    assert set(gen.resources.packs) == {"target"}
+    del target
+    gc.collect()
+    assert not gen.resources.packs
 
 
 def test_prepack_must_be_a_bool():
