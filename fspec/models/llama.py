@@ -25,7 +25,7 @@ from fspec.core.cache import KVCache
 from fspec.core.config import ModelConfig
 from fspec.core.state import AttnMetadata
 from fspec.models import layers as L
-from fspec.models.packed import is_packed, packed_linear
+from fspec.models import packed
 from fspec.ops.attention import Attend, bind, causal
 
 
@@ -109,9 +109,7 @@ def _body(
     captured[cfg.num_hidden_layers] = last  # HF's hidden_states[L]: the final hidden, after the final norm
     aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else x[..., :0]
     head_in = last if logit_rows is None else last.index_select(0, logit_rows)
-    w = lm_head(params)
-    logits = packed_linear(head_in, w) if is_packed(w) else F.linear(head_in, w)  # packed: eager CPU only
-    return logits, TargetHidden(last=last, aux=aux)
+    return packed.linear(head_in, lm_head(params)), TargetHidden(last=last, aux=aux)
 
 
 def forward(

@@ -67,6 +67,12 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
     return y.reshape(*lead, w.shape[0])
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, w, b)`, or `packed_linear` for a packed w: the products that skip
+    `fspec.models.layers.linear` (the target's LM head, an MTP head's) call this."""
+    return packed_linear(x, w, b) if is_packed(w) else torch.nn.functional.linear(x, w, b)
+
+
 def sources(params, *, tied_head: bool) -> list[torch.Tensor]:
     """The tensors `pack_params(params, tied_head=...)` packs, in its walk order, each distinct one once."""
     out: dict[int, torch.Tensor] = {}

@@ -63,8 +63,8 @@ class Generator:
     batch): SmolLM2-135M's products over 6 rows took 59.5 ms packed against 83.4 ms (one row: 41.6 vs 38.6,
     so one request's target-only decoding keeps the caller's weights). The generator keeps the packed copy
     of the latest target and head it ran (about the size of their projection weights, plus a tied LM
-    head's) until a weight changes or `clear()`; False keeps no copy and runs `F.linear` on the caller's
-    weights."""
+    head's) until a weight changes, the model is dropped or `clear()`; False keeps no copy and runs
+    `F.linear` on the caller's weights."""
 
     def __init__(self, *, max_batch: int = MAX_SLOTS, max_shapes: int = 4, prepack: bool = True) -> None:
         for name, value, hi in (("max_batch", max_batch, MAX_SLOTS), ("max_shapes", max_shapes, None)):
@@ -164,6 +164,14 @@ class Generator:
         seconds = time.perf_counter() - start
         return {"seconds": seconds, "graphs": self.recorded_graphs - before, "calls": calls}
 
+    def _prepacked(self, target: Target, draft: Draft | None, n: int, k: int, compile: bool):
+        """(target, draft) as a call of n requests runs them: their packed copies (`prepack`) for an eager
+        call on the CPU, with the target packed where its steps run several rows; else as given."""
+        if not self.prepack or compile or target.params["embed"].device.type != "cpu":
+            return target, draft
+        rows = bucket_for(min(n, self.max_batch)) * (k + 1 if draft is not None else 1)
+        return self.resources.prepacked(target, draft, target_rows=rows)
+
     def clear(self) -> None:
         """Drop every kept cache, buffer and compiled function (their memory goes back on the next
         collection; torch's own compile caches are torch's)."""
@@ -206,9 +214,7 @@ class Generator:
         )
         start = time.perf_counter()
         stats = Stats(k if draft is not None else 0)
-        if self.prepack and not compile and target.params["embed"].device.type == "cpu":
-            rows = bucket_for(min(len(ids), self.max_batch)) * (k + 1 if draft is not None else 1)
-            target, draft = self.resources.prepacked(target, draft, target_rows=rows)
+        target, draft = self._prepacked(target, draft, len(ids), k, compile)
         run = Run(
             target,
             draft,
@@ -278,9 +284,7 @@ class Generator:
             eos_token_id=eos_token_id,
             min_new_tokens=min_new_tokens,
         )
-        if self.prepack and not compile and target.params["embed"].device.type == "cpu":
-            rows = bucket_for(min(len(ids), self.max_batch)) * (k + 1 if draft is not None else 1)
-            target, draft = self.resources.prepacked(target, draft, target_rows=rows)
+        target, draft = self._prepacked(target, draft, len(ids), k, compile)
         run = Run(
             target,
             draft,

@@ -24,10 +24,9 @@ import torch.nn.functional as F
 
 from fspec.core.config import DraftConfig
 from fspec.models import layers as L
-from fspec.models import llama
+from fspec.models import llama, packed
 from fspec.models.heads.base import HeadKind, register
 from fspec.models.heads.eagle import target_shape
-from fspec.models.packed import is_packed, packed_linear
 
 
 def init(cfg: DraftConfig, target_params: dict, *, seed: int, device=None) -> dict:
@@ -58,7 +57,7 @@ def _hidden(params: dict, input_ids, hidden, positions, attend, *, cfg: DraftCon
     m, p, eps = cfg.model, params["layer"], cfg.model.rms_norm_eps
     emb = F.embedding(input_ids, params["embed"])  # [..., H]
     emb = torch.where((positions == 0)[..., None], torch.zeros_like(emb), emb)
-    x = _linear(
+    x = packed.linear(
         torch.cat(
             (L.rms_norm(emb, params["enorm"], eps), L.rms_norm(hidden.to(emb.dtype), params["hnorm"], eps)),
             -1,
@@ -78,12 +77,7 @@ def pre_logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Te
 
 def logits(params: dict, out: torch.Tensor, *, cfg: DraftConfig) -> torch.Tensor:
     """[..., V] logits: the module's final norm (shared_head.norm), then the target's lm_head."""
-    return _linear(pre_logits(params, out, cfg=cfg), params["lm_head"])
-
-
-def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """F.linear, or oneDNN's for a weight `fspec.models.packed` packed (eager CPU inference)."""
-    return packed_linear(x, w) if is_packed(w) else F.linear(x, w)
+    return packed.linear(pre_logits(params, out, cfg=cfg), params["lm_head"])
 
 
 KIND = register(
