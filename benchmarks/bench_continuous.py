@@ -2,6 +2,7 @@
 
     python benchmarks/bench_continuous.py [--out benchmarks/results/continuous.json] [--batch 64 256]
         [--prompts 512] [--new-tokens 128] [--dtype bfloat16] [--device cuda] [--compile] [--skip-hf]
+        [--profile-host]
 
 SmolLM2-135M-Instruct with its shipped head; the prompts are the held-out sets of `fspec.train.prompts`
 (code, chat, health interleaved, chat template applied, repeated to --prompts), greedy, each request stopped
@@ -10,13 +11,17 @@ with --compile, `Generator.warmup(max_batch=B)` with the head and without record
 rows' "warmup_s" and "graphs", the CUDA graphs a timed call recorded: 0 after it), else one warm-up call of
 the mode on B prompts:
   * continuous: `fspec.Generator(max_batch=B).generate(...)`: a finished request's slot and blocks go to the
-    next waiting prompt;
+    next waiting prompt, with the default `fspec.Refill` (admission once an eighth of the slots are free or
+    one has been free 8 rounds);
+  * continuous_at_once: the same with `fspec.Refill(share=0)`: each slot refilled the round it frees;
   * static: the same generator called on consecutive chunks of B prompts: each chunk runs to its slowest
     request, as `generate` ran chunks of 256 before continuous batching;
   * target_only: continuous batching without the head;
   * hf: transformers `generate` (dynamic cache) on chunks of B prompts with left padding (--skip-hf: not run).
 tokens/s = new tokens (EOS included) / wall time. Rows: {"case": {"B", "mode"}, "tok_s", "seconds",
-"new_tokens", "tau"}; written after every row.
+"new_tokens", "tau", "graphs", "warmup_s"} and, for the continuous modes, "rounds" (verification rounds)
+and "target_forwards" (rounds plus prefill chunks); written after every row. --profile-host: then one more
+continuous call with the head under cProfile, its top host functions beside --out (`<stem>_host_B.txt`).
 """
 
 from __future__ import annotations
@@ -49,6 +54,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="compile=True for the fspec modes")
     p.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument(
+        "--profile-host", action="store_true",
+        help="then one more continuous call under cProfile: the host's top functions to <out>_host_B.txt",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -97,11 +106,14 @@ def main(argv=None) -> int:
         fspec.save_target(target, tmp)
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(args.device).eval()
     kw = dict(max_new_tokens=args.new_tokens, temperature=0.0, compile=args.compile)
+    counts = {}  # the latest continuous call's rounds and target forwards (prefill chunks included)
     for b in args.batch:
         gen = fspec.Generator(max_batch=b)
 
-        def continuous(draft, gen=gen):
+        def continuous(draft, gen=gen, counts=counts, refill=fspec.Refill()):
+            gen.refill = refill  # the policy is read per call: both policies replay the same graphs
             r = gen.generate(target, draft, prompts, **kw)
+            counts.update(rounds=r.stats["rounds"], target_forwards=r.stats["target_forwards"])
             return sum(map(len, r.tokens)), r.stats["acceptance_length"]
 
         def static(gen=gen, b=b):
@@ -114,6 +126,7 @@ def main(argv=None) -> int:
 
         modes = {
             "continuous": lambda: continuous(head),
+            "continuous_at_once": lambda: continuous(head, refill=fspec.Refill(share=0.0)),
             "static": static,
             "target_only": lambda: continuous(None),
         }
@@ -129,6 +142,7 @@ def main(argv=None) -> int:
                 gen.generate(target, head if mode != "target_only" else None, prompts[:b], **kw)  # warm-up
             sync(args.device)
             graphs = gen.recorded_graphs
+            counts.clear()
             t0 = time.perf_counter()
             n, tau = fn()
             sync(args.device)
@@ -141,10 +155,25 @@ def main(argv=None) -> int:
                 "tau": tau,
                 "graphs": gen.recorded_graphs - graphs if mode != "hf" else None,
                 "warmup_s": round(warm_s, 1) if args.compile else None,
+                **counts,
             }
             doc["rows"].append(row)
             results_io.write(Path(args.out), doc)
-            print(f"B={b:4d} {mode:12s} {n / dt:9.1f} tok/s  {dt:7.1f} s  tau {tau}", flush=True)
+            print(f"B={b:4d} {mode:12s} {n / dt:9.1f} tok/s  {dt:7.1f} s  tau {tau} {counts}", flush=True)
+        if args.profile_host:
+            import cProfile
+            import io
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            continuous(head)
+            sync(args.device)
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+            pstats.Stats(prof, stream=text).sort_stats("cumtime").print_stats(40)
+            Path(args.out).with_name(f"{Path(args.out).stem}_host_{b}.txt").write_text(text.getvalue())
     return 0
 
 

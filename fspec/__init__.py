@@ -60,6 +60,7 @@ from fspec.draft import draft_step, propose
 # End-to-end generation, and its first step as a function.
 from fspec.serve.engine import GenerateResult, Generator, StreamChunk, default_generator, generate, stream
 from fspec.serve.prefill import Prefill, prefill
+from fspec.serve.runner import Refill
 
 # Training-time-test distillation, the embedded default model (SmolLM2-135M-Instruct and its EAGLE-3 head)
 # and the 4-layer toy model (a fast test fixture).
@@ -113,6 +114,7 @@ __all__ = [
     "project_target_hidden",
     "propose",
     "Prefill",
+    "Refill",
     "prefill",
     "pytree_dataclass",
     "rejection_sample",

@@ -15,7 +15,7 @@ from fspec.models.checkpoint import Draft, Target
 from fspec.models.generation_config import sampling_defaults
 from fspec.serve.prefill import _validate, max_model_len
 from fspec.serve.resources import Resources, chunk_sizes
-from fspec.serve.runner import _LOOKAHEAD, MAX_SLOTS, Run, Stats
+from fspec.serve.runner import _LOOKAHEAD, MAX_SLOTS, Refill, Run, Stats
 from fspec.serve.stops import StopTracker, stop_config
 from fspec.serve.stream import StreamChunk, stream_chunks
 
@@ -64,15 +64,27 @@ class Generator:
     so one request's target-only decoding keeps the caller's weights). The generator keeps the packed copy
     of the latest target and head it ran (about the size of their projection weights, plus a tied LM
     head's) until a weight changes, the model is dropped or `clear()`; False keeps no copy and runs
-    `F.linear` on the caller's weights."""
+    `F.linear` on the caller's weights.
+    refill: when a call of more prompts than its slots fills the slots its finished requests free
+    (`fspec.Refill`: by default once an eighth of them are free, or one has been free for 8 rounds)."""
 
-    def __init__(self, *, max_batch: int = MAX_SLOTS, max_shapes: int = 4, prepack: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        max_batch: int = MAX_SLOTS,
+        max_shapes: int = 4,
+        prepack: bool = True,
+        refill: Refill = Refill(),
+    ) -> None:
         for name, value, hi in (("max_batch", max_batch, MAX_SLOTS), ("max_shapes", max_shapes, None)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (hi and value > hi):
                 want = f"an int in [1, {hi}]" if hi else "an int >= 1"
                 raise ValueError(f"{name}: expected {want}, got {value!r}")
         if not isinstance(prepack, bool):
             raise ValueError(f"prepack: expected a bool, got {prepack!r}")
+        if not isinstance(refill, Refill):
+            raise ValueError(f"refill: expected a fspec.Refill, got {type(refill).__name__}")
+        self.refill = refill
         self.max_batch = max_batch
         self.prepack = prepack
         self.resources = Resources(max_shapes=max_shapes)
@@ -227,6 +239,7 @@ class Generator:
             resources=self.resources,
             stops=stops,
             max_slots=self.max_batch,
+            refill=self.refill,
         )
         run.go()
         tracks: list[StopTracker] = run.track
@@ -298,6 +311,7 @@ class Generator:
             stops=stops,
             detokenize=True,
             max_slots=self.max_batch,
+            refill=self.refill,
         )
         return stream_chunks(run)
 

@@ -21,6 +21,7 @@ prefill runs whole prompts at once.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -52,13 +53,45 @@ _LOOKAHEAD = 4
 MAX_SLOTS = 256  # the largest batch bucket
 
 
+@dataclasses.dataclass(frozen=True)
+class Refill:
+    """When a call with prompts still waiting fills its free slots (continuous batching).
+
+    Each admission is a prefill: a target forward (a few, for prompts longer than a chunk) whose cost on a
+    GPU hardly depends on how many requests it takes, since a small model's forward is bound by its launches.
+    Filling every slot the round it frees spends about one forward per finished request; waiting until
+    several slots are free spends one for all of them, at the price of those slots idling a few rounds.
+    Admission happens when requests wait for a free slot and any of these holds: no request is live; at
+    least ceil(share × slots) slots are free; a slot has been free for max_wait rounds. share = 0 admits in
+    the round a slot frees (every call of at most `slots` prompts admits them all at once anyway). The rule
+    is text-generation-inference's router's (`--waiting-served-ratio`, `--max-waiting-tokens`), here counted
+    in free slots and rounds.
+
+    share: a float in [0, 1]; max_wait: an int >= 1 (rounds launched since the slot was freed)."""
+
+    share: float = 0.125
+    max_wait: int = 8
+
+    def __post_init__(self) -> None:
+        share, wait = self.share, self.max_wait
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+            raise ValueError(f"share: expected a float in [0, 1], got {share!r}")
+        if isinstance(wait, bool) or not isinstance(wait, int) or wait < 1:
+            raise ValueError(f"max_wait: expected an int >= 1, got {wait!r}")
+
+    def due(self, free: int, slots: int, live: bool, waited: int) -> bool:
+        """Whether to admit now: `free` of `slots` slots free, `live` whether any request is, `waited` the
+        rounds the longest-free slot has been free."""
+        return free > 0 and (not live or free >= math.ceil(self.share * slots) or waited >= self.max_wait)
+
+
 class Run:
     """Generation for any number of requests, at most `max_slots` at once in a batch bucket of slots.
 
     stops: the call's `fspec.serve.stops.StopConfig` (default: the target's EOS ids only). detokenize: build
     each request's text as it grows (`StopTracker.text`; always when there are stop strings): a stream reads
     it between rounds (`rounds()`). resources: what compiled calls keep (a `fspec.Generator`'s; None: fresh
-    ones for this run only)."""
+    ones for this run only). refill: when free slots take waiting requests (`Refill`)."""
 
     def __init__(
         self,
@@ -75,6 +108,7 @@ class Run:
         stops: StopConfig | None = None,
         detokenize: bool = False,
         max_slots: int = MAX_SLOTS,
+        refill: Refill = Refill(),
     ):
         self.res = Resources() if resources is None else resources
         self.target, self.draft, self.stats = target, draft, stats
@@ -138,6 +172,8 @@ class Run:
         self.req = [-1] * self.b  # the request in each slot (-1: never used)
         self.done = [True] * self.b  # slot idle: its request finished, or none admitted yet
         self.admitted_at = [0] * self.b  # the first round whose rows are the slot's current request's
+        self.refill = refill
+        self.freed_at = [0] * self.b  # rounds launched when the slot's last request finished
         self.n = [0] * self.b  # position of each slot's current token
         self.cur = [0] * self.b  # the current token (emitted, not yet in the target cache)
         self.blocks: list[list[int]] = [[] for _ in range(self.b)]
@@ -219,6 +255,7 @@ class Run:
     def _finish(self, b: int) -> None:
         self.track[self.req[b]].end()
         self.done[b] = True
+        self.freed_at[b] = self.rounds_launched
         # The round launched after the one being processed may still use these blocks: free them once it
         # has been processed (`_process` frees `free_at[index]` after waiting for round `index`).
         self.free_at.setdefault(self.processing + 1, []).extend(self.blocks[b])
@@ -231,13 +268,18 @@ class Run:
     # -- admission: prefill waiting requests into free slots --
 
     def _admissible(self) -> list[tuple[int, int]]:
-        """(slot, request) pairs to admit now, in request order: free slots, and blocks for each request's
-        worst case beyond what the live requests may still claim (their worst cases)."""
+        """(slot, request) pairs to admit now, in request order: when `refill` says it is time, free slots,
+        and blocks for each request's worst case beyond what the live requests may still claim (their worst
+        cases)."""
         if not self.in_flight:  # nothing on the device can still use blocks that wait to be freed
             for blocks in self.free_at.values():
                 self.alloc.free(blocks)
             self.free_at.clear()
         free = [b for b in range(self.b) if self.done[b] and not self.blocks[b]]
+        live = not all(self.done)
+        waited = self.rounds_launched - min((self.freed_at[b] for b in free), default=self.rounds_launched)
+        if not self.refill.due(len(free), self.b, live, waited):
+            return []
         budget = self.alloc.num_free - sum(
             self.worst[self.req[b]] - len(self.blocks[b]) for b in range(self.b) if not self.done[b]
         )

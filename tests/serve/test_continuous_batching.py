@@ -28,6 +28,17 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(97) for _ in range(rng.choice([1, 2, 5, 9, 14, 22, 30]))] for _ in range(n)]
 
 
+def _staggered(target, draft, prompts, new: int):
+    """(target, draft) with EOS set to the 3 tokens most frequent in target-only answers to `prompts`, so
+    requests end at different rounds."""
+    counts: dict[int, int] = {}
+    for toks in fspec.generate(target, None, prompts, max_new_tokens=new).tokens:
+        for t in toks[1:]:
+            counts[t] = counts.get(t, 0) + 1
+    eos = tuple(sorted(counts, key=lambda t: -counts[t])[:3])
+    return dataclasses.replace(target, cfg=dataclasses.replace(target.cfg, eos_token_ids=eos)), draft
+
+
 class _Books(Run):
     """A Run that checks its slots and the allocator's books after every processed round."""
 
@@ -47,15 +58,8 @@ def test_more_prompts_than_slots_equal_each_prompt_alone(pipeline):
     """19 prompts of 1..30 tokens through 4 slots (bucket 4), EOS set to frequent tokens so requests end
     at different rounds: greedy speculative output equals target-only decoding of each prompt, sampled
     output equals the all-at-once call's (19 slots); slots are reused, books balance, nothing leaks."""
-    target, draft = aligned_pair(k=3)
     prompts = _prompts(19, seed=1)
-    free = fspec.generate(target, None, prompts, max_new_tokens=12)
-    counts: dict[int, int] = {}
-    for toks in free.tokens:
-        for t in toks[1:]:
-            counts[t] = counts.get(t, 0) + 1
-    eos = tuple(sorted(counts, key=lambda t: -counts[t])[:3])
-    target = dataclasses.replace(target, cfg=dataclasses.replace(target.cfg, eos_token_ids=eos))
+    target, draft = _staggered(*aligned_pair(k=3), prompts, 12)
     want = fspec.generate(target, None, prompts, max_new_tokens=12).tokens
     assert len({len(t) for t in want}) >= 4, "finishes not staggered"
     temps, seeds = [0.0 if i % 3 == 0 else 0.9 for i in range(19)], list(range(19))
@@ -137,3 +141,55 @@ def test_compiled_continuous_batching_equals_eager():
         == fspec.generate(target, draft, prompts[::-1], temperature=temps, seed=seeds, **kw).tokens
     )
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_refill_admits_free_slots_together_and_never_lets_one_wait_past_max_wait():
+    """`fspec.Refill`: 40 prompts through 16 slots. share = 0 admits in the round a slot frees; the default
+    (an eighth of the slots, 2 here) admits in groups, so fewer prefills run; share = 1 with max_wait = 3
+    admits when every slot is free or a slot has been free 3 rounds. The tokens are target-only decoding's
+    in every case, and no admission finds a slot free for longer than max_wait rounds while requests are
+    live."""
+    target, draft = _staggered(*aligned_pair(k=2), _prompts(40, seed=4), 10)
+    prompts = _prompts(40, seed=4)
+    want = fspec.generate(target, None, prompts, max_new_tokens=10).tokens
+    assert len({len(t) for t in want}) >= 4, "finishes not staggered"
+    prefills = {}
+    for name, refill in (
+        ("at_once", fspec.Refill(share=0.0)),
+        ("default", fspec.Refill()),
+        ("wait", fspec.Refill(share=1.0, max_wait=3)),
+    ):
+        run = Run(target, draft, prompts, dict(temperature=[0.0] * 40, seed=[0] * 40), max_new_tokens=10,
+                  compile=False, stats=Stats(2), progress=False, max_slots=16, refill=refill)  # fmt: skip
+        waits = []
+        admit = run._admissible
+
+        def logged(admit=admit, run=run, waits=waits):
+            free = [b for b in range(run.b) if run.done[b]]
+            live = not all(run.done)
+            pairs = admit()
+            if pairs and live:
+                waits.append(max(run.rounds_launched - run.freed_at[b] for b in free))
+            return pairs
+
+        run._admissible = logged
+        assert run.go() == want, name
+        prefills[name] = run.stats.target_forwards - run.stats.rounds
+        assert max(waits, default=0) <= refill.max_wait, name
+    assert prefills["default"] < prefills["at_once"]
+    assert prefills["wait"] < prefills["at_once"]
+
+
+def test_refill_rejects_bad_settings():
+    for kw, name in ((dict(share=-0.1), "share"), (dict(share=1.5), "share"), (dict(share=True), "share"),
+                     (dict(max_wait=0), "max_wait"), (dict(max_wait=2.0), "max_wait")):  # fmt: skip
+        with pytest.raises(ValueError, match=name):
+            fspec.Refill(**kw)
+    with pytest.raises(ValueError, match="refill"):
+        fspec.Generator(refill=0.5)
+    due = fspec.Refill(share=0.25, max_wait=4).due
+    assert due(free=2, slots=8, live=True, waited=0)  # ceil(0.25 * 8) = 2 free
+    assert not due(free=1, slots=8, live=True, waited=3)
+    assert due(free=1, slots=8, live=True, waited=4)  # free for max_wait rounds
+    assert due(free=1, slots=8, live=False, waited=0)  # nothing live: never idle the whole batch
+    assert not due(free=0, slots=8, live=False, waited=9)
