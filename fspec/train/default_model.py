@@ -454,7 +454,7 @@ def build(
             saved.update(prompts=log["prompts"], answers=log["answers"], self_prompts=log.get("self_prompts"))
             torch.save(saved, stream_file)
     if stream_only:
-        print(f"stream: {stream.numel()} tokens written to {stream_file}", flush=True)
+        print(f"stream: {stream.numel()} tokens written to {stream_file}; {log['answers']}", flush=True)
         return log
     log["stream_tokens"] = stream.numel()
     log["validation_tokens"] = 0 if val_stream is None else val_stream.numel()
