@@ -11,9 +11,9 @@ with --compile, `Generator.warmup(max_batch=B)` with the head and without record
 rows' "warmup_s" and "graphs", the CUDA graphs a timed call recorded: 0 after it), else one warm-up call of
 the mode on B prompts:
   * continuous: `fspec.Generator(max_batch=B).generate(...)`: a finished request's slot and blocks go to the
-    next waiting prompt, with the default `fspec.Refill` (admission once an eighth of the slots are free or
-    one has been free 8 rounds);
-  * continuous_at_once: the same with `fspec.Refill(share=0)`: each slot refilled the round it frees;
+    next waiting prompt in the round it frees (the default `fspec.Refill`);
+  * continuous_grouped: the same with `fspec.Refill(share=0.125)`: admission waits until an eighth of the
+    slots are free, or one has been free 8 rounds, so that one prefill takes several requests;
   * static: the same generator called on consecutive chunks of B prompts: each chunk runs to its slowest
     request, as `generate` ran chunks of 256 before continuous batching;
   * target_only: continuous batching without the head;
@@ -42,7 +42,7 @@ import fspec  # noqa: E402
 from fspec.train import default_model  # noqa: E402
 from fspec.train import prompts as P  # noqa: E402
 
-MODES = ("continuous", "continuous_at_once", "static", "target_only", "hf")
+MODES = ("continuous", "continuous_grouped", "static", "target_only", "hf")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
 
         modes = {
             "continuous": lambda: continuous(head),
-            "continuous_at_once": lambda: continuous(head, refill=fspec.Refill(share=0.0)),
+            "continuous_grouped": lambda: continuous(head, refill=fspec.Refill(share=0.125)),
             "static": static,
             "target_only": lambda: continuous(None),
         }

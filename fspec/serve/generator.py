@@ -66,7 +66,7 @@ class Generator:
     head's) until a weight changes, the model is dropped or `clear()`; False keeps no copy and runs
     `F.linear` on the caller's weights.
     refill: when a call of more prompts than its slots fills the slots its finished requests free
-    (`fspec.Refill`: by default once an eighth of them are free, or one has been free for 8 rounds)."""
+    (`fspec.Refill`: by default in the round each frees)."""
 
     def __init__(
         self,

@@ -57,19 +57,21 @@ MAX_SLOTS = 256  # the largest batch bucket
 class Refill:
     """When a call with prompts still waiting fills its free slots (continuous batching).
 
-    Each admission is a prefill: a target forward (a few, for prompts longer than a chunk) whose cost on a
-    GPU hardly depends on how many requests it takes, since a small model's forward is bound by its launches.
-    Filling every slot the round it frees spends about one forward per finished request; waiting until
-    several slots are free spends one for all of them, at the price of those slots idling a few rounds.
+    Each admission is a prefill: a target forward (a few, for prompts longer than a chunk). On a GPU its cost
+    should hardly depend on how many requests it takes, a small model's forward being bound by its launches:
+    filling every slot the round it frees then spends about one forward per finished request, and waiting
+    until several slots are free one for all of them, at the price of those slots idling a few rounds. On a
+    CPU a prefill costs what its tokens cost, and an idle slot is a padding row computed for nothing.
     Admission happens when requests wait for a free slot and any of these holds: no request is live; at
-    least ceil(share × slots) slots are free; a slot has been free for max_wait rounds. share = 0 admits in
-    the round a slot frees (every call of at most `slots` prompts admits them all at once anyway). The rule
+    least ceil(share × slots) slots are free; a slot has been free for max_wait rounds. The default,
+    share = 0, admits in the round a slot frees (what measured best on the CPU: docs/serve.md; the GPU has
+    not been measured yet). Every call of at most `slots` prompts admits them all at once anyway. The rule
     is text-generation-inference's router's (`--waiting-served-ratio`, `--max-waiting-tokens`), here counted
     in free slots and rounds.
 
     share: a float in [0, 1]; max_wait: an int >= 1 (rounds launched since the slot was freed)."""
 
-    share: float = 0.125
+    share: float = 0.0
     max_wait: int = 8
 
     def __post_init__(self) -> None:

@@ -144,8 +144,8 @@ def test_compiled_continuous_batching_equals_eager():
 
 
 def test_refill_admits_free_slots_together_and_never_lets_one_wait_past_max_wait():
-    """`fspec.Refill`: 40 prompts through 16 slots. share = 0 admits in the round a slot frees; the default
-    (an eighth of the slots, 2 here) admits in groups, so fewer prefills run; share = 1 with max_wait = 3
+    """`fspec.Refill`: 40 prompts through 16 slots. share = 0 (the default) admits in the round a slot frees;
+    share = 1/8 (2 slots here) admits in groups, so fewer prefills run; share = 1 with max_wait = 3
     admits when every slot is free or a slot has been free 3 rounds. The tokens are target-only decoding's
     in every case, and no admission finds a slot free for longer than max_wait rounds while requests are
     live."""
@@ -155,8 +155,8 @@ def test_refill_admits_free_slots_together_and_never_lets_one_wait_past_max_wait
     assert len({len(t) for t in want}) >= 4, "finishes not staggered"
     prefills = {}
     for name, refill in (
-        ("at_once", fspec.Refill(share=0.0)),
-        ("default", fspec.Refill()),
+        ("at_once", fspec.Refill()),
+        ("grouped", fspec.Refill(share=0.125)),
         ("wait", fspec.Refill(share=1.0, max_wait=3)),
     ):
         run = Run(target, draft, prompts, dict(temperature=[0.0] * 40, seed=[0] * 40), max_new_tokens=10,
@@ -176,7 +176,7 @@ def test_refill_admits_free_slots_together_and_never_lets_one_wait_past_max_wait
         assert run.go() == want, name
         prefills[name] = run.stats.target_forwards - run.stats.rounds
         assert max(waits, default=0) <= refill.max_wait, name
-    assert prefills["default"] < prefills["at_once"]
+    assert prefills["grouped"] < prefills["at_once"]
     assert prefills["wait"] < prefills["at_once"]
 
 
@@ -193,3 +193,4 @@ def test_refill_rejects_bad_settings():
     assert due(free=1, slots=8, live=True, waited=4)  # free for max_wait rounds
     assert due(free=1, slots=8, live=False, waited=0)  # nothing live: never idle the whole batch
     assert not due(free=0, slots=8, live=False, waited=9)
+    assert fspec.Refill().due(free=1, slots=256, live=True, waited=0)  # the default: admit at once
