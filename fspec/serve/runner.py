@@ -305,7 +305,10 @@ class Run:
             self.n[s] = len(self.prompts[r])
             self.admitted_at[s] = self.rounds_launched  # rounds launched before now are not this request's
             self._ensure(s, self.n[s] + 2 * self.k + 1)
-        group = bucket_for(len(reqs))
+        # Chunked prefill (CUDA) pads the group to a batch bucket: its graphs and Triton specialisations are
+        # per bucket. Whole-prompt prefill (the CPU) runs eagerly, where a padding request would be a prompt's
+        # worth of rows computed for nothing: the group is the admitted requests.
+        group = bucket_for(len(reqs)) if self.chunked else len(reqs)
         sampling = self.host_sampling.rows(reqs).pad(group - len(reqs)).to_device(self.device)
         first, new = self._prefill(slots, reqs, group, sampling)
         # one pinned copy of (slots, lengths), queued behind the prefill: a pageable copy would wait for it

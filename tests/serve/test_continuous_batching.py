@@ -194,3 +194,27 @@ def test_refill_rejects_bad_settings():
     assert due(free=1, slots=8, live=False, waited=0)  # nothing live: never idle the whole batch
     assert not due(free=0, slots=8, live=False, waited=9)
     assert fspec.Refill().due(free=1, slots=256, live=True, waited=0)  # the default: admit at once
+
+
+def test_cpu_prefill_computes_no_padding_request(monkeypatch):
+    """Off CUDA a prefill runs whole prompts eagerly: admitting 3 requests into a bucket of 4 slots prefills
+    3 rows, not a padding 4th (a prompt's worth of rows for nothing); the tokens are each prompt's alone."""
+    import fspec.serve.runner as runner
+
+    target, draft = aligned_pair(k=2)
+    prompts = _prompts(3, seed=5)
+    rows = []
+    real = runner.prefill_batch
+
+    def counted(target, draft, ids, *args, **kwargs):
+        rows.append(ids.shape[0])
+        return real(target, draft, ids, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "prefill_batch", counted)
+    run = Run(target, draft, prompts, dict(temperature=[0.0] * 3, seed=[0] * 3), max_new_tokens=6,
+              compile=False, stats=Stats(2), progress=False, max_slots=4)  # fmt: skip
+    assert run.b == 4
+    got = run.go()
+    monkeypatch.setattr(runner, "prefill_batch", real)
+    assert rows == [3]
+    assert got == [fspec.generate(target, None, [p], max_new_tokens=6).tokens[0] for p in prompts]
