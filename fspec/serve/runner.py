@@ -278,9 +278,8 @@ class Run:
                 self.alloc.free(blocks)
             self.free_at.clear()
         free = [b for b in range(self.b) if self.done[b] and not self.blocks[b]]
-        live = not all(self.done)
         waited = self.rounds_launched - min((self.freed_at[b] for b in free), default=self.rounds_launched)
-        if not self.refill.due(len(free), self.b, live, waited):
+        if not self.refill.due(len(free), self.b, self._live(), waited):
             return []
         budget = self.alloc.num_free - sum(
             self.worst[self.req[b]] - len(self.blocks[b]) for b in range(self.b) if not self.done[b]

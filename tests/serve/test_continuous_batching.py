@@ -147,8 +147,7 @@ def test_refill_admits_free_slots_together_and_never_lets_one_wait_past_max_wait
     """`fspec.Refill`: 40 prompts through 16 slots. share = 0 (the default) admits in the round a slot frees;
     share = 1/8 (2 slots here) admits in groups, so fewer prefills run; share = 1 with max_wait = 3
     admits when every slot is free or a slot has been free 3 rounds. The tokens are target-only decoding's
-    in every case, and no admission finds a slot free for longer than max_wait rounds while requests are
-    live."""
+    in every case, and no admission finds a slot free for longer than max_wait rounds."""
     target, draft = _staggered(*aligned_pair(k=2), _prompts(40, seed=4), 10)
     prompts = _prompts(40, seed=4)
     want = fspec.generate(target, None, prompts, max_new_tokens=10).tokens
@@ -165,10 +164,9 @@ def test_refill_admits_free_slots_together_and_never_lets_one_wait_past_max_wait
         admit = run._admissible
 
         def logged(admit=admit, run=run, waits=waits):
-            free = [b for b in range(run.b) if run.done[b]]
-            live = not all(run.done)
+            free = [b for b in range(run.b) if run.done[b] and run.req[b] >= 0]  # freed, not never used
             pairs = admit()
-            if pairs and live:
+            if pairs and free:
                 waits.append(max(run.rounds_launched - run.freed_at[b] for b in free))
             return pairs
 
