@@ -345,3 +345,15 @@ def test_cpu_packed_smoke_runs_both_parts_and_keeps_tokens(tmp_path):
     spec = [r for r in d["rows"] if r["case"].get("mode") == "spec"]
     assert len(spec) == 2 * 4 * 2  # sets x K x prepack
     assert all(r["same_tokens"] and r["tau_mean"] >= 1.0 for r in spec)
+
+
+@pytest.mark.slow
+def test_continuous_smoke_runs_the_chosen_modes_and_profiles_the_host(tmp_path):
+    args = ("--device", "cpu", "--dtype", "float32", "--batch", "4", "--prompts", "6", "--new-tokens", "4",
+            "--skip-hf", "--modes", "continuous", "continuous_grouped", "--profile-host")  # fmt: skip
+    d = _run("bench_continuous.py", *args, out=tmp_path / "continuous.json")
+    assert [r["case"]["mode"] for r in d["rows"]] == ["continuous", "continuous_grouped"]
+    for row in d["rows"]:
+        assert row["new_tokens"] > 0 and math.isclose(row["tok_s"], row["new_tokens"] / row["seconds"])
+        assert row["target_forwards"] > row["rounds"] > 0  # the prefills are forwards too
+    assert "cumulative" in (tmp_path / "continuous_host_4.txt").read_text()
