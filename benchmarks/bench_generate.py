@@ -554,9 +554,17 @@ def engine_round_us(target, draft, b: int, s: Setup) -> float:
         args = (target.params, draft.params, cur, n, live, table, d_tok, d_prob, run.sampling)
         args += (run.tcache, run.dcache)
         if s.compile:
-            fn = run.res.graph(rounds.compiled_spec_round, target.cfg, dcfg, run.max_len, run.captured)
+            # the engine's graph advances n (and cur, and the drafts) in place: each call starts n back at
+            # the middle of the run (one 8-byte-per-request copy, launched before the replay)
+            graph = run.res.graph(rounds.compiled_spec_round, target.cfg, dcfg, run.max_len, run.captured)
             if run.captured:  # fspec's own graph, keyed once as the engine does (`Run._replay`)
-                fn = functools.partial(fn, key=GraphCapture.layout_key(args))
+                graph = functools.partial(graph, key=GraphCapture.layout_key(args))
+            n0 = n.clone()
+
+            def fn(*a):
+                n.copy_(n0)
+                return graph(*a)
+
         else:
             fn = functools.partial(rounds.spec_round, tcfg=target.cfg, dcfg=dcfg, max_len=run.max_len)
 

@@ -4,7 +4,8 @@
 sampling, and the next K drafts (`propose` from the accepted rows, whose target hidden states the forward just
 produced) — with every piece of metadata derived on the device from (n, live, block table). Nothing leaves
 the device between the target forward and the last draft step: the host reads the accepted tokens once per
-round, afterwards. `decode_step` is the target-only counterpart (one token per request).
+round, afterwards. `decode_step` is the target-only counterpart (one token per request). `spec_round_in_place`
+and `decode_round` add the round's bookkeeping (`advance`): what the engine compiles.
 
 Both skip input validation: they are internal, fed by the engine, and run inside compiled graphs.
 Naming convention: p = target distribution, q = draft distribution.
@@ -361,26 +362,47 @@ def decode_step(
     return sample_tokens(suppress_tokens(logits, sampling, n + 1), sampling, n + 1, greedy=greedy)
 
 
+def advance(cur: torch.Tensor, n: torch.Tensor, tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """A round's bookkeeping on the device: the last emitted token (tokens [B, K + 1] at accepted [B])
+    becomes `cur` and `n` moves accepted + 1 on, both written in place. Returns the round's record as the
+    host reads it: [B, K + 2] int64, the tokens then the number accepted."""
+    cur.copy_(tokens.gather(1, accepted[:, None]).squeeze(1))
+    n.add_(accepted + 1)
+    return torch.cat([tokens, accepted[:, None]], 1)
+
+
 def decode_round(tparams: dict, cur: torch.Tensor, n: torch.Tensor, *inputs, **options) -> torch.Tensor:
     """One round of target-only decoding with its bookkeeping on the device: `decode_step(tparams, cur, n,
-    *inputs, **options)`, then the new token becomes `cur` and `n` moves one on, both written in place
-    (donated, like the cache, so a compiled round reads and writes them where they lie and a loop of rounds
-    needs no launch between graphs). Returns [B, 2] int64 (token, 0): a round's (tokens, accepted) as the
-    host reads them."""
+    *inputs, **options)`, then `advance` (cur and n donated, like the cache, so a compiled round reads and
+    writes them where they lie and a loop of rounds needs no launch between graphs). Returns [B, 2] int64
+    (token, 0): a round's (tokens, accepted) as the host reads them."""
     new = decode_step(tparams, cur, n, *inputs, **options)
-    cur.copy_(new)
-    n.add_(1)
-    return torch.stack([new, torch.zeros_like(new)], 1)
+    return advance(cur, n, new[:, None], torch.zeros_like(new))
+
+
+def spec_round_in_place(tparams, dparams, cur, n, live, table, draft_tokens, draft_probs, *rest, **options):
+    """`spec_round` with its bookkeeping on the device, as `decode_round`: the next proposal written over
+    this one (draft_tokens, draft_probs) and `advance` of cur and n, all four donated. Returns the round's
+    [B, K + 2] record. A loop of compiled rounds then launches nothing between graphs: the host's part of
+    a round is one replay and the read-back copy."""
+    tokens, accepted, next_tokens, next_probs = spec_round(
+        tparams, dparams, cur, n, live, table, draft_tokens, draft_probs, *rest, **options
+    )
+    draft_tokens.copy_(next_tokens)
+    draft_probs.copy_(next_probs)
+    return advance(cur, n, tokens, accepted)
 
 
 def compiled_spec_round(tcfg: ModelConfig, dcfg: DraftConfig, max_len: int, captured: bool = False):
-    """`spec_round` as one CUDA graph per batch bucket: torch.compile in reduce-overhead mode, or with
-    `captured` (CUDA) compiled in Inductor's default mode and replayed from fspec's own graphs
-    (`GraphCapture`: no dynamo guards and graph-tree bookkeeping per round; every argument must stay at its
-    address, so the caller keeps the drafts in static buffers). Its only in-place writes are the caches',
-    which a repeated call makes again with the same values, so the capture's warm-up calls need no undo."""
-    fn = functools.partial(spec_round, tcfg=tcfg, dcfg=dcfg, max_len=max_len)
-    return GraphCapture(jit(fn, "cuda-graph")) if captured else jit(fn)
+    """`spec_round_in_place` as one CUDA graph per batch bucket: torch.compile in reduce-overhead mode, or
+    with `captured` (CUDA) compiled in Inductor's default mode and replayed from fspec's own graphs
+    (`GraphCapture`: no dynamo guards and graph-tree bookkeeping per round). cur, n and the proposal's homes
+    must have static addresses (the graph writes them in place); the capture's warm-up calls put them back
+    as they found them (the caches' writes need no undo: a repeated call makes them again)."""
+    fn = functools.partial(spec_round_in_place, tcfg=tcfg, dcfg=dcfg, max_len=max_len)
+    if not captured:
+        return jit(fn)
+    return GraphCapture(jit(fn, "cuda-graph"), preserve=lambda args: [args[2], args[3], args[6], args[7]])
 
 
 def compiled_decode_step(tcfg: ModelConfig, block_size: int, max_len: int):

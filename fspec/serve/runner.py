@@ -6,11 +6,12 @@ request's emitted tokens, its position, its blocks, and the queue of requests no
 a fixed number of slots (a batch bucket); a request that finishes frees its slot and its KV blocks, and the
 next waiting request is prefilled into the slot while the others go on (`_admit`), so a call of many prompts
 of mixed lengths keeps the batch full instead of waiting for its slowest request. A round's device work is
-one pure function (`fspec.serve.rounds.spec_round` / `decode_step`), one CUDA graph when compiled; the host
-reads the round's tokens once (one sync per round) and updates the device copies of (current token,
-position, live) with device ops. The block table goes to the device only when a request crosses into a new
-block, finishes or is admitted. What compiled runs keep between calls (caches, static buffers, compiled
-rounds) is a `fspec.serve.resources.Resources` of the `fspec.Generator` that runs them.
+one function (`fspec.serve.rounds.spec_round_in_place` / `decode_round`: the pure round, then its own
+bookkeeping on the device, which writes the next current token, position and proposal in place), one CUDA
+graph when compiled; the host reads the round's tokens once (one sync per round). The block table goes to
+the device only when a request crosses into a new block, finishes or is admitted. What compiled runs keep
+between calls (caches, static buffers, compiled rounds) is a `fspec.serve.resources.Resources` of the
+`fspec.Generator` that runs them.
 
 On CUDA a prefill runs in chunks of a few fixed lengths (`fspec.serve.resources.chunk_sizes`) through the
 same paged kernels as the rounds, so no shape depends on a prompt's length: compiled calls replay one
@@ -37,10 +38,11 @@ from fspec.serve.prefill import max_model_len, prefill_batch
 from fspec.serve.resources import Resources, chunk_sizes, pick_chunk
 from fspec.serve.rounds import (
     PrefillChunk,
+    advance,
     captured_prefill_chunk,
     compiled_decode_round,
     compiled_spec_round,
-    decode_step,
+    decode_round,
     prefill_round,
     run_drafts,
     spec_round,
@@ -423,7 +425,7 @@ class Run:
             return None
         k, dcfg = self.k, self.draft.cfg
         vd = 0 if dcfg.greedy_drafts else dcfg.draft_vocab_size
-        if self.captured:  # the captured rounds read the proposal at fixed addresses
+        if self.compile:  # the compiled rounds read and write the proposal at fixed addresses
             homes = self.res.draft_buffers(self.b, k, vd, self.device)
             return tuple(h.zero_() for h in homes)
         return (
@@ -467,64 +469,24 @@ class Run:
         self.stats.target_forwards += 1
         if self.compile and not self.captured:  # torch.compile's graph trees; fspec's own graphs need none
             torch.compiler.cudagraph_mark_step_begin()
-        if self.draft is not None:
-            args = (
-                self.target.params,
-                self.draft.params,
-                self.cur_d,
-                self.n_d,
-                self.live_d,
-                self.table_d,
-                *drafts,
-                self.sampling,
-                self.tcache,
-                self.dcache,
-            )
-            if self.compile:
-                if self.round_fn is None:
-                    self.round_fn = self.res.graph(
-                        compiled_spec_round, self.target.cfg, self.draft.cfg, self.max_len, self.captured
-                    )
-                tokens, accepted, d_tok, d_prob = self._replay(self.round_fn, args)
-                # The next replay overwrites this one's outputs, and the drafts are its inputs: copy them
-                # (to their static homes when captured: the next replay reads them there).
-                if self.captured:
-                    drafts = tuple(home.copy_(d) for home, d in zip(drafts, (d_tok, d_prob)))
-                else:
-                    drafts = (d_tok.clone(), d_prob.clone())
-            else:
-                tokens, accepted, d_tok, d_prob = spec_round(
-                    *args, tcfg=self.target.cfg, dcfg=self.draft.cfg, max_len=self.max_len
-                )
-                drafts = (d_tok, d_prob)
+        tcfg, state = self.target.cfg, (self.cur_d, self.n_d, self.live_d, self.table_d)
+        if self.draft is None:
+            args = (self.target.params, *state, self.sampling, self.tcache)
+            factory, key = compiled_decode_round, (tcfg, self.bs, self.max_len, self.captured)
         else:
-            args = (
-                self.target.params,
-                self.cur_d,
-                self.n_d,
-                self.live_d,
-                self.table_d,
-                self.sampling,
-                self.tcache,
-            )
-            if self.compile:  # the graph advances cur_d and n_d in place and returns (token, 0)
-                if self.round_fn is None:
-                    self.round_fn = self.res.graph(
-                        compiled_decode_round, self.target.cfg, self.bs, self.max_len, self.captured
-                    )
-                both = self._replay(self.round_fn, args)
-                return self._read_back(both), drafts
-            new = decode_step(
-                *args, tcfg=self.target.cfg, block_size=self.bs, max_len=self.max_len, greedy=self.greedy
-            )
-            tokens, accepted = new[:, None], torch.zeros_like(new)
-        if self.bufs is not None:  # static buffers: advanced in place
-            self.n_d.add_(accepted + 1)
-            self.cur_d.copy_(tokens.gather(1, accepted[:, None]).squeeze(1))
-        else:  # in place too: admission writes new requests' rows into them
-            self.n_d.add_(accepted + 1)
-            self.cur_d = tokens.gather(1, accepted[:, None]).squeeze(1)
-        return self._read_back(torch.cat([tokens, accepted[:, None]], 1)), drafts
+            args = (self.target.params, self.draft.params, *state, *drafts, self.sampling, self.tcache)
+            args += (self.dcache,)
+            factory, key = compiled_spec_round, (tcfg, self.draft.cfg, self.max_len, self.captured)
+        if self.compile:  # the graph writes cur_d, n_d (and the proposal's static homes) in place
+            if self.round_fn is None:
+                self.round_fn = self.res.graph(factory, *key)
+            return self._read_back(self._replay(self.round_fn, args)), drafts
+        if self.draft is None:
+            options = dict(tcfg=tcfg, block_size=self.bs, max_len=self.max_len, greedy=self.greedy)
+            return self._read_back(decode_round(*args, **options)), drafts
+        # eagerly the next proposal is a new pair of tensors: nothing is copied into the old one
+        tokens, accepted, *drafts = spec_round(*args, tcfg=tcfg, dcfg=self.draft.cfg, max_len=self.max_len)
+        return self._read_back(advance(self.cur_d, self.n_d, tokens, accepted)), tuple(drafts)
 
     def _replay(self, fn, args: tuple):
         """fn(*args) for a compiled round; a captured one gets the run's layout key, computed on the first

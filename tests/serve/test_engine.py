@@ -449,6 +449,34 @@ def test_compiled_target_only_decoding_equals_eager_and_keeps_its_graph_across_c
     assert second.tokens != greedy  # the sampled rows did sample
 
 
+@pytest.mark.parametrize("greedy_drafts", [False, True])
+def test_the_in_place_round_is_the_pure_round_plus_its_bookkeeping(greedy_drafts):
+    """`spec_round_in_place` (what compiled runs replay) returns `spec_round`'s tokens and accepted counts as
+    one [B, K + 2] record, and writes the next proposal over its draft inputs, the last emitted token into
+    cur and n + accepted + 1 into n; for greedy drafts (no probabilities) and sampled ones alike."""
+    from fspec.serve import rounds
+
+    target, draft = aligned_pair(k=3)
+    draft = dataclasses.replace(draft, cfg=dataclasses.replace(draft.cfg, greedy_drafts=greedy_drafts))
+    opts = dict(temperature=[0.9, 0.0, 1.3, 0.7, 0.0], seed=[3, 1, 4, 1, 5])
+    run = Run(target, draft, PROMPTS, opts, max_new_tokens=8, compile=False, stats=Stats(3), progress=False)
+    run._keep = []
+    drafts = run._admit(run._device_state())
+    _, drafts = run._launch(drafts)  # one round first: blocks allocated, table and live flags on the device
+    args = [target.params, draft.params, run.cur_d, run.n_d, run.live_d, run.table_d, *drafts, run.sampling]
+    static = dict(tcfg=target.cfg, dcfg=draft.cfg, max_len=run.max_len)
+    pure = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    tokens, accepted, next_tokens, next_probs = rounds.spec_round(*pure, run.tcache, run.dcache, **static)
+    cur, n = run.cur_d.clone(), run.n_d.clone()
+    record = rounds.spec_round_in_place(*args, run.tcache, run.dcache, **static)
+    assert record.shape == (run.b, 3 + 2) and (accepted > 0).any()
+    assert torch.equal(record, torch.cat([tokens, accepted[:, None]], 1))
+    assert torch.equal(run.cur_d, tokens.gather(1, accepted[:, None]).squeeze(1))
+    assert not torch.equal(run.cur_d, cur) and torch.equal(run.n_d, n + accepted + 1)
+    assert torch.equal(drafts[0], next_tokens) and torch.equal(drafts[1], next_probs)
+    assert drafts[1].shape[-1] == (0 if greedy_drafts else draft.cfg.draft_vocab_size)
+
+
 def test_k_defaults_to_the_heads_recorded_k():
     """num_speculative_steps=None (the default) drafts the K the head's config records."""
     target, draft = aligned_pair(k=4)
