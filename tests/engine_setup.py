@@ -48,3 +48,11 @@ def aligned_pair(
             layer["o"].zero_()
             layer["down"].zero_()
     return target, draft
+
+
+def assert_table_matches_blocks(run) -> None:
+    """The block table the host keeps row by row (`Run.table_h`) is each slot's blocks, then -1."""
+    want = torch.full_like(run.table_h, -1)
+    for b, blocks in enumerate(run.blocks):
+        want[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    assert torch.equal(run.table_h, want), "the kept block table and the slots' blocks disagree"

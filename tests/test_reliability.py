@@ -23,7 +23,7 @@ from fspec.serve.runner import Run
 
 from draft_setup import scenario as draft_scenario
 from draft_setup import tiny_draft, tiny_target
-from engine_setup import aligned_pair
+from engine_setup import aligned_pair, assert_table_matches_blocks
 
 R = dataclasses.replace
 INF, NAN = float("inf"), float("nan")
@@ -830,6 +830,7 @@ class _CheckedRun(Run):
         assert all(not self.blocks[b] for b in range(self.b) if self.done[b]), (
             "a finished request holds blocks"
         )
+        assert_table_matches_blocks(self)
         self.rounds_checked += 1
 
 

@@ -20,7 +20,7 @@ import fspec
 from fspec.serve.engine import Stats
 from fspec.serve.runner import Run
 
-from engine_setup import aligned_pair
+from engine_setup import aligned_pair, assert_table_matches_blocks
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -50,6 +50,7 @@ class _Books(Run):
         assert self.alloc._used == set(held) | set(pending), "allocator and slots disagree: a leak"
         live = [self.req[b] for b in range(self.b) if not self.done[b]]
         assert len(set(live)) == len(live), "a request in two slots"
+        assert_table_matches_blocks(self)
         self.checked += 1
 
 
