@@ -191,6 +191,7 @@ class Run:
         self.table_dirty = self.live_dirty = True
         self.free_at: dict[int, list[int]] = {}  # round index -> blocks to free once that round is processed
         self.processing = -1
+        self.firsts: list = []  # admitted requests' first tokens not yet emitted: (event, tokens, slots)
         self.rounds_launched = 0
         self.in_flight = False  # a launched round not yet processed
         self.alloc = BlockAllocator(need)  # hands out what the requests can use; the cache may hold more
@@ -299,9 +300,13 @@ class Run:
             pairs.append((free.pop(0), r))
         return pairs
 
-    def _admit(self, drafts):
+    def _admit(self, drafts, *, defer: bool = False):
         """Prefill the admissible waiting requests into free slots and merge their first token, position,
-        settings and first drafts into the batch's device state. Returns the batch's drafts."""
+        settings and first drafts into the batch's device state. Returns the batch's drafts.
+
+        The first tokens are emitted now, or with `defer` by the next `_process` (before its rows): the host
+        then queues their copy out and goes on to launch the next round instead of waiting for the prefill,
+        so the device is never left without queued work at an admission."""
         pairs = self._admissible()
         if not pairs:
             return drafts
@@ -330,10 +335,27 @@ class Run:
             for home, d in zip(drafts, new):
                 home.index_copy_(0, index, d[:g])
         self.live_dirty = self.table_dirty = True
-        first_list = first.tolist()
-        for j, s in enumerate(slots):
-            self._emit(s, [first_list[j]], first=True)  # at position n, the prompt length
+        first = first[:g]
+        event = None
+        if defer and self.device.type == "cuda" and self.pipeline:
+            host = torch.empty(first.shape, dtype=first.dtype, pin_memory=True)
+            host.copy_(first, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            first = host
+        self.firsts.append((event, first, slots))
+        if not defer:
+            self._emit_firsts()
         return drafts
+
+    def _emit_firsts(self) -> None:
+        """Emit the admitted requests' first tokens (each at position n, its prompt's length)."""
+        for event, first, slots in self.firsts:
+            if event is not None:
+                event.synchronize()
+            for s, token in zip(slots, first.tolist(), strict=True):
+                self._emit(s, [token], first=True)
+        self.firsts.clear()
 
     def _prefill(self, slots, reqs, group: int, sampling: SamplingParams):
         """The target prefill of requests `reqs` (into `slots`), their first tokens [group] and the head's
@@ -532,9 +554,10 @@ class Run:
         self._keep.clear()
         self.alloc.free(self.free_at.pop(index, []))  # requests that finished two rounds ago
         rows = host.tolist()
+        self.processing = index
+        self._emit_firsts()  # before the rows: this round may be a just-admitted request's first
         live = [b for b in range(self.b) if not self.done[b] and index >= self.admitted_at[b]]
         self.stats.record([rows[b][-1] for b in live])
-        self.processing = index
         for b in live:
             acc = rows[b][-1]
             self._emit(b, rows[b][: acc + 1])
@@ -584,7 +607,7 @@ class Run:
                 pending = launched
                 self.in_flight = pending is not None
                 if self.waiting:
-                    drafts = self._admit(drafts)
+                    drafts = self._admit(drafts, defer=True)
                 if bar is not None:
                     now = sum(map(len, self.out))
                     bar.update(max(now - emitted, 0))  # a stop string's cut can shorten an output

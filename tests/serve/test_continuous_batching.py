@@ -89,6 +89,27 @@ def test_more_prompts_than_slots_equal_each_prompt_alone(pipeline):
         assert all(not b for b in run.blocks)
 
 
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_requests_that_end_at_their_first_token_free_their_slot_for_the_next(pipeline):
+    """An admitted request's first token is emitted with the next processed round (the host does not wait
+    for the prefill); one that ends right there (its first token is EOS) has run one ignored round. 12
+    prompts through 2 slots, EOS the first token of every third: tokens equal each prompt alone, the
+    EOS-first requests end with one token, books balance after every round."""
+    prompts = _prompts(12, seed=4)
+    target, draft = aligned_pair(k=3)
+    firsts = [t[0] for t in fspec.generate(target, None, prompts, max_new_tokens=1).tokens]
+    eos = tuple(sorted({firsts[i] for i in range(0, 12, 3)}))
+    target = dataclasses.replace(target, cfg=dataclasses.replace(target.cfg, eos_token_ids=eos))
+    want = [fspec.generate(target, None, [p], max_new_tokens=9).tokens[0] for p in prompts]
+    assert sum(len(t) == 1 for t in want) >= 4 and any(len(t) > 1 for t in want)
+    run = _Books(target, draft, prompts, dict(temperature=[0.0] * 12, seed=[0] * 12), max_new_tokens=9,
+                 compile=False, stats=Stats(3), progress=False, max_slots=2)  # fmt: skip
+    run.pipeline, run.checked = pipeline, 0
+    total = run.alloc.num_free
+    assert run.go() == want
+    assert run.checked > 0 and run.alloc.num_free == total and not run.firsts
+
+
 def test_a_generator_with_max_batch_runs_a_large_call_in_a_full_batch():
     """`fspec.Generator(max_batch=8)`: 40 prompts run 8 at a time; the tokens are those of the default
     generator (all 40 in one bucket of 64) and of target-only decoding; stats count every request-round."""
