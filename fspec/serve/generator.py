@@ -211,23 +211,31 @@ class Generator:
         progress: bool = False,
     ) -> GenerateResult:
         """`fspec.generate` with this generator's caches, buffers and compiled rounds."""
+        start = time.perf_counter()
+        run = self._prepare(
+            target, draft, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+            top_k=top_k, top_p=top_p, min_p=min_p, stop=stop, stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos, eos_token_id=eos_token_id, min_new_tokens=min_new_tokens,
+            num_speculative_steps=num_speculative_steps, compile=compile, progress=progress,
+        )  # fmt: skip
+        run.go()
+        return self._result(run, start)
+
+    def _prepare(self, target, draft, prompts, *, max_new_tokens, temperature=None, seed=0, top_k=None,
+                 top_p=None, min_p=None, num_speculative_steps=None, compile=False, progress=False,
+                 detokenize=False, **stops) -> Run:  # fmt: skip
+        """The validated `Run` of a `generate` or `stream` call (`stops`: its stop options), not yet run:
+        `generate` runs it to the end, `stream` round by round; a caller that drives `Run.rounds()` itself
+        (the head recipe's data generation) may stop admitting on its own terms, then hands it to
+        `_result`."""
         options = _sampling_options(target, temperature, seed, top_k, top_p, min_p)
         ids, options, k, draft = _validate(
             target, draft, prompts, max_new_tokens, options, num_speculative_steps, compile, progress
         )
-        stops = stop_config(
-            target,
-            max_new_tokens=max_new_tokens,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            eos_token_id=eos_token_id,
-            min_new_tokens=min_new_tokens,
-        )
-        start = time.perf_counter()
+        stops = stop_config(target, max_new_tokens=max_new_tokens, **stops)
         stats = Stats(k if draft is not None else 0)
         target, draft = self._prepacked(target, draft, len(ids), k, compile)
-        run = Run(
+        return Run(
             target,
             draft,
             ids,
@@ -238,20 +246,24 @@ class Generator:
             progress=progress,
             resources=self.resources,
             stops=stops,
+            detokenize=detokenize,
             max_slots=self.max_batch,
             refill=self.refill,
         )
-        run.go()
+
+    @staticmethod
+    def _result(run: Run, start: float) -> GenerateResult:
+        """The `GenerateResult` of a run that began (`_prepare`) at perf_counter() time `start`."""
         tracks: list[StopTracker] = run.track
         seconds = time.perf_counter() - start
         tokens = [t.tokens for t in tracks]
         text = None
-        if target.tokenizer is not None:  # built as the requests grew when there are stop strings
-            text = [target.tokenizer.decode(t.tokens) if t.text is None else t.text.text for t in tracks]
+        if run.target.tokenizer is not None:  # built as the requests grew when there are stop strings
+            text = [run.target.tokenizer.decode(t.tokens) if t.text is None else t.text.text for t in tracks]
         return GenerateResult(
             tokens=tokens,
             text=text,
-            stats=stats.summary(sum(map(len, tokens)), seconds),
+            stats=run.stats.summary(sum(map(len, tokens)), seconds),
             finish_reason=[t.reason for t in tracks],
         )
 
@@ -284,35 +296,12 @@ class Generator:
                     "prompt: expected one prompt (a string or a list of token ids), "
                     f"got a list of {len(prompt)} prompts"
                 )
-        options = _sampling_options(target, temperature, seed, top_k, top_p, min_p)
-        ids, options, k, draft = _validate(
-            target, draft, [prompt], max_new_tokens, options, num_speculative_steps, compile, progress
-        )
-        stops = stop_config(
-            target,
-            max_new_tokens=max_new_tokens,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            eos_token_id=eos_token_id,
-            min_new_tokens=min_new_tokens,
-        )
-        target, draft = self._prepacked(target, draft, len(ids), k, compile)
-        run = Run(
-            target,
-            draft,
-            ids,
-            options,
-            max_new_tokens=max_new_tokens,
-            compile=compile,
-            stats=Stats(k if draft is not None else 0),
-            progress=progress,
-            resources=self.resources,
-            stops=stops,
-            detokenize=True,
-            max_slots=self.max_batch,
-            refill=self.refill,
-        )
+        run = self._prepare(
+            target, draft, [prompt], max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+            top_k=top_k, top_p=top_p, min_p=min_p, stop=stop, stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos, eos_token_id=eos_token_id, min_new_tokens=min_new_tokens,
+            num_speculative_steps=num_speculative_steps, compile=compile, progress=progress, detokenize=True,
+        )  # fmt: skip
         return stream_chunks(run)
 
 

@@ -53,6 +53,7 @@ import torch
 from fspec.core.pytree import tree
 from fspec.models.checkpoint import Draft, Target, load_draft, load_target, render_chat, save_draft
 from fspec.serve.engine import generate
+from fspec.serve.generator import Generator, default_generator
 from fspec.train import distill as D
 from fspec.train import prompts as P
 from fspec.train.ttt import DistillConfig
@@ -119,9 +120,9 @@ class Recipe:
             beside the training prompts); self_prompt_temperature: how they are sampled.
         max_prompt_tokens: longer templated prompts are dropped.
         new_tokens: the target's answer length cap; greedy_share, temperature: how the answers are sampled.
-        gen_batch: prompts per `generate` call; gen_minutes: no batch starts after this long (the prompts
-            left unanswered are logged); gen_compile: the calls compiled (CUDA only; the log records the
-            tokens/s, compiles included).
+        gen_minutes: no prompt is admitted after this long (`_complete`: the prompts left unanswered are
+            logged); gen_compile: the run compiled (CUDA only; the log records the tokens/s, compiles
+            included).
         draft_vocab_size, ttt_steps, step_weight, batch_size, seq_len, lr, warmup_steps, steps,
             minutes: the head and its distillation (a step count > 0 wins over the minutes; with
             `build(train_dir=...)` each run trains `minutes` and the run that reaches `steps` finishes).
@@ -149,7 +150,6 @@ class Recipe:
     new_tokens: int = 384
     greedy_share: float = 0.75
     temperature: float = 0.7
-    gen_batch: int = 1024
     gen_minutes: float = 3.5
     gen_compile: bool = True
     draft_vocab_size: int = 8192
@@ -181,7 +181,6 @@ TINY = Recipe(
     self_prompt_tokens=8,
     max_prompt_tokens=96,
     new_tokens=12,
-    gen_batch=4,
     draft_vocab_size=512,
     ttt_steps=2,
     batch_size=2,
@@ -219,34 +218,42 @@ def _complete(
     temps: list[float],
     seed: int,
     what: str,
+    gen: Generator | None = None,
 ) -> tuple[list[list[int]], dict]:
-    """The target's continuations of `ids` (target-only `fspec.generate`, calls of r.gen_batch prompts, each
-    through continuous batching; no call starts after r.gen_minutes), prompt i at temps[i] with seed
-    `seed * 1_000_003 + i`."""
-    out: list[list[int]] = []
-    began = time.perf_counter()
+    """The target's continuations of `ids`, prompt i at temps[i] with seed `seed * 1_000_003 + i`: one
+    target-only continuous-batching run over all of them (through `gen`, default `fspec.default_generator()`,
+    whose caches and graphs it uses and keeps), admitting prompts in order until r.gen_minutes have passed;
+    the requests then running finish, the rest stay unanswered. Returns the answers of the first
+    len(answers) prompts and the log's record.
+
+    (Calls of 1024 prompts each ended in a tail of emptying slots: with the shipped head's answer lengths,
+    mean 218 tokens, at most 384, a simulated target-only run through 256 slots kept them 78% full in
+    calls of 1024 and 97% full in one call, 8891 against 7206 rounds for 8192 prompts.)"""
+    gen = default_generator() if gen is None else gen
+    began = last = time.perf_counter()
     compiled = r.gen_compile and target.params["embed"].is_cuda
-    for lo in range(0, len(ids), r.gen_batch):
-        if time.perf_counter() - began > 60 * r.gen_minutes:
-            print(f"{what}: gen_minutes spent, {len(ids) - lo} prompts left unanswered", flush=True)
-            break
-        chunk = ids[lo : lo + r.gen_batch]
-        res = generate(
-            target,
-            None,
-            chunk,
-            max_new_tokens=new_tokens,
-            temperature=temps[lo : lo + len(chunk)],
-            seed=[seed * 1_000_003 + i for i in range(lo, lo + len(chunk))],
-            compile=compiled,
-        )
-        out.extend(res.tokens)
-        print(f"{what}: {len(out)}/{len(ids)} ({time.perf_counter() - began:.0f} s)", flush=True)
+    run = gen._prepare(
+        target, None, ids, max_new_tokens=new_tokens, temperature=temps,
+        seed=[seed * 1_000_003 + i for i in range(len(ids))], compile=compiled,
+    )  # fmt: skip
+    cut = 0
+    for _ in run.rounds():
+        now = time.perf_counter()
+        if not cut and run.waiting and now - began > 60 * r.gen_minutes:
+            cut = len(run.waiting)
+            run.waiting.clear()  # admit no more: the requests running finish
+            print(f"{what}: gen_minutes spent, {cut} prompts left unanswered", flush=True)
+        if now - last > 30:
+            done = sum(t.reason is not None for t in run.track)
+            print(f"{what}: {done}/{len(ids)} ({now - began:.0f} s)", flush=True)
+            last = now
+    out = gen._result(run, began).tokens[: len(ids) - cut]
     seconds = time.perf_counter() - began
     new = sum(map(len, out))
+    print(f"{what}: {len(out)}/{len(ids)} ({seconds:.0f} s)", flush=True)
     return out, {
         "answers": len(out),
-        "unanswered": len(ids) - len(out),
+        "unanswered": cut,
         "compiled": compiled,
         "new_tokens": new,
         "seconds": seconds,

@@ -178,6 +178,27 @@ def test_any_recipe_field_can_be_set_from_the_command_line():
             default_model.recipe_changes([bad])
 
 
+def test_answers_come_from_one_run_that_stops_admitting_when_gen_minutes_are_spent():
+    """`_complete` answers every prompt in one continuous-batching run (7 prompts through 2 slots): the
+    answers equal `fspec.generate` with the same temperatures and seeds. With gen_minutes spent at once, the
+    two requests admitted first finish whole and the other five are left unanswered and logged."""
+    from draft_setup import tiny_target
+
+    target = tiny_target()
+    ids = [[1 + i, 2, 3 + 2 * i][: 1 + i % 3] for i in range(7)]
+    temps = [0.0, 0.7, 0.0, 1.0, 0.0, 0.7, 0.0]
+    seeds = [5 * 1_000_003 + i for i in range(7)]
+    want = fspec.generate(target, None, ids, max_new_tokens=9, temperature=temps, seed=seeds).tokens
+    r = dataclasses.replace(default_model.TINY, gen_minutes=60.0)
+    kw = dict(new_tokens=9, temps=temps, seed=5, what="answers")
+    got, log = default_model._complete(target, ids, r, gen=fspec.Generator(max_batch=2), **kw)
+    assert got == want and log["answers"] == 7 and log["unanswered"] == 0
+    assert log["new_tokens"] == sum(map(len, want))
+    r = dataclasses.replace(r, gen_minutes=0.0)
+    got, log = default_model._complete(target, ids, r, gen=fspec.Generator(max_batch=2), **kw)
+    assert got == want[:2] and log["answers"] == 2 and log["unanswered"] == 5
+
+
 def test_load_default_names_a_missing_head_directory(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match="python -m fspec.train.default_model"):
         default_model.load_default(tmp_path / "absent")
