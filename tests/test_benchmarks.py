@@ -357,3 +357,20 @@ def test_continuous_smoke_runs_the_chosen_modes_and_profiles_the_host(tmp_path):
         assert row["new_tokens"] > 0 and math.isclose(row["tok_s"], row["new_tokens"] / row["seconds"])
         assert row["target_forwards"] > row["rounds"] > 0  # the prefills are forwards too
     assert "cumulative" in (tmp_path / "continuous_host_4.txt").read_text()
+
+
+def test_generation_occupancy_simulation_counts_rounds_of_calls_and_of_one_run():
+    """The simulation behind the recipe's one-run generation: answers are the runs of the loss mask, and a
+    call ends when its slowest request does (lengths 3, 1, 2 through 2 slots: 3 rounds in one run, 3 + 1 + 2
+    in calls of one prompt)."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("sgo", ROOT / "benchmarks" / "sim_generation_occupancy.py")
+    sgo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sgo)
+    mask = torch.tensor([False, True, True, True, False, True, False, False, True, True])
+    assert sgo.answer_lengths(mask) == [3, 1, 2]
+    assert sgo.rounds_of([3, 1, 2], 2, 0) == 3 and sgo.rounds_of([3, 1, 2], 2, 1) == 6
+    assert sgo.rounds_of([3, 1, 2], 2, 2) == 3 + 2 and sgo.rounds_of([5] * 4, 2, 0) == 10
