@@ -100,7 +100,8 @@ def main(argv=None) -> int:
     mixed = [row for group in zip(*sets) for row in group]
     prompts = (mixed * (-(-args.prompts // len(mixed))))[: args.prompts]
     eos = set(target.cfg.eos_token_ids)
-    doc = results_io.header("bench_continuous.py", argv, args.device)
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
+    doc = results_io.header("bench_continuous.py", argv, device_name)
     doc.update(dtype=args.dtype, new_tokens=args.new_tokens, prompts=len(prompts), compile=args.compile,
                prompt_tokens=[min(map(len, prompts)), max(map(len, prompts))], rows=[])  # fmt: skip
     hf = None
