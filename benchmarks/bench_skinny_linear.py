@@ -1,12 +1,15 @@
 """fspec::skinny_linear against cuBLAS (F.linear) on the projections of a decode step, and the floor.
 
-    python benchmarks/bench_skinny_linear.py [--sweep] [--rows 1 6 8 16] [--out PATH]
+    python benchmarks/bench_skinny_linear.py [--sweep] [--rows 1 6 8 16] [--shapes large|smollm2] [--out PATH]
     python benchmarks/bench_skinny_linear.py --fusions        # the fused layer's four calls, M = 1
     python benchmarks/bench_skinny_linear.py --dependent ...  # each call after a kernel it depends on
     python benchmarks/bench_skinny_linear.py --cpu-smoke      # tiny shapes through the Triton interpreter
 
 Shapes (bf16, nn.Linear layout w [N, K]): the fused q/k/v, o, gate/up and down projections of a
-Llama-3.2-1B-shaped target and of an EAGLE-3 head at Llama-3.1-8B shapes (its q/k/v reads 2 x 4096 inputs).
+Llama-3.2-1B-shaped target and of an EAGLE-3 head at Llama-3.1-8B shapes (its q/k/v reads 2 x 4096 inputs);
+`--shapes smollm2`: SmolLM2-135M's four products instead (576 wide), where a B = 1 round's verification of
+K + 1 = 6 rows cost 7.4 µs a product against 4.0 µs for one row (BENCHMARKS.md, "Where the B = 1 round goes
+on the H100"), and the sweep adds shallow tiles, one- and two-stage pipelines and two warps.
 Each time is a CUDA-graph replay of calls that cycle through enough copies of the weight to exceed the L2
 cache (~50 MB on the H200), so every call reads its weight from HBM as in a real decode step; floor = (weight
 + x + y bytes) / measured copy bandwidth. --sweep also times a grid of launch configs at every shape.
@@ -62,6 +65,12 @@ SHAPES = {  # name: (N, K)
     "8B head down": (4096, 14336),
     "1B head LM head": (32000, 2048),  # an EAGLE-3 head's draft vocabulary (one-row products route here only
 }  # up to SKINNY_ROW_MAX_OUT outputs)
+SMOLLM2_SHAPES = {
+    "SmolLM2 q/k/v": (960, 576),
+    "SmolLM2 o": (576, 576),
+    "SmolLM2 gate/up": (3072, 576),
+    "SmolLM2 down": (576, 1536),
+}
 SMOKE_SHAPES = {"tiny a": (48, 64), "tiny b": (20, 100)}
 FUSIONS = {  # shape: fusions of fused_decoder_layer's call on it
     "1B q/k/v": "norm",  # each call also timed with the tensor-core tile kernel (`fused_tile_us`)
@@ -76,16 +85,25 @@ SMOKE_FUSIONS = {"tiny a": "norm+silu", "tiny b": "residual"}
 L2_BYTES = 64 << 20  # weights cycled per timed call sequence exceed this (the H200's L2 is ~50 MB)
 
 
-def sweep_configs(rows: int, k: int | None = None) -> list[SkinnyConfig]:
+def sweep_configs(rows: int, k: int | None = None, *, small: bool = False) -> list[SkinnyConfig]:
     """The tile kernel's grid, and for one row the CUDA-core kernel's (`fma`) and, where a reduction of
     depth k fits in one tile (`gemv_block_k`), the one-tile kernel's (`one_tile`), and both with the
-    reduction split over 2-8 programs per column block (`split_k`)."""
-    tiles = [
-        SkinnyConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
-        for bn in (16, 32, 64)
-        for bk in (128, 256, 512)
-        for w, st in ((4, 3), (4, 4), (8, 3))
-    ]
+    reduction split over 2-8 programs per column block (`split_k`). `small` (a narrow model: few column
+    blocks, a shallow reduction): the tile grid spans 64- to 1024-deep tiles, 1 to 4 stages, 2 to 8 warps."""
+    if small:
+        tiles = [
+            SkinnyConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+            for bn in (16, 32)
+            for bk in (64, 128, 256, 512, 1024)
+            for w, st in ((2, 1), (4, 1), (4, 2), (4, 3), (4, 4), (8, 1), (8, 3))
+        ]
+    else:
+        tiles = [
+            SkinnyConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+            for bn in (16, 32, 64)
+            for bk in (128, 256, 512)
+            for w, st in ((4, 3), (4, 4), (8, 3))
+        ]
     gemv = [
         SkinnyConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=1, fma=True)
         for bn in (16, 32, 64)
@@ -210,6 +228,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 6, 8, 16], help="rows M of x")
     p.add_argument("--sweep", action="store_true", help="also time a grid of launch configs")
+    p.add_argument("--shapes", choices=("large", "smollm2"), default="large", help="which models' products")
     p.add_argument("--fusions", action="store_true", help="only the fused layer's calls (M = 1)")
     p.add_argument(
         "--dependent",
@@ -228,7 +247,8 @@ def main(argv=None) -> int:
     bandwidth = None if smoke else RIO.copy_bandwidth_tbps()
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = fusion_rows(smoke, bandwidth, gen, args.dependent) if args.fusions else []
-    for name, (n, k) in {} if args.fusions else (SMOKE_SHAPES if smoke else SHAPES).items():
+    shapes = SMOKE_SHAPES if smoke else SMOLLM2_SHAPES if args.shapes == "smollm2" else SHAPES
+    for name, (n, k) in {} if args.fusions else shapes.items():
         nbytes = n * k * torch.finfo(dtype).bits // 8
         copies = 1 if smoke else max(2, -(-2 * L2_BYTES // nbytes))
         weights = [torch.randn(n, k, device=dev, dtype=dtype, generator=gen) * k**-0.5 for _ in range(copies)]
@@ -255,7 +275,7 @@ def main(argv=None) -> int:
                 row["skinny_over_floor"] = row["skinny_us"] / floor
             if args.sweep and not smoke:
                 timed = []
-                for cfg in sweep_configs(m, k):
+                for cfg in sweep_configs(m, k, small=args.shapes == "smollm2"):
                     try:
                         call = lambda w, c=cfg, x=x: skinny_linear(x, w, config=c)  # noqa: E731
                         us = timed(call)
@@ -286,6 +306,7 @@ def main(argv=None) -> int:
         ),
         "copy_bandwidth_TBps": bandwidth,
         "dependent": args.dependent,
+        "shapes": args.shapes,
         "dtype": str(dtype).removeprefix("torch."),
         "rows": rows,
     }
