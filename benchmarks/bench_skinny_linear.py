@@ -1,7 +1,7 @@
 """fspec::skinny_linear against cuBLAS (F.linear) on the projections of a decode step, and the floor.
 
     python benchmarks/bench_skinny_linear.py [--sweep] [--rows 1 6 8 16] [--shapes large|smollm2] [--out PATH]
-    python benchmarks/bench_skinny_linear.py --fusions        # the fused layer's four calls, M = 1
+    python benchmarks/bench_skinny_linear.py --fusions --rows 1 6 [--sweep]  # the fused layer's four calls
     python benchmarks/bench_skinny_linear.py --dependent ...  # each call after a kernel it depends on
     python benchmarks/bench_skinny_linear.py --cpu-smoke      # tiny shapes through the Triton interpreter
 
@@ -13,13 +13,15 @@ on the H100"), and the sweep adds shallow tiles, one- and two-stage pipelines an
 Each time is a CUDA-graph replay of calls that cycle through enough copies of the weight to exceed the L2
 cache (~50 MB on the H200), so every call reads its weight from HBM as in a real decode step; floor = (weight
 + x + y bytes) / measured copy bandwidth. --sweep also times a grid of launch configs at every shape.
---fusions times the calls of fspec.models.layers.fused_decoder_layer (q/k/v with the input norm, o with the
-residual, gate/up with the post norm and SiLU * up, down with the residual) against the same product
-without its fusions (skinny and cuBLAS): what a fusion costs inside the GEMV, to set against the ~1.5 µs
-launch plus gap of the unfused op it replaces. Without --dependent the graph holds consecutive calls of one
-kernel, which PDL lets overlap (a call's ramp-up under the previous call's tail; cuBLAS's launches do not
-overlap), so fspec's times are optimistic against a decode step's; --dependent runs a small kernel that
-rewrites x ahead of every call and subtracts its own time, so each call starts after a kernel it depends on.
+--fusions times, at each --rows M, the calls of fspec.models.layers.fused_decoder_layer (q/k/v with the input
+norm, o with the residual, gate/up with the post norm and SiLU * up, down with the residual) against the same
+product without its fusions (skinny and cuBLAS): what a fusion costs inside the GEMV, to set against the ~1.5
+µs launch plus gap of the unfused op it replaces; with --sweep, each fused call under every config of the grid
+(for 2-8 rows the CUDA-core rows kernel's too): what a several-row default should be. Without --dependent the
+graph holds consecutive calls of one kernel, which PDL lets overlap (a call's ramp-up under the previous
+call's tail; cuBLAS's launches do not overlap), so fspec's times are optimistic against a decode step's;
+--dependent runs a small kernel that rewrites x ahead of every call and subtracts its own time, so each call
+starts after a kernel it depends on.
 """
 
 from __future__ import annotations
@@ -46,11 +48,13 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from fspec.kernels.skinny_linear import (  # noqa: E402
+    FMA_MAX_ROWS,
     GEMV_ELEMS_PER_THREAD,
     NORM_MAX_BLOCK_K,
     SkinnyConfig,
     default_config,
     gemv_block_k,
+    rows_block_k,
     skinny_linear,
 )
 
@@ -80,6 +84,12 @@ FUSIONS = {  # shape: fusions of fused_decoder_layer's call on it
     "8B head o": "residual",
     "8B head gate/up": "norm+silu",
     "8B head down": "residual",
+}
+SMOLLM2_FUSIONS = {
+    "SmolLM2 q/k/v": "norm",
+    "SmolLM2 o": "residual",
+    "SmolLM2 gate/up": "norm+silu",
+    "SmolLM2 down": "residual",
 }
 SMOKE_FUSIONS = {"tiny a": "norm+silu", "tiny b": "residual"}
 L2_BYTES = 64 << 20  # weights cycled per timed call sequence exceed this (the H200's L2 is ~50 MB)
@@ -126,6 +136,17 @@ def sweep_configs(rows: int, k: int | None = None, *, small: bool = False) -> li
     ]
     one_tile += [c for c in split if c.one_tile]
     one_tile = [c for c in one_tile if k is not None and gemv_block_k(c, k)[1]]
+    if 2 <= rows <= FMA_MAX_ROWS:  # the CUDA-core rows kernel, each distinct effective BLOCK_K once
+        seen, fma_rows = set(), []
+        for bn in (16, 32):
+            for w in (2, 4, 8):
+                for bk in (64, 128, 256):
+                    cfg = SkinnyConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=1, fma=True)
+                    key = (bn, w, rows_block_k(cfg, rows, k or bk))
+                    if key not in seen:
+                        seen.add(key)
+                        fma_rows.append(cfg)
+        return tiles + fma_rows
     return tiles + (gemv + [c for c in split if not c.one_tile] + one_tile if rows == 1 else [])
 
 
@@ -176,52 +197,98 @@ def time_per_call_us(call, weights: list[torch.Tensor], smoke: bool, before=None
     return us - _ALONE[before]
 
 
-def fusion_rows(smoke: bool, bandwidth: float | None, gen: torch.Generator, dependent: bool) -> list[dict]:
-    """Each fused call of the decode layer at M = 1 against the plain product on the same weight."""
+def fusion_rows(
+    smoke: bool,
+    bandwidth: float | None,
+    gen: torch.Generator,
+    dependent: bool,
+    *,
+    shapes: str = "large",
+    row_counts: tuple[int, ...] = (1,),
+    sweep: bool = False,
+    only: tuple[str, ...] = (),
+    on_row=None,
+) -> list[dict]:
+    """Each fused call of the decode layer at each row count M (the model's layer at M rows: 1 for a decode
+    step, K + 1 for a batch-1 verification) against the plain product on the same weight; with `sweep`, also
+    the grid of `sweep_configs` for the fused call. `only`: the shapes whose names contain one of these words
+    (all when empty); `on_row(rows)` after each row (the results so far written out)."""
     dev, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
+    table = SMOKE_SHAPES if smoke else SMOLLM2_SHAPES if shapes == "smollm2" else SHAPES
+    fusions = SMOKE_FUSIONS if smoke else SMOLLM2_FUSIONS if shapes == "smollm2" else FUSIONS
     rows = []
-    for name, fusion in (SMOKE_FUSIONS if smoke else FUSIONS).items():
-        n, k = (SMOKE_SHAPES if smoke else SHAPES)[name]
+    for name, fusion in fusions.items():
+        if only and not any(word in name for word in only):
+            continue
+        n, k = table[name]
         nbytes = n * k * torch.finfo(dtype).bits // 8
         copies = 1 if smoke else max(2, -(-2 * L2_BYTES // nbytes))
         weights = [torch.randn(n, k, device=dev, dtype=dtype, generator=gen) * k**-0.5 for _ in range(copies)]
-        x = torch.randn(1, k, device=dev, dtype=dtype, generator=gen)
         out = n // 2 if "silu" in fusion else n
-        timed = functools.partial(
-            time_per_call_us, weights=weights, smoke=smoke, before=_before(x, dependent)
-        )
-        kw = {"silu_mul": "silu" in fusion}
-        if "norm" in fusion:
-            kw.update(norm_weight=torch.rand(k, device=dev, generator=gen).to(dtype) + 0.5, eps=1e-5)
-        if "residual" in fusion:
-            kw.update(residual=torch.randn(1, out, device=dev, dtype=dtype, generator=gen))
-        row = {
-            "shape": name,
-            "fusion": fusion,
-            "N": n,
-            "K": k,
-            "M": 1,
-            "weight_copies": copies,
-            "fused_us": timed(lambda w, x=x, kw=kw: skinny_linear(x, w, **kw)),
-            "fused_tile_us": timed(
-                lambda w, x=x, kw=kw, c=tile_config(n, k, kw): skinny_linear(x, w, config=c, **kw)
-            ),
-            "skinny_us": timed(lambda w, x=x: skinny_linear(x, w)),
-            "cublas_us": timed(lambda w, x=x: F.linear(x, w)),
-        }
-        if bandwidth:
-            row["floor_us"] = (n * k + k + out) * torch.finfo(dtype).bits / 8 / (bandwidth * 1e12) * 1e6
-            row["fused_over_floor"] = row["fused_us"] / row["floor_us"]
-        rows.append(row)
-        print(
-            f"{name:>16} {fusion:>10}: fused {row['fused_us']:8.2f} us"
-            f" (tensor-core tile {row['fused_tile_us']:.2f}),"
-            f" plain skinny {row['skinny_us']:8.2f},"
-            f" cuBLAS {row['cublas_us']:8.2f}" + (f", floor {row['floor_us']:.2f} us" if bandwidth else ""),
-            flush=True,
-        )
+        norm = torch.rand(k, device=dev, generator=gen).to(dtype) + 0.5
+        for m in row_counts:
+            x = torch.randn(m, k, device=dev, dtype=dtype, generator=gen)
+            timed = functools.partial(
+                time_per_call_us, weights=weights, smoke=smoke, before=_before(x, dependent)
+            )
+            kw = {"silu_mul": "silu" in fusion}
+            if "norm" in fusion:
+                kw.update(norm_weight=norm, eps=1e-5)
+            if "residual" in fusion:
+                kw.update(residual=torch.randn(m, out, device=dev, dtype=dtype, generator=gen))
+            row = {
+                "shape": name,
+                "fusion": fusion,
+                "N": n,
+                "K": k,
+                "M": m,
+                "weight_copies": copies,
+                "fused_us": timed(lambda w, x=x, kw=kw: skinny_linear(x, w, **kw)),
+                "fused_tile_us": timed(
+                    lambda w, x=x, kw=kw, c=tile_config(n, k, kw): skinny_linear(x, w, config=c, **kw)
+                ),
+                "skinny_us": timed(lambda w, x=x: skinny_linear(x, w)),
+                "cublas_us": timed(lambda w, x=x: F.linear(x, w)),
+            }
+            if bandwidth:
+                floor = (n * k + m * k + m * out) * torch.finfo(dtype).bits / 8 / (bandwidth * 1e12) * 1e6
+                row["floor_us"] = floor
+                row["fused_over_floor"] = row["fused_us"] / floor
+            if sweep and not smoke:
+                row.update(_sweep(timed, x, kw, m, k, small=shapes == "smollm2", smoke=smoke))
+            rows.append(row)
+            print(
+                f"{name:>16} {fusion:>10} M={m:>2}: fused {row['fused_us']:8.2f} us"
+                f" (tensor-core tile {row['fused_tile_us']:.2f}),"
+                f" plain skinny {row['skinny_us']:8.2f},"
+                f" cuBLAS {row['cublas_us']:8.2f}"
+                + (f", floor {row['floor_us']:.2f} us" if bandwidth else "")
+                + (f", best {row['best_us']:.2f} us {row['best_config']}" if "best_us" in row else ""),
+                flush=True,
+            )
+            if on_row is not None:
+                on_row(rows)
         del weights
     return rows
+
+
+def _sweep(timed, x: torch.Tensor, kw: dict, m: int, k: int, *, small: bool, smoke: bool) -> dict:
+    """The call on x (with the fusions kw) timed under each config of `sweep_configs`: the list, and the
+    fastest config and time."""
+    results = []
+    for cfg in sweep_configs(m, k, small=small):
+        try:
+            us = timed(lambda w, c=cfg, x=x: skinny_linear(x, w, config=c, **kw))
+        except Exception as e:  # a config that does not compile (shared memory) is skipped
+            results.append({"config": vars(cfg), "error": f"{type(e).__name__}: {e}"[:200]})
+            continue
+        results.append({"config": vars(cfg), "us": us})
+    ok = [t for t in results if "us" in t]
+    out: dict = {"sweep": results}
+    if ok:
+        best = min(ok, key=lambda t: t["us"])
+        out.update(best_config=best["config"], best_us=best["us"])
+    return out
 
 
 def main(argv=None) -> int:
@@ -229,7 +296,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 6, 8, 16], help="rows M of x")
     p.add_argument("--sweep", action="store_true", help="also time a grid of launch configs")
     p.add_argument("--shapes", choices=("large", "smollm2"), default="large", help="which models' products")
-    p.add_argument("--fusions", action="store_true", help="only the fused layer's calls (M = 1)")
+    p.add_argument("--fusions", action="store_true", help="only the fused layer's calls (at each --rows)")
+    p.add_argument("--only", nargs="+", default=[], help="(--fusions) shapes whose names contain a word")
     p.add_argument(
         "--dependent",
         action="store_true",
@@ -246,7 +314,28 @@ def main(argv=None) -> int:
     dev, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
     bandwidth = None if smoke else RIO.copy_bandwidth_tbps()
     gen = torch.Generator(device=dev).manual_seed(0)
-    rows = fusion_rows(smoke, bandwidth, gen, args.dependent) if args.fusions else []
+    rows = []
+
+    def save(rows: list[dict]) -> None:
+        doc = {
+            **RIO.header(
+                "bench_skinny_linear.py",
+                argv,
+                "cpu (Triton interpreter)" if smoke else torch.cuda.get_device_name(),
+            ),
+            "copy_bandwidth_TBps": bandwidth,
+            "dependent": args.dependent,
+            "shapes": args.shapes,
+            "dtype": str(dtype).removeprefix("torch."),
+            "rows": rows,
+        }
+        RIO.write(args.out, doc)
+
+    if args.fusions:
+        rows = fusion_rows(
+            smoke, bandwidth, gen, args.dependent, shapes=args.shapes, row_counts=tuple(args.rows),
+            sweep=args.sweep, only=tuple(args.only), on_row=save,
+        )  # fmt: skip
     shapes = SMOKE_SHAPES if smoke else SMOLLM2_SHAPES if args.shapes == "smollm2" else SHAPES
     for name, (n, k) in {} if args.fusions else shapes.items():
         nbytes = n * k * torch.finfo(dtype).bits // 8
@@ -274,22 +363,9 @@ def main(argv=None) -> int:
                 row.update(floor_us=floor, cublas_over_floor=row["cublas_us"] / floor)
                 row["skinny_over_floor"] = row["skinny_us"] / floor
             if args.sweep and not smoke:
-                timed = []
-                for cfg in sweep_configs(m, k, small=args.shapes == "smollm2"):
-                    try:
-                        call = lambda w, c=cfg, x=x: skinny_linear(x, w, config=c)  # noqa: E731
-                        us = timed(call)
-                    except Exception as e:  # a config that does not compile (shared memory) is skipped
-                        timed.append({"config": vars(cfg), "error": f"{type(e).__name__}: {e}"[:200]})
-                        continue
-                    timed.append({"config": vars(cfg), "us": us})
-                ok = [t for t in timed if "us" in t]
-                row["sweep"] = timed
-                if ok:
-                    best = min(ok, key=lambda t: t["us"])
-                    row.update(best_config=best["config"], best_us=best["us"])
-                    if bandwidth:
-                        row["best_over_floor"] = best["us"] / row["floor_us"]
+                row.update(_sweep(timed, x, {}, m, k, small=args.shapes == "smollm2", smoke=smoke))
+                if bandwidth and "best_us" in row:
+                    row["best_over_floor"] = row["best_us"] / row["floor_us"]
             rows.append(row)
             print(
                 f"{name:>16} M={m:>2}: cuBLAS {row['cublas_us']:8.2f} us, skinny {row['skinny_us']:8.2f} us"
@@ -298,19 +374,7 @@ def main(argv=None) -> int:
                 flush=True,
             )
         del weights
-    doc = {
-        **RIO.header(
-            "bench_skinny_linear.py",
-            argv,
-            "cpu (Triton interpreter)" if smoke else torch.cuda.get_device_name(),
-        ),
-        "copy_bandwidth_TBps": bandwidth,
-        "dependent": args.dependent,
-        "shapes": args.shapes,
-        "dtype": str(dtype).removeprefix("torch."),
-        "rows": rows,
-    }
-    RIO.write(args.out, doc)
+    save(rows)
     return 0
 
 

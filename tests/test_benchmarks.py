@@ -172,6 +172,27 @@ def test_dependent_timing_runs_the_dependency_before_every_call_and_subtracts_it
     assert order[count:] == ["before", "call"] * 8  # the dependency's own time is measured once
 
 
+def test_skinny_sweep_grid_adds_the_rows_kernel_for_two_to_eight_rows(monkeypatch):
+    """sweep_configs: for 2..FMA_MAX_ROWS rows the CUDA-core rows kernel's configs join the tile grid, each
+    (block_n, warps, effective BLOCK_K) once; one row gets the one-row kernel's instead, 16 rows neither."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bsl", ROOT / "benchmarks" / "bench_skinny_linear.py")
+    bsl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bsl)
+    tiles = [c for c in bsl.sweep_configs(16, 576, small=True)]
+    assert tiles and not any(c.fma for c in tiles)
+    six = bsl.sweep_configs(6, 576, small=True)
+    fma = [c for c in six if c.fma]
+    assert [c for c in six if not c.fma] == tiles and fma
+    keys = [(c.block_n, c.num_warps, bsl.rows_block_k(c, 6, 576)) for c in fma]
+    assert len(set(keys)) == len(keys) == len(fma)
+    assert {c.num_warps for c in fma} == {2, 4, 8} and {c.block_n for c in fma} == {16, 32}
+    one = bsl.sweep_configs(1, 576, small=True)
+    assert all(c.num_stages == 1 and c.split_k >= 1 for c in one if c.fma) and any(c.fma for c in one)
+
+
 def test_back_to_back_time_is_the_median_window_and_every_window_is_kept(monkeypatch):
     """bench_draft_loop's back-to-back figure: BACK_TO_BACK_WINDOWS windows of `reps` calls each, the median
     window's time per call returned and each window's kept, so one stalled window cannot decide it."""
@@ -251,8 +272,14 @@ def test_switches_table_is_rebuilt_from_its_committed_sources():
 @pytest.mark.slow
 def test_skinny_linear_fusions_smoke_times_each_fused_call(tmp_path):
     """--fusions: one row per fused call of the decode layer, timed fused, plain skinny and cuBLAS."""
-    d = _run("bench_skinny_linear.py", "--cpu-smoke", "--fusions", out=tmp_path / "skf.json")
-    assert [(r["shape"], r["fusion"]) for r in d["rows"]] == [("tiny a", "norm+silu"), ("tiny b", "residual")]
+    args = ("--cpu-smoke", "--fusions", "--rows", "1", "3")
+    d = _run("bench_skinny_linear.py", *args, out=tmp_path / "skf.json")
+    assert [(r["shape"], r["fusion"], r["M"]) for r in d["rows"]] == [
+        ("tiny a", "norm+silu", 1),
+        ("tiny a", "norm+silu", 3),
+        ("tiny b", "residual", 1),
+        ("tiny b", "residual", 3),
+    ]
     assert all(
         r["fused_us"] > 0 and r["fused_tile_us"] > 0 and r["skinny_us"] > 0 and r["cublas_us"] > 0
         for r in d["rows"]
