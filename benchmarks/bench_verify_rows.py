@@ -14,9 +14,15 @@ whatever its kernel, so each launch saved may count more than the kernel's speed
 * `unfused`: several-row layers unfused (cuBLAS), one-row layers fused (the library before 81a862b);
 * `fused_tile`: the fused layer for up to 16 rows, several-row products on the tensor-core tile kernel (what
   the library now does for models at most `FUSED_ROWS_MAX_HIDDEN` wide);
-* `fused_fma`: the same with the 2..8-row CUDA-core kernel (`_skinny_rows_kernel`).
+* `fused_fma`: the same with the 2..8-row CUDA-core kernel (`_skinny_rows_kernel`);
+* `rope_apart`: `fused_tile` with the several-row q/k/v product's RoPE and cache write as a launch of their
+  own (`fspec::rope_pos_kv_write`; the library before the several-row `qkv_rope_write`);
+* `swept` (with --swept FILE, a `bench_skinny_linear.py --fusions --sweep` result): `fused_tile` with each
+  swept product's fastest config at the swept row count (the tile or the CUDA-core rows kernel), the input
+  norm's BLOCK_K cap lifted for them.
 
-The variants are set by replacing `use_fused_layer` / `default_config` in this process only. Rows:
+The variants are set by replacing `use_fused_layer` / `use_qkv_rope` / `default_config` in this process
+only. Rows:
 {"case": {"variant", "k"}, "spec_tok_s", "target_only_tok_s", "round_us", "tau", "same_tokens_as_unfused"};
 tokens/s over --prompts held-out prompts (code, chat, health interleaved), one call each, after two warm-up
 passes; round_us = wall time / target forwards of the speculative calls.
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import statistics
 import sys
@@ -39,12 +46,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_io  # noqa: E402
 
 import fspec  # noqa: E402
+from fspec.kernels import qkv_rope_write as qrw  # noqa: E402
 from fspec.kernels import skinny_linear as sk  # noqa: E402
 from fspec.models import layers  # noqa: E402
 from fspec.train import default_model  # noqa: E402
 from fspec.train import prompts as P  # noqa: E402
 
-ORIGINAL = (layers.use_fused_layer, sk.default_config)
+ORIGINAL = (layers.use_fused_layer, sk.default_config, layers.use_qkv_rope, sk.NORM_MAX_BLOCK_K)
 
 
 def fused_any_rows(p, x, cfg, *, cuda=None):
@@ -70,9 +78,45 @@ def fma_rows_config(n, k, *, one_row=False):
     return dataclasses.replace(cfg, fma=True, num_stages=1, block_n=16)
 
 
-def set_variant(name: str) -> None:
+def one_row_qkv_rope(x, w, cfg, *, cuda=None):
+    """`use_qkv_rope` for one row only (several rows: the product, then `rope_pos_kv_write`)."""
+    return math.prod(x.shape[:-1]) == 1 and ORIGINAL[2](x, w, cfg, cuda=cuda)
+
+
+def swept_configs(path: Path) -> dict[tuple[int, int], sk.SkinnyConfig]:
+    """(N, K) of each weight -> the fastest config of a `bench_skinny_linear.py --fusions --sweep` result
+    (several rows), as `default_config` must return it: a SiLU * up product's block_n doubled (the launcher
+    halves it again for the gate and up rows)."""
+    out = {}
+    for row in json.loads(path.read_text())["rows"]:
+        if row["M"] > 1 and "best_config" in row:
+            cfg = sk.SkinnyConfig(**row["best_config"])
+            if "silu" in row.get("fusion", ""):
+                cfg = dataclasses.replace(cfg, block_n=2 * cfg.block_n)
+            out[(row["N"], row["K"])] = cfg
+    return out
+
+
+def restore() -> None:
+    """The library's own functions and cap back."""
+    layers.use_fused_layer, sk.default_config, layers.use_qkv_rope, sk.NORM_MAX_BLOCK_K = ORIGINAL
+    qrw.default_config, qrw.NORM_MAX_BLOCK_K = ORIGINAL[1], ORIGINAL[3]
+
+
+def set_variant(name: str, swept: dict | None = None) -> None:
     layers.use_fused_layer = one_row_only if name == "unfused" else fused_any_rows
-    sk.default_config = fma_rows_config if name == "fused_fma" else ORIGINAL[1]
+    layers.use_qkv_rope = one_row_qkv_rope if name in ("unfused", "rope_apart") else ORIGINAL[2]
+    config = fma_rows_config if name == "fused_fma" else ORIGINAL[1]
+    cap = ORIGINAL[3]
+    if name == "swept":
+        table = dict(swept or {})
+
+        def config(n, k, *, one_row=False):
+            return ORIGINAL[1](n, k, one_row=True) if one_row else table.get((n, k)) or ORIGINAL[1](n, k)
+
+        cap = 1 << 20
+    sk.default_config = qrw.default_config = config
+    sk.NORM_MAX_BLOCK_K = qrw.NORM_MAX_BLOCK_K = cap
 
 
 def main(argv=None) -> int:
@@ -80,7 +124,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--k", type=int, nargs="+", default=[3, 5])
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--variants", nargs="+", default=["unfused", "fused_tile", "fused_fma"])
+    p.add_argument("--variants", nargs="+", default=["unfused", "rope_apart", "fused_tile"])
+    p.add_argument("--swept", type=Path, help="bench_skinny_linear --fusions --sweep output (swept)")
     p.add_argument("--out", default="benchmarks/results/verify_rows.json")
     args = p.parse_args(argv)
     target, head = default_model.load_default(dtype=torch.bfloat16, device="cuda")
@@ -111,8 +156,12 @@ def main(argv=None) -> int:
         tau = sum(a * r for a, r in taus) / max(sum(r for _, r in taus), 1)
         return tokens, wall, forwards, tau
 
+    swept = swept_configs(args.swept) if args.swept else None
+    if "swept" in args.variants and not swept:
+        raise SystemExit("bench_verify_rows: the swept variant needs --swept FILE with several-row sweeps")
+    doc["swept_configs"] = {f"{n}x{k}": vars(c) for (n, k), c in (swept or {}).items()}
     for variant in args.variants:
-        set_variant(variant)
+        set_variant(variant, swept)
         torch._dynamo.reset()
         gen = fspec.Generator(max_batch=1)
         t0 = time.perf_counter()
@@ -143,13 +192,13 @@ def main(argv=None) -> int:
             doc["rows"].append(row)
             results_io.write(Path(args.out), doc)
             print(
-                f"{variant:10s} K={k}: spec {row['spec_tok_s']:7.1f} tok/s, target-only "
+                f"{variant:11s} K={k}: spec {row['spec_tok_s']:7.1f} tok/s, target-only "
                 f"{row['target_only_tok_s']:7.1f} (x{row['speedup']:.2f}), round {row['round_us']:6.0f} us, "
                 f"step {row['target_only_step_us']:5.0f} us, tau {tau:.2f}, "
                 f"same {row['same_tokens_as_unfused']}",
                 flush=True,
             )
-    layers.use_fused_layer, sk.default_config = ORIGINAL
+    restore()
     return 0
 
 

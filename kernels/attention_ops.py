@@ -104,10 +104,10 @@ def qkv_rope_write(
     *,
     layer: int = 0,
 ) -> Tensor:
-    """One row's fused q/k/v product (RMSNorm of x first with `norm_weight`) with RoPE and the cache write
-    as its epilogue: `rope_pos_kv_write` of `skinny_linear`'s q, k, v in one launch; returns [q_rot, k_rot,
-    v] [1, (N + 2·Nkv)·D] in x's dtype (kernels/qkv_rope_write.py). RoPE's inverse frequencies as
-    `rope_pos_kv_write`'s."""
+    """The fused q/k/v product of x's rows (RMSNorm of x first with `norm_weight`) with RoPE and the cache
+    write as its epilogue: `rope_pos_kv_write` of `skinny_linear`'s q, k, v in one launch; returns [q_rot,
+    k_rot, v] [M, (N + 2·Nkv)·D] in x's dtype (kernels/qkv_rope_write.py; M rows as its `supports`). RoPE's
+    inverse frequencies as `rope_pos_kv_write`'s."""
     d = k_cache.shape[-1]
     inv_freq = _rcs.cached_inv_freq((d, rope_type, tuple(rope)), x.device)
     impl = _qrw.qkv_rope_write if _use_triton(k_cache) else _qrw.qkv_rope_write_ref
@@ -136,7 +136,7 @@ def _(
     kc = _kv.layer_view(k_cache, layer)
     inv_freq = x.new_empty(kc.shape[-1] // 2, dtype=torch.float32)
     _qrw.check_qkv_rope_args(x, w, norm_weight, eps, positions, inv_freq, table_dtype, kc, slot_mapping)
-    return x.new_empty((1, w.shape[0]))
+    return x.new_empty((x.shape[0], w.shape[0]))
 
 
 @register("fspec::rope_pos_kv_write", mutates_args=("k_cache", "v_cache"))

@@ -133,6 +133,13 @@ def _skinny_linear_kernel(
     stride_wn,  # elements between rows of w
     stride_ym,  # elements between rows of y
     stride_rm,  # (RESIDUAL) elements between rows of the residual
+    positions_ptr,  # (ROPE_HEAD_DIM) [M] int: each row's position (negative: padding, rotated as position 0)
+    inv_freq_ptr,  # (ROPE_HEAD_DIM) [D/2] float32: RoPE's inverse frequencies
+    slot_ptr,  # (ROPE_HEAD_DIM) [M] int64: each row's cache slot; negative: nothing written
+    k_cache_ptr,  # (ROPE_HEAD_DIM) [num_blocks, block_size, Nkv, D] this layer's K cache (written)
+    v_cache_ptr,  # (ROPE_HEAD_DIM) this layer's V cache, same layout (written)
+    q_cols,  # (ROPE_HEAD_DIM) N * D: the output's q columns, then Nkv * D of k, then Nkv * D of v
+    kv_cols,  # (ROPE_HEAD_DIM) Nkv * D
     M_PAD: tl.constexpr,  # rows per tile, a power of two >= 16
     BLOCK_N: tl.constexpr,  # output columns per program, a power of two >= 16
     BLOCK_K: tl.constexpr,  # reduction depth per tile, a power of two >= 16
@@ -141,8 +148,13 @@ def _skinny_linear_kernel(
     SILU: tl.constexpr = False,  # epilogue: y <- silu(x @ w[:N].T) * (x @ w[N:].T) (SwiGLU's gate and up)
     RESIDUAL: tl.constexpr = False,  # epilogue: y <- residual + y
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
+    ROPE_HEAD_DIM: tl.constexpr = 0,  # D > 0: a fused q/k/v product; RoPE and the cache write as epilogue
+    TABLE_DTYPE: tl.constexpr = tl.float32,  # (ROPE_HEAD_DIM) the dtype RoPE's cos / sin tables would have
 ):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """ROPE_HEAD_DIM = D > 0: the fused q/k/v product of several rows with RoPE and the cache write as its
+    epilogue (`_rope_kv_rows_epilogue`; kernels/qkv_rope_write.py), as `_skinny_gemv_kernel` for one."""
+    pid_n = tl.program_id(0)
+    n = _columns(pid_n, BLOCK_N, ROPE_HEAD_DIM)
     m = tl.arange(0, M_PAD)
     n_ok = n < N
     m_ok = m < M
@@ -180,16 +192,22 @@ def _skinny_linear_kernel(
         if SILU:
             u = tl.load(u_rows + k[None, :], mask=w_ok, other=0.0)
             acc_up = _tile_dot(acc_up, x, u, UPCAST)
-    out_ok = m_ok[:, None] & n_ok[None, :]
-    y = acc.to(y_ptr.dtype.element_ty)
-    if SILU:  # as F.silu(gate) * up on the rounded gate and up: silu in float32, rounded, times up, rounded
-        g = y.to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(y.dtype)
-        y = (silu.to(tl.float32) * acc_up.to(y.dtype).to(tl.float32)).to(y.dtype)
-    if RESIDUAL:  # as `residual + linear(...)`: the product rounded to the output dtype, then the sum
-        r = tl.load(res_ptr + m[:, None] * stride_rm + n[None, :], mask=out_ok, other=0.0)
-        y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], y, mask=out_ok)
+    if ROPE_HEAD_DIM > 0:  # (no SiLU, no residual: the launcher's contract)
+        _rope_kv_rows_epilogue(
+            acc, m, m_ok, n, pid_n, y_ptr, stride_ym, positions_ptr, inv_freq_ptr, slot_ptr, k_cache_ptr,
+            v_cache_ptr, q_cols, kv_cols, BLOCK_N, ROPE_HEAD_DIM, TABLE_DTYPE,
+        )  # fmt: skip
+    else:
+        out_ok = m_ok[:, None] & n_ok[None, :]
+        y = acc.to(y_ptr.dtype.element_ty)
+        if SILU:  # as F.silu(gate) * up on the rounded gate and up: silu in float32, rounded, times up
+            g = y.to(tl.float32)
+            silu = (g / (1.0 + tl.exp(-g))).to(y.dtype)
+            y = (silu.to(tl.float32) * acc_up.to(y.dtype).to(tl.float32)).to(y.dtype)
+        if RESIDUAL:  # as `residual + linear(...)`: the product rounded to the output dtype, then the sum
+            r = tl.load(res_ptr + m[:, None] * stride_rm + n[None, :], mask=out_ok, other=0.0)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], y, mask=out_ok)
 
 
 @triton.jit
@@ -246,13 +264,7 @@ def _skinny_gemv_kernel(
     BLOCK_N / 2 rotate-half pairs (d, d + D/2) of one head, so that each pair meets in its registers."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    if ROPE_HEAD_DIM > 0:  # column i of the program: pair i // 2, half i % 2 (interleaved for tl.split)
-        i = tl.arange(0, BLOCK_N)
-        programs_per_head = ROPE_HEAD_DIM // BLOCK_N
-        first = (pid_n // programs_per_head) * ROPE_HEAD_DIM + (pid_n % programs_per_head) * (BLOCK_N // 2)
-        n = first + i // 2 + (i % 2) * (ROPE_HEAD_DIM // 2)
-    else:
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = _columns(pid_n, BLOCK_N, ROPE_HEAD_DIM)
     n_ok = n < N
     w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
     kk = tl.arange(0, BLOCK_K)
@@ -347,6 +359,13 @@ def _skinny_rows_kernel(
     stride_wn,  # elements between rows of w
     stride_ym,  # elements between rows of y
     stride_rm,  # (RESIDUAL) elements between rows of the residual
+    positions_ptr,  # (ROPE_HEAD_DIM) [M] int: each row's position (negative: padding, rotated as position 0)
+    inv_freq_ptr,  # (ROPE_HEAD_DIM) [D/2] float32: RoPE's inverse frequencies
+    slot_ptr,  # (ROPE_HEAD_DIM) [M] int64: each row's cache slot; negative: nothing written
+    k_cache_ptr,  # (ROPE_HEAD_DIM) [num_blocks, block_size, Nkv, D] this layer's K cache (written)
+    v_cache_ptr,  # (ROPE_HEAD_DIM) this layer's V cache, same layout (written)
+    q_cols,  # (ROPE_HEAD_DIM) N * D: the output's q columns, then Nkv * D of k, then Nkv * D of v
+    kv_cols,  # (ROPE_HEAD_DIM) Nkv * D
     M_POW2: tl.constexpr,  # next power of two >= M (at most FMA_MAX_ROWS)
     BLOCK_N: tl.constexpr,  # output columns per program, a power of two
     BLOCK_K: tl.constexpr,  # reduction depth per tile, a power of two
@@ -355,6 +374,8 @@ def _skinny_rows_kernel(
     RESIDUAL: tl.constexpr = False,
     PDL: tl.constexpr = False,
     NORM_BLOCK: tl.constexpr = 16,  # (NORM) x values per row and load of the RMS pass
+    ROPE_HEAD_DIM: tl.constexpr = 0,  # D > 0: a fused q/k/v product; RoPE and the cache write as epilogue
+    TABLE_DTYPE: tl.constexpr = tl.float32,  # (ROPE_HEAD_DIM) the dtype RoPE's cos / sin tables would have
 ):
     """`_skinny_gemv_kernel` for 2..FMA_MAX_ROWS rows (a first draft step's K + 1 rows, verification at
     batch 1) on the CUDA cores: each [BLOCK_N, BLOCK_K] weight tile is loaded once and multiplied by every
@@ -363,8 +384,9 @@ def _skinny_rows_kernel(
     3-d layout, x replicated across the warps that split the columns). Same fusions and roundings. Only with
     an explicit `fma` config: on the H200 it was slower than cuBLAS for a 1B head's first draft step (to keep
     the product in registers BLOCK_K shrinks to 128-256: too few bytes in flight per SM; switches_m, run
-    m3)."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m3). ROPE_HEAD_DIM: as `_skinny_linear_kernel`'s."""
+    pid_n = tl.program_id(0)
+    n = _columns(pid_n, BLOCK_N, ROPE_HEAD_DIM)
     n_ok = n < N
     kk = tl.arange(0, BLOCK_K)
     m = tl.arange(0, M_POW2)
@@ -416,16 +438,22 @@ def _skinny_rows_kernel(
         w = w_next
         x = x_next
         g = g_next
-    out_ok = m_ok[:, None] & n_ok[None, :]
-    y = acc.to(y_ptr.dtype.element_ty)  # [M_POW2, BLOCK_N]
-    if SILU:
-        gate = y.to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(y.dtype)
-        y = (silu.to(tl.float32) * acc_up.to(y.dtype).to(tl.float32)).to(y.dtype)
-    if RESIDUAL:
-        r = tl.load(res_ptr + m[:, None] * stride_rm + n[None, :], mask=out_ok, other=0.0)
-        y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], y, mask=out_ok)
+    if ROPE_HEAD_DIM > 0:  # (no SiLU, no residual: the launcher's contract)
+        _rope_kv_rows_epilogue(
+            acc, m, m_ok, n, pid_n, y_ptr, stride_ym, positions_ptr, inv_freq_ptr, slot_ptr, k_cache_ptr,
+            v_cache_ptr, q_cols, kv_cols, BLOCK_N, ROPE_HEAD_DIM, TABLE_DTYPE,
+        )  # fmt: skip
+    else:
+        out_ok = m_ok[:, None] & n_ok[None, :]
+        y = acc.to(y_ptr.dtype.element_ty)  # [M_POW2, BLOCK_N]
+        if SILU:
+            gate = y.to(tl.float32)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(y.dtype)
+            y = (silu.to(tl.float32) * acc_up.to(y.dtype).to(tl.float32)).to(y.dtype)
+        if RESIDUAL:
+            r = tl.load(res_ptr + m[:, None] * stride_rm + n[None, :], mask=out_ok, other=0.0)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], y, mask=out_ok)
 
 
 @triton.jit
@@ -441,6 +469,61 @@ def _gemv_epilogue(part, part_up, n, n_ok, y_ptr, res_ptr, SILU: tl.constexpr, R
         r = tl.load(res_ptr + n, mask=n_ok, other=0.0)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + n, y, mask=n_ok)
+
+
+@triton.jit
+def _columns(pid_n, BLOCK_N: tl.constexpr, ROPE_HEAD_DIM: tl.constexpr):
+    """The output columns of program pid_n: BLOCK_N consecutive ones; with ROPE_HEAD_DIM = D > 0, BLOCK_N / 2
+    rotate-half pairs (d, d + D/2) of one head, column i holding half i % 2 of pair i // 2 (BLOCK_N divides
+    D), so that each pair meets in one program's registers."""
+    if ROPE_HEAD_DIM > 0:
+        i = tl.arange(0, BLOCK_N)
+        programs_per_head = ROPE_HEAD_DIM // BLOCK_N
+        first = (pid_n // programs_per_head) * ROPE_HEAD_DIM + (pid_n % programs_per_head) * (BLOCK_N // 2)
+        return first + i // 2 + (i % 2) * (ROPE_HEAD_DIM // 2)
+    return pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
+def _rope_kv_rows_epilogue(
+    acc,
+    m,
+    m_ok,
+    n,
+    pid_n,
+    y_ptr,
+    stride_ym,
+    positions_ptr,
+    inv_freq_ptr,
+    slot_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    q_cols,
+    kv_cols,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    TABLE_DTYPE: tl.constexpr,
+):
+    """`_rope_kv_epilogue` for the [R, BLOCK_N] float32 sums of several rows m (R a power of two; rows with
+    m_ok false are padding: nothing stored), each rotated at its own position and written to its own slot."""
+    y = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+    i = tl.arange(0, BLOCK_N)
+    partner = tl.gather(y, tl.broadcast_to((i ^ 1)[None, :], y.shape), 1)
+    j = (pid_n % (HEAD_DIM // BLOCK_N)) * (BLOCK_N // 2) + i // 2  # each pair's frequency index
+    pos = tl.maximum(tl.load(positions_ptr + m, mask=m_ok, other=0), 0).to(tl.float32)
+    freqs = pos[:, None] * tl.load(inv_freq_ptr + j)[None, :]
+    cos = tl.cos(freqs).to(TABLE_DTYPE).to(tl.float32)
+    sin = tl.sin(freqs).to(TABLE_DTYPE).to(tl.float32)
+    rotated = y * cos + tl.where((i % 2 == 0)[None, :], -partner, partner) * sin
+    v_col = n >= q_cols + kv_cols
+    is_v = v_col[None, :]
+    out = tl.where(is_v, y, rotated).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], out, mask=m_ok[:, None])
+    slot = tl.load(slot_ptr + m, mask=m_ok, other=-1)
+    live = (m_ok & (slot >= 0))[:, None] & (n >= q_cols)[None, :]
+    dst = slot[:, None] * kv_cols + (n - q_cols - tl.where(v_col, kv_cols, 0))[None, :]  # int64: slot is
+    tl.store(k_cache_ptr + dst, out.to(k_cache_ptr.dtype.element_ty), mask=live & ~is_v)
+    tl.store(v_cache_ptr + dst, out.to(v_cache_ptr.dtype.element_ty), mask=live & is_v)
 
 
 @triton.jit
@@ -659,7 +742,7 @@ def skinny_linear(
         block_k = rows_block_k(cfg, m, k, silu_mul=silu_mul)
         _skinny_rows_kernel[(triton.cdiv(n, cfg.block_n),)](
             x, w, y, norm, y if res is None else res, m, n, k, float(eps), x.stride(0), w.stride(0),
-            y.stride(0), 0 if res is None else res.stride(0),
+            y.stride(0), 0 if res is None else res.stride(0), y, y, y, y, y, 0, 0,
             M_POW2=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=block_k,
             NORM=norm_weight is not None, SILU=silu_mul, RESIDUAL=res is not None,
             NORM_BLOCK=rows_norm_block(m, k, cfg.num_warps) if norm_weight is not None else 16,
@@ -688,7 +771,7 @@ def skinny_linear(
         return y
     _skinny_linear_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, w, y, norm, y if res is None else res, m, n, k, float(eps), x.stride(0), w.stride(0), y.stride(0),
-        0 if res is None else res.stride(0),
+        0 if res is None else res.stride(0), y, y, y, y, y, 0, 0,
         M_PAD=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=upcast,
         NORM=norm_weight is not None, SILU=silu_mul, RESIDUAL=res is not None,
         **launch, **pdl.options(x),

@@ -193,6 +193,52 @@ def test_skinny_sweep_grid_adds_the_rows_kernel_for_two_to_eight_rows(monkeypatc
     assert all(c.num_stages == 1 and c.split_k >= 1 for c in one if c.fma) and any(c.fma for c in one)
 
 
+def test_verify_rows_swept_variant_takes_each_products_fastest_several_row_config(monkeypatch, tmp_path):
+    """bench_verify_rows --swept: the fastest config of each several-row sweep row keyed by its weight's
+    (N, K) (a SiLU * up product's block_n doubled for the launcher to halve; one-row rows ignored), routed
+    through `default_config` of skinny_linear and of qkv_rope_write with the norm's BLOCK_K cap lifted; the
+    other variants put the library's own functions back, and `restore` all of them."""
+    import importlib.util
+    import json
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bvr", ROOT / "benchmarks" / "bench_verify_rows.py")
+    bvr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bvr)
+    from fspec.kernels import qkv_rope_write as qrw
+    from fspec.kernels import skinny_linear as sk
+    from fspec.models import layers
+
+    best = {"block_n": 32, "block_k": 1024, "num_warps": 2, "num_stages": 1, "fma": False, "one_tile": False,
+            "split_k": 1}  # fmt: skip
+    rows = [
+        {"N": 960, "K": 576, "M": 6, "fusion": "norm", "best_config": best},
+        {"N": 3072, "K": 576, "M": 6, "fusion": "norm+silu", "best_config": dict(best, block_n=16, fma=True)},
+        {"N": 576, "K": 576, "M": 1, "fusion": "residual", "best_config": dict(best, block_n=64)},
+        {"N": 576, "K": 1536, "M": 6, "fusion": "residual"},  # every config failed: no best
+    ]
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"rows": rows}))
+    table = bvr.swept_configs(path)
+    assert set(table) == {(960, 576), (3072, 576)}
+    assert table[(960, 576)] == sk.SkinnyConfig(**best)
+    assert table[(3072, 576)] == sk.SkinnyConfig(**dict(best, block_n=32, fma=True))
+    original = (sk.default_config, layers.use_qkv_rope, sk.NORM_MAX_BLOCK_K, layers.use_fused_layer)
+    try:
+        bvr.set_variant("swept", table)
+        assert sk.default_config(960, 576) == qrw.default_config(960, 576) == table[(960, 576)]
+        assert sk.default_config(576, 576) == original[0](576, 576)  # not swept: the library's
+        assert sk.default_config(960, 576, one_row=True) == original[0](960, 576, one_row=True)
+        assert sk.NORM_MAX_BLOCK_K >= 1024 and qrw.NORM_MAX_BLOCK_K >= 1024
+        assert qrw.rows_config(960, 576, 64, norm=True) == table[(960, 576)]
+        bvr.set_variant("rope_apart")
+        assert layers.use_qkv_rope is not original[1] and sk.default_config is original[0]
+    finally:
+        bvr.restore()
+    assert (sk.default_config, layers.use_qkv_rope, sk.NORM_MAX_BLOCK_K, layers.use_fused_layer) == original
+    assert qrw.default_config is original[0] and qrw.NORM_MAX_BLOCK_K == original[2]
+
+
 def test_back_to_back_time_is_the_median_window_and_every_window_is_kept(monkeypatch):
     """bench_draft_loop's back-to-back figure: BACK_TO_BACK_WINDOWS windows of `reps` calls each, the median
     window's time per call returned and each window's kept, so one stalled window cannot decide it."""

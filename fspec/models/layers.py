@@ -58,6 +58,22 @@ def use_skinny_linear(x: torch.Tensor, w: torch.Tensor, *, cuda: bool | None = N
     return x.dtype == w.dtype and _skinny_inference(x, w, cuda=cuda)
 
 
+def use_qkv_rope(x: torch.Tensor, w: torch.Tensor, cfg: ModelConfig, *, cuda: bool | None = None) -> bool:
+    """Whether a layer's rows x may hand over to `attend.qkv_rope` (its fused q/k/v weight w, RoPE and the
+    cache write in the product's launch): one row on `use_skinny_linear`'s conditions; 2..SKINNY_ROWS rows
+    (a batch-1 round's verification, its first draft step) where the several-row layers are fused
+    (a model at most FUSED_ROWS_MAX_HIDDEN wide, `use_fused_layer`), on the same conditions of x and w.
+    Decided when a graph is traced."""
+    rows = math.prod(x.shape[:-1])
+    if rows == 1:
+        return use_skinny_linear(x, w, cuda=cuda)
+    if not (x.is_cuda if cuda is None else cuda) or cfg.hidden_size > FUSED_ROWS_MAX_HIDDEN:
+        return False
+    if w.dim() != 2 or w.shape[0] > SKINNY_ROW_MAX_OUT:
+        return False
+    return x.dtype == w.dtype and _skinny_inference(x, w, cuda=cuda)
+
+
 def _skinny_inference(x: torch.Tensor, w: torch.Tensor, *, cuda: bool | None) -> bool:
     """What `fspec::skinny_linear` needs of x beyond the weights: CUDA (`cuda` overrides x's device, for
     tests), 1..SKINNY_ROWS rows, a floating dtype it handles, no autograd through x or w, no torch.func
@@ -328,8 +344,8 @@ def decoder_layer(
     still runs over all T rows (their K/V go to the cache); o, the norm and the MLP, which are row-wise, run
     over the R rows only (a draft round's first step needs one row per request of its K + 1).
     """
-    # one row (a decode or later draft step, `rows` then picks that row): q/k/v, RoPE and the cache write may
-    # be one launch
+    # q/k/v, RoPE and the cache write may be one launch (`use_qkv_rope`: one row, a decode or later draft
+    # step, `rows` then picks that row; or a narrow model's few rows)
     out = _qkv_rope_attention(p, attn_in, None, attend, cfg=cfg, layer=layer, cos=cos)
     if out is None:
         q, k, v = project_qkv(p, attn_in, cfg=cfg)
@@ -405,17 +421,17 @@ def _qkv_rope_attention(
     layer: int,
     cos: torch.Tensor,
 ) -> torch.Tensor | None:
-    """The attention output [..., N, D] of one row x [..., K] (leading dims of size 1) through
-    `attend.qkv_rope` (the paged backend's `fspec::qkv_rope_write` then `fspec::paged_attention`): the
-    layer's fused "qkv" weight, RMSNorm of x first with `norm_weight`, no q/k/v bias and no q/k norm, on the
-    one-row product's conditions (`use_skinny_linear`); None otherwise (the caller projects, then
-    attends)."""
+    """The attention output [..., N, D] of the rows x [..., K] through `attend.qkv_rope` (the paged backend's
+    `fspec::qkv_rope_write` then `fspec::paged_attention`): the layer's fused "qkv" weight, RMSNorm of x
+    first with `norm_weight`, no q/k/v bias and no q/k norm, where `use_qkv_rope` says so; None otherwise
+    (the caller projects, then attends)."""
     qkv_rope = getattr(attend, "qkv_rope", None)
     if qkv_rope is None or "qkv" not in p or "qkv_bias" in p or cfg.qk_norm:
         return None
-    if math.prod(x.shape[:-1]) != 1 or not use_skinny_linear(x, p["qkv"]):
+    if not use_qkv_rope(x, p["qkv"], cfg):
         return None
-    out = qkv_rope(x.reshape(1, -1), p["qkv"], norm_weight, cfg.rms_norm_eps, layer, cos.dtype)
+    flat = x.reshape(-1, x.shape[-1])
+    out = qkv_rope(flat, p["qkv"], norm_weight, cfg.rms_norm_eps, layer, cos.dtype)
     return None if out is None else out.reshape(*x.shape[:-1], *out.shape[1:])
 
 

@@ -48,6 +48,7 @@ from fspec.core.cache import CONTEXT_QUANTUM, DECODE_CONTEXT_QUANTUM, KVCache
 from fspec.core.metadata import token_requests
 from fspec.core.state import AttnMetadata, _expect, check_positive_int, validate_attn_metadata
 from fspec.kernels import ops as kops
+from fspec.kernels.qkv_rope_write import supports as qkv_rope_supports
 
 BACKENDS = ("auto", "paged", "reference", "dense")
 
@@ -199,25 +200,29 @@ def _paged_qkv_rope(
     meta: AttnMetadata,
     cache: KVCache,
     rope_params: tuple,
+    max_query_len: int | None = None,
 ) -> torch.Tensor | None:
-    """The paged attention of one row whose q/k/v come from `fspec::qkv_rope_write` (x [1, K] through the
+    """The paged attention of rows whose q/k/v come from `fspec::qkv_rope_write` (x [T, K] through the
     fused projection w, RMSNorm first with norm_weight; one launch fewer per layer than the product then
     `fspec::rope_pos_kv_write`: target-only decoding +2% on the H200, runs t, u of table `switches`): out
-    [1, N, D] in x's dtype; None where that path does not apply (more than one row, the cache's dtype not
-    x's): the caller then projects and attends as usual. The attention loads its old K/V rows before its
+    [T, N, D] in x's dtype; None where that path does not apply (rows the kernel does not take,
+    kernels/qkv_rope_write.py `supports`; the cache's dtype not x's): the caller then projects and attends
+    as usual. The attention loads its old K/V rows before its
     PDL wait (`early_kv`: the launch right before wrote only q and the new rows) and lets the o projection
     after it start before its own wait (`early_release`), as `_paged_kernels` does."""
-    if x.shape[0] != 1 or cache.k.dtype != x.dtype:
-        return None
     d, nkv = cache.k.shape[-1], cache.k.shape[-2]
+    if not qkv_rope_supports(x.shape[0], d) or cache.k.dtype != x.dtype:
+        return None
     qkv = kops.qkv_rope_write(
         x, w, norm_weight, eps, meta.positions, cache.k, cache.v, meta.slot_mapping,
         table_dtype, rope_params[0], list(rope_params[1]), layer=layer,
     )  # fmt: skip
-    q = qkv[:, : qkv.shape[1] - 2 * nkv * d].view(1, -1, d)
+    t = x.shape[0]
+    q = qkv[:, : qkv.shape[1] - 2 * nkv * d].view(t, -1, d)
     return kops.paged_attention(
         q, cache.k, cache.v, meta.block_table, meta.seq_lens, meta.positions,
-        meta.query_start_loc, scale=d**-0.5, num_query=1, layer=layer, early_kv=True, early_release=True,
+        meta.query_start_loc, scale=d**-0.5, num_query=t if max_query_len is None else max_query_len,
+        layer=layer, early_kv=True, early_release=True,
     )  # fmt: skip
 
 
@@ -516,8 +521,8 @@ def bind(
     from meta.positions): the paged kernel computes cos / sin itself instead of reading the tables.
 
     The cache is donated (written in place), so the caller returns the `cache` it passed in. With the paged
-    backend and `rope`, `attend.qkv_rope(x [1, K], w_qkv, norm_weight, eps, layer, table_dtype)` is the
-    same attention for a layer that hands over its one row and fused q/k/v weight instead (`_paged_qkv_rope`:
+    backend and `rope`, `attend.qkv_rope(x [T, K], w_qkv, norm_weight, eps, layer, table_dtype)` is the
+    same attention for a layer that hands over its rows and fused q/k/v weight instead (`_paged_qkv_rope`:
     None where that path does not apply).
     """
     if backend not in BACKENDS:
@@ -556,7 +561,9 @@ def bind(
 
     if fused and rope is not None:  # a one-row layer may hand over x and its q/k/v weight instead
         rope_params = tuple(rope[1:])
-        attend.qkv_rope = functools.partial(_paged_qkv_rope, meta=meta, cache=cache, rope_params=rope_params)
+        attend.qkv_rope = functools.partial(
+            _paged_qkv_rope, meta=meta, cache=cache, rope_params=rope_params, max_query_len=max_query_len
+        )
     return attend
 
 

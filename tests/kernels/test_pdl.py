@@ -157,7 +157,7 @@ out = {}
 for on in (False, True):
     out[f"linear{int(on)}"] = ptx(_skinny_linear_kernel, bf16,
         {"M_PAD": 16, "BLOCK_N": 16, "BLOCK_K": 256, "UPCAST": False, "NORM": False, "SILU": False,
-         "RESIDUAL": False, "PDL": on})
+         "RESIDUAL": False, "PDL": on, "ROPE_HEAD_DIM": 0, "TABLE_DTYPE": triton.language.float32})
     out[f"meta{int(on)}"] = ptx(_step_metadata_kernel, meta,
         {"Q": 1, "Q_TILES": 1, "MODE": 3, "BLOCK": 128, "BLOCK_Q": 1, "PDL": on})
 print(json.dumps(out))

@@ -8,6 +8,8 @@ head or layer shows up as a changed byte elsewhere."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from fresh_process import in_fresh_process
@@ -77,6 +79,54 @@ def test_kernel_equals_the_two_launches_and_the_reference(n, nkv, d, k, position
     assert torch.equal(got_k, kc) and torch.equal(got_v, vc)
 
 
+# (N, Nkv, D, K, M): the tile kernel (D a multiple of 16: one or two programs per head, up to 16 rows) and
+# the CUDA-core rows kernel (D = 8, 12, 4: 8-, 4- and 4-column programs); reductions not tile multiples
+ROWS_SHAPES = [(3, 2, 16, 40, 2), (4, 1, 32, 37, 5), (2, 2, 16, 100, 16), (3, 2, 8, 40, 3), (5, 1, 12, 64, 6),
+               (4, 1, 4, 37, 8)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("n", "nkv", "d", "k", "m"), ROWS_SHAPES)
+@pytest.mark.parametrize("norm", [True, False])
+def test_several_rows_equal_the_two_launches_and_the_reference(n, nkv, d, k, m, norm):
+    """float32, M rows at their own positions and slots, the second a padding row (position -1, slot -1):
+    output and caches within float32 rounding of `skinny_linear` then `rope_pos_kv_write` and of the
+    reference; each live row's k_rot and v are in its slot of layer 1 exactly as the output gives them, and
+    no other byte of either cache changes."""
+    gen = torch.Generator().manual_seed(n * d + m)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn((n + 2 * nkv) * d, k, generator=gen) * k**-0.5
+    g = torch.rand(k, generator=gen) + 0.5 if norm else None
+    kc, vc = (torch.randn(2, 5, 4, nkv, d, generator=gen) * 100 for _ in range(2))
+    inv = make_inv_freq(d, ROPE[0], ROPE[1], "cpu")
+    pos = torch.randint(0, 5000, (m,), generator=gen)
+    slots = torch.randperm(20, generator=gen)[:m]
+    pos[1], slots[1] = -1, -1
+    kw = {"norm_weight": g, "positions": pos, "inv_freq": inv, "table_dtype": torch.float32, "layer": 1}
+    got_k, got_v = kc.clone(), vc.clone()
+    got = qkv_rope_write(x, w, **kw, k_cache=got_k, v_cache=got_v, slot_mapping=slots)
+    assert got.shape == (m, (n + 2 * nkv) * d) and got.dtype == x.dtype
+    two_k, two_v = kc.clone(), vc.clone()
+    y = skinny_linear(x, w, norm_weight=g)
+    q, kk, v = (t.reshape(m, -1, d) for t in y.split([n * d, nkv * d, nkv * d], dim=-1))
+    q_rot = rope_pos_kv_write(q, kk, v, pos, inv, torch.float32, two_k, two_v, slots, layer=1)
+    torch.testing.assert_close(got[:, : n * d], q_rot.reshape(m, -1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[:, (n + nkv) * d :], y[:, (n + nkv) * d :], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_k, two_k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_v, two_v, rtol=1e-5, atol=1e-5)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    want = qkv_rope_write_ref(x, w, **kw, k_cache=ref_k, v_cache=ref_v, slot_mapping=slots)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_k, ref_k, rtol=1e-5, atol=1e-5)
+    for row in range(m):
+        if slots[row] < 0:
+            continue
+        b, o = divmod(int(slots[row]), 4)
+        kv = got[row, n * d :].reshape(2, nkv, d)
+        assert torch.equal(got_k[1, b, o], kv[0]) and torch.equal(got_v[1, b, o], kv[1])
+        got_k[1, b, o], got_v[1, b, o] = kc[1, b, o], vc[1, b, o]
+    assert torch.equal(got_k, kc) and torch.equal(got_v, vc)
+
+
 def test_bf16_equals_the_two_launches_and_is_near_the_reference():
     """bf16: bit for bit as the two interpreted launches (the interpreter rounds float32 -> bf16 by
     truncation in both), and within four bf16 roundings of the row's largest value of the reference (three
@@ -125,12 +175,14 @@ def test_bad_input_names_the_argument():
         return qkv_rope_write(a, b, **kw)
 
     cases = [
-        ({"x": x.repeat(2, 1)}, r"^x: expected one row \[1, K\], got shape \(2, 40\)"),
+        ({"x": x.repeat(9, 1)}, r"^x: expected 1 to 8 rows \[M, K\] at head dim 8, got shape \(9, 40\)"),
+        ({"x": x[:0]}, r"^x: expected a \[M, K\] tensor with 1 <= M <= 16, got shape \(0, 40\)"),
+        ({"x": x.repeat(2, 1)}, r"^positions: expected a \[2\] integer tensor \(x's rows\), got \(1,"),
         ({"w": w[:-4]}, r"^w: expected \[\(N \+ 2·Nkv\)·D, K\] rows with N >= 1, Nkv = 2, D = 8"),
         ({"w": w[: 4 * 8]}, r"^w: expected \[\(N \+ 2·Nkv\)·D, K\] rows with N >= 1"),  # no q columns
         ({"w": w[:, :30]}, r"^w: expected a \[N, 40\] tensor"),
         ({"k_cache": kc.double(), "v_cache": vc.double()}, r"^k_cache: expected x's dtype torch.float32"),
-        ({"positions": torch.tensor([1, 2])}, r"^positions: expected a \[1\] integer tensor, got \(2,\)"),
+        ({"positions": torch.tensor([1, 2])}, r"^positions: expected a \[1\] integer tensor \(x's rows"),
         ({"positions": torch.tensor([1.0])}, r"^positions: expected a \[1\] integer tensor"),
         ({"slot_mapping": torch.tensor([[1]])}, r"^slot_mapping: expected a \[1\] integer tensor"),
         ({"inv_freq": inv[:3]}, r"^inv_freq: expected shape \[D/2\] = \[4\], got \(3,\)"),
@@ -148,30 +200,35 @@ def test_bad_input_names_the_argument():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode()  # the op's fake (what torch.compile traces) checks too
-    fake = [mode.from_tensor(t) for t in (x.repeat(2, 1), w, g, pos, kc, vc, slots)]
-    with mode, pytest.raises(ValueError, match=r"^x: expected one row"):
+    fake = [mode.from_tensor(t) for t in (x.repeat(9, 1), w, g, pos, kc, vc, slots)]
+    with mode, pytest.raises(ValueError, match=r"^x: expected 1 to 8 rows"):
         torch.ops.fspec.qkv_rope_write(*fake[:3], 1e-6, *fake[3:], torch.float32, ROPE[0], list(ROPE[1]))
 
 
-def _tiny() -> fspec.ModelConfig:
+def _tiny(head_dim: int = 8) -> fspec.ModelConfig:
     return fspec.ModelConfig(
         vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, rope_theta=500.0, rope_type="llama3", rope_factor=8.0,
+        num_key_value_heads=2, head_dim=head_dim, rope_theta=500.0, rope_type="llama3", rope_factor=8.0,
         rope_original_max_position_embeddings=64,
     )  # fmt: skip
 
 
 @pytest.mark.parametrize("fused_layer", [True, False])
-def test_decode_step_through_the_fused_projection_equals_the_two_launches(fused_layer, monkeypatch):
-    """A paged batch-1 decode step after a prefill, routed as on CUDA (one-row products on skinny_linear;
-    the fused decode layer, or the plain layer an EAGLE head's first layer takes): every layer launches
-    `qkv_rope_write` and no `rope_pos_kv_write`, and the logits and every cache byte equal those of the two
-    launches it replaces (the product, then `rope_pos_kv_write`: forced here by a layer that never hands
-    its row to `attend.qkv_rope`), under the interpreter."""
+@pytest.mark.parametrize("step_rows", [1, 3])
+def test_decode_step_through_the_fused_projection_equals_the_two_launches(
+    fused_layer, step_rows, monkeypatch
+):
+    """A paged batch-1 step after a prefill, of one row (decode) or three (a verification), routed as on
+    CUDA (one-row products on skinny_linear, a narrow model's few rows on the fused layer; the fused layer,
+    or the plain layer an EAGLE head's first layer takes): every layer launches `qkv_rope_write` and no
+    `rope_pos_kv_write`, and the logits and every cache byte equal those of the two launches it replaces
+    (the product, then `rope_pos_kv_write`: forced here by a layer that never hands its rows to
+    `attend.qkv_rope`), under the interpreter; within float32 rounding for the plain layer, whose unfused
+    several-row products (the six-row prefill's) are F.linear's."""
     from fspec.kernels import qkv_rope_write as qrw
     from fspec.kernels import rope_kv_write as rkv
 
-    cfg = _tiny()
+    cfg = _tiny(16)  # D = 16: the several-row product's tile kernel, as the unfused path's
     params = L.fuse_projections(llama.init(cfg, seed=4))
     for layer in params["layers"]:  # norms away from 1, so that a missing input norm shows
         for name, leaf in layer.items():
@@ -186,17 +243,20 @@ def test_decode_step_through_the_fused_projection_equals_the_two_launches(fused_
         block_table=tables,
         slot_mapping=_slot_mapping(tables, positions, 4, torch.zeros(6, dtype=torch.int64)),
     )
+    step_positions = torch.arange(6, 6 + step_rows)
     step = fspec.AttnMetadata(
-        positions=torch.tensor([6]),
-        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
-        seq_lens=torch.tensor([7], dtype=torch.int32),
+        positions=step_positions,
+        query_start_loc=torch.tensor([0, step_rows], dtype=torch.int32),
+        seq_lens=torch.tensor([6 + step_rows], dtype=torch.int32),
         block_table=tables,
-        slot_mapping=_slot_mapping(tables, torch.tensor([6]), 4, torch.tensor([0])),
+        slot_mapping=_slot_mapping(tables, step_positions, 4, torch.zeros(step_rows, dtype=torch.int64)),
     )
     ids = torch.randint(0, cfg.vocab_size, (6,), generator=torch.Generator().manual_seed(1))
     use = L.use_fused_layer
     monkeypatch.setattr(L, "use_skinny_linear", lambda x, w, **kw: x.shape[:-1].numel() == 1)
     monkeypatch.setattr(L, "use_fused_layer", lambda p, x, c, **kw: fused_layer and use(p, x, c, cuda=True))
+    use_qkv = L.use_qkv_rope
+    monkeypatch.setattr(L, "use_qkv_rope", lambda x, w, c, **kw: use_qkv(x, w, c, cuda=True))
     launches = {"qkv": 0, "rope": 0}
     fused, rope = qrw.qkv_rope_write, rkv.rope_pos_kv_write
 
@@ -211,8 +271,9 @@ def test_decode_step_through_the_fused_projection_equals_the_two_launches(fused_
         _, _, cache = llama.forward(params, ids, prefill, cache, cfg=cfg, backend="paged", max_query_len=6)
         before = dict(launches)
         logits, _, cache = llama.forward(
-            params, torch.tensor([9]), step, cache, cfg=cfg, backend="paged", max_query_len=1
-        )
+            params, torch.tensor([9, 2, 5][:step_rows]), step, cache, cfg=cfg, backend="paged",
+            max_query_len=step_rows,
+        )  # fmt: skip
         return logits, cache, {k: launches[k] - before[k] for k in launches}
 
     with monkeypatch.context() as m:
@@ -221,8 +282,13 @@ def test_decode_step_through_the_fused_projection_equals_the_two_launches(fused_
     got, got_cache, one = decode()
     assert two == {"qkv": 0, "rope": cfg.num_hidden_layers}
     assert one == {"qkv": cfg.num_hidden_layers, "rope": 0}
-    assert torch.equal(got, want)
-    assert torch.equal(got_cache.k, want_cache.k) and torch.equal(got_cache.v, want_cache.v)
+    if fused_layer:  # the fused layer's unfused path runs its several-row products on the same tile kernel
+        assert torch.equal(got, want)
+        assert torch.equal(got_cache.k, want_cache.k) and torch.equal(got_cache.v, want_cache.v)
+    else:  # the plain layer's run on F.linear (the prefill's six rows too): another summation order
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_cache.k, want_cache.k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_cache.v, want_cache.v, rtol=1e-5, atol=1e-5)
 
 
 def test_a_layer_hands_its_one_row_to_qkv_rope_with_or_without_rows(monkeypatch):
@@ -257,8 +323,19 @@ def test_a_layer_hands_its_one_row_to_qkv_rope_with_or_without_rows(monkeypatch)
         assert seen == ["attend"]
         assert torch.equal(got, plain)
     seen.clear()
-    L.decoder_layer(p, x, res, cos, sin, attend, cfg=cfg, layer=1)  # two rows: the plain path
+    L.decoder_layer(p, x, res, cos, sin, attend, cfg=cfg, layer=1)  # two rows on the CPU: the plain path
     assert seen == ["attend"]
+    use = (
+        L.use_qkv_rope
+    )  # two rows where the several-row layers are fused (CUDA, a narrow model): handed over
+    monkeypatch.setattr(L, "use_qkv_rope", lambda x, w, c, **kw: use(x, w, c, cuda=True))
+    seen.clear()
+    got = L.decoder_layer(p, x, res, cos, sin, attend, cfg=cfg, layer=1)
+    assert seen == [("qkv_rope", (2, 32), True, None, 1, cos.dtype), "attend"]
+    seen.clear()
+    assert torch.equal(got, L.decoder_layer(p, x, res, cos, sin, lambda *a: attend(*a), cfg=cfg, layer=1))
+    wide = dataclasses.replace(cfg, hidden_size=L.FUSED_ROWS_MAX_HIDDEN + 32)  # a wide model keeps cuBLAS
+    assert not L.use_qkv_rope(x, p["qkv"], wide) and L.use_qkv_rope(x, p["qkv"], cfg)
 
 
 def test_compiled_decode_step_through_the_fused_projection(monkeypatch):
@@ -343,6 +420,32 @@ def _compile_for_sm90_body():
         assert "0 bytes spill stores, 0 bytes spill loads" in report, (
             f"spills ({rows} x {k}, D = {d}): {report}"
         )
+    # several rows (kernels/qkv_rope_write.py `rows_config`; models at most FUSED_ROWS_MAX_HIDDEN wide): the
+    # tile kernel, 16 padded rows, at SmolLM2-135M's q/k/v (9 + 2 x 3 heads of 64, K = 576, input norm), its
+    # EAGLE-3 head's (K = 1152, no norm) and a 896-wide model's (14 + 2 x 2 heads), no spills
+    from fspec.kernels.qkv_rope_write import rows_config
+    from fspec.kernels.skinny_linear import _skinny_linear_kernel
+
+    names = list(inspect.signature(_skinny_linear_kernel.fn).parameters)
+    for rows, k, d, norm in ((960, 576, 64, True), (960, 1152, 64, False), (1152, 896, 64, True)):
+        cfg = rows_config(rows, k, d, norm=norm)
+        assert not cfg.fma
+        consts = {"M_PAD": 16, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "UPCAST": False, "NORM": norm,
+                  "SILU": False, "RESIDUAL": False, "PDL": True, "ROPE_HEAD_DIM": d,
+                  "TABLE_DTYPE": tl.bfloat16}  # fmt: skip
+        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+        src = ASTSource(fn=_skinny_linear_kernel, signature=sig, constexprs=consts)
+        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
+            f.write(compiled.asm["ptx"])
+            f.flush()
+            info = subprocess.run(
+                [str(nvdisasm.parent / "ptxas"), "--gpu-name", "sm_90a", "-v", f.name, "-o", "/dev/null"],
+                capture_output=True, text=True, check=True,
+            )  # fmt: skip
+        report = info.stdout + info.stderr
+        assert "0 bytes spill stores, 0 bytes spill loads" in report, f"spills, rows ({rows} x {k}): {report}"
 
 
 def test_kernel_compiles_for_sm90():
@@ -352,6 +455,67 @@ def test_kernel_compiles_for_sm90():
 @pytest.mark.gpu
 def test_gpu_equals_the_two_launches_at_llama_shapes():
     in_fresh_process(__file__, globals(), "_gpu_body")
+
+
+@pytest.mark.gpu
+def test_gpu_several_rows_equal_the_two_launches_at_smollm2_shapes():
+    in_fresh_process(__file__, globals(), "_gpu_rows_body")
+
+
+def _gpu_rows_body():
+    """On the GPU, bf16 at SmolLM2-135M's q/k/v (9 q heads, 3 KV heads of 64, K = 576, input norm) for a
+    batch-1 round's 6 verification rows and for 16 rows, and a 896-wide model's, one row of each padding:
+    output and caches within one bf16 rounding of `skinny_linear` then `rope_pos_kv_write` (the same tile
+    kernel's product: v equal), eagerly and in a CUDA graph replayed with new positions and slots."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    for n, nkv, d, k, m in ((9, 3, 64, 576, 6), (9, 3, 64, 576, 16), (14, 2, 64, 896, 6)):
+        _gpu_rows_case(n, nkv, d, k, m)
+
+
+def _gpu_rows_case(n: int, nkv: int, d: int, k: int, m: int) -> None:
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(n + m)
+    x = torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16)
+    w = torch.randn((n + 2 * nkv) * d, k, device=dev, generator=gen, dtype=torch.bfloat16) * k**-0.5
+    g = torch.rand(k, device=dev, generator=gen, dtype=torch.bfloat16) + 0.5
+    kc = torch.randn(3, 64, 16, nkv, d, device=dev, generator=gen, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    inv = make_inv_freq(d, ROPE[0], (100000.0, 8.0, 1.0, 4.0, 8192.0), dev)
+    pos = torch.arange(1000, 1000 + m, device=dev)
+    slot = torch.arange(500, 500 + m, device=dev)
+    pos[2], slot[2] = -1, -1
+    kw = {"norm_weight": g, "positions": pos, "inv_freq": inv, "table_dtype": torch.bfloat16}
+
+    def two():
+        two_k, two_v = kc.clone(), vc.clone()
+        y = skinny_linear(x, w, norm_weight=g)
+        q, kk, v = (t.reshape(m, -1, d) for t in y.split([n * d, nkv * d, nkv * d], dim=-1))
+        q_rot = rope_pos_kv_write(q, kk, v, pos, inv, torch.bfloat16, two_k, two_v, slot, layer=2)
+        return q_rot.reshape(m, -1), y[:, (n + nkv) * d :], two_k, two_v
+
+    got_k, got_v = kc.clone(), vc.clone()
+    got = qkv_rope_write(x, w, **kw, k_cache=got_k, v_cache=got_v, slot_mapping=slot, layer=2)
+    q_rot, v_want, two_k, two_v = two()
+    torch.testing.assert_close(got[:, : n * d], q_rot, rtol=8e-3, atol=8e-3)
+    assert torch.equal(got[:, (n + nkv) * d :], v_want)
+    torch.testing.assert_close(got_k, two_k, rtol=8e-3, atol=8e-3)
+    assert torch.equal(got_v, two_v)
+    graph, static = torch.cuda.CUDAGraph(), torch.empty_like(got)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        static.copy_(qkv_rope_write(x, w, **kw, k_cache=got_k, v_cache=got_v, slot_mapping=slot, layer=2))
+    pos.add_(77)
+    slot.copy_(torch.arange(3, 3 + m, device=dev))
+    slot[2] = -1
+    got_k.copy_(kc)
+    got_v.copy_(vc)
+    graph.replay()
+    q_rot, _, two_k, two_v = two()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(static[:, : n * d], q_rot, rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(got_k, two_k, rtol=8e-3, atol=8e-3)
+    assert torch.equal(got_v, two_v)
 
 
 def _gpu_body():

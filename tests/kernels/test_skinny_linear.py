@@ -179,9 +179,10 @@ def _compile_for_sm90_body():
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "norm_ptr": "*bf16", "res_ptr": "*bf16"}
     sig.update(M="i32", N="i32", K="i32", eps="fp32", stride_xm="i32", stride_wn="i32", stride_ym="i32")
-    sig.update(stride_rm="i32")
+    sig.update(stride_rm="i32", positions_ptr="*i64", inv_freq_ptr="*fp32", slot_ptr="*i64")
+    sig.update(k_cache_ptr="*bf16", v_cache_ptr="*bf16", q_cols="i32", kv_cols="i32")
     flags = ("M_PAD", "BLOCK_N", "BLOCK_K", "UPCAST", "NORM", "SILU", "RESIDUAL", "PDL")
-    sig.update({name: "constexpr" for name in flags})
+    sig.update({name: "constexpr" for name in (*flags, "ROPE_HEAD_DIM", "TABLE_DTYPE")})
     nvdisasm = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / "nvdisasm"
     # at the launcher's configs of a 1B layer: plain; the input norm (q/k/v); the post norm and SiLU * up
     # (gate/up: 32 gate and 32 up rows per program); the residual (o, down)
@@ -193,6 +194,7 @@ def _compile_for_sm90_body():
         block_k = min(cfg.block_k, NORM_MAX_BLOCK_K) if norm else cfg.block_k
         consts = {"M_PAD": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "UPCAST": False, "NORM": bool(norm)}
         consts.update(SILU=bool(silu), RESIDUAL=bool(residual), PDL=True)
+        consts.update(ROPE_HEAD_DIM=0, TABLE_DTYPE=tl.float32)  # (test_qkv_rope_write.py)
         # as the launcher specialises these shapes: pointers, N, K and the strides divisible by 16
         attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 7, 9, 10, 11, 12)}
         src = ASTSource(fn=_skinny_linear_kernel, signature=sig, constexprs=consts, attrs=attrs)
@@ -247,9 +249,10 @@ def _compile_for_sm90_body():
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "norm_ptr": "*bf16", "res_ptr": "*bf16"}
     sig.update(M="i32", N="i32", K="i32", eps="fp32", stride_xm="i32", stride_wn="i32", stride_ym="i32")
-    sig.update(stride_rm="i32")
+    sig.update(stride_rm="i32", positions_ptr="*i64", inv_freq_ptr="*fp32", slot_ptr="*i64")
+    sig.update(k_cache_ptr="*bf16", v_cache_ptr="*bf16", q_cols="i32", kv_cols="i32")
     names = ("M_POW2", "BLOCK_N", "BLOCK_K", "NORM", "SILU", "RESIDUAL", "PDL", "NORM_BLOCK")
-    sig.update({name: "constexpr" for name in names})
+    sig.update({name: "constexpr" for name in (*names, "ROPE_HEAD_DIM", "TABLE_DTYPE")})
     for m, n, k, norm, silu, residual in (
         (8, 3072, 2048, 1, 0, 0), (6, 8192, 2048, 1, 1, 0), (8, 2048, 8192, 0, 0, 1),
         (4, 3072, 2048, 1, 0, 0), (2, 8192, 2048, 1, 1, 1), (6, 32000, 2048, 0, 0, 0),
@@ -262,6 +265,7 @@ def _compile_for_sm90_body():
         consts.update(BLOCK_K=rows_block_k(cfg, m, k, silu_mul=bool(silu)), SILU=bool(silu))
         consts.update(RESIDUAL=bool(residual), PDL=True)
         consts.update(NORM_BLOCK=rows_norm_block(m, k, cfg.num_warps) if norm else 16)
+        consts.update(ROPE_HEAD_DIM=0, TABLE_DTYPE=tl.float32)
         attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 9, 10, 11, 12)}
         src = ASTSource(fn=_skinny_rows_kernel, signature=sig, constexprs=consts, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
