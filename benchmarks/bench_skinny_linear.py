@@ -55,6 +55,7 @@ from fspec.kernels.skinny_linear import (  # noqa: E402
     default_config,
     gemv_block_k,
     rows_block_k,
+    rows_tile_fits,
     skinny_linear,
 )
 
@@ -95,11 +96,16 @@ SMOKE_FUSIONS = {"tiny a": "norm+silu", "tiny b": "residual"}
 L2_BYTES = 64 << 20  # weights cycled per timed call sequence exceed this (the H200's L2 is ~50 MB)
 
 
-def sweep_configs(rows: int, k: int | None = None, *, small: bool = False) -> list[SkinnyConfig]:
+def sweep_configs(
+    rows: int, k: int | None = None, *, small: bool = False, silu: bool = False
+) -> list[SkinnyConfig]:
     """The tile kernel's grid, and for one row the CUDA-core kernel's (`fma`) and, where a reduction of
     depth k fits in one tile (`gemv_block_k`), the one-tile kernel's (`one_tile`), and both with the
     reduction split over 2-8 programs per column block (`split_k`). `small` (a narrow model: few column
-    blocks, a shallow reduction): the tile grid spans 64- to 1024-deep tiles, 1 to 4 stages, 2 to 8 warps."""
+    blocks, a shallow reduction): the tile grid spans 64- to 1024-deep tiles, 1 to 4 stages, 2 to 8 warps.
+    Several rows also get the CUDA-core kernels: the rows tile kernel (`fma` + `one_tile`, 16 or 32 columns,
+    4-16 warps) where its tile of depth k fits (`rows_tile_fits`, two tiles with `silu`), and for 2..8 rows
+    the rows kernel."""
     if small:
         tiles = [
             SkinnyConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
@@ -136,6 +142,13 @@ def sweep_configs(rows: int, k: int | None = None, *, small: bool = False) -> li
     ]
     one_tile += [c for c in split if c.one_tile]
     one_tile = [c for c in one_tile if k is not None and gemv_block_k(c, k)[1]]
+    rows_tile = [
+        SkinnyConfig(block_n=bn, block_k=512, num_warps=w, num_stages=1, fma=True, one_tile=True)
+        for bn in (16, 32)
+        for w in (4, 8, 16)
+    ]
+    if rows >= 2 and k is not None:
+        tiles = tiles + [c for c in rows_tile if rows_tile_fits(c, k, silu_mul=silu)]
     if 2 <= rows <= FMA_MAX_ROWS:  # the CUDA-core rows kernel, each distinct effective BLOCK_K once
         seen, fma_rows = set(), []
         for bn in (16, 32):
@@ -276,7 +289,7 @@ def _sweep(timed, x: torch.Tensor, kw: dict, m: int, k: int, *, small: bool, smo
     """The call on x (with the fusions kw) timed under each config of `sweep_configs`: the list, and the
     fastest config and time."""
     results = []
-    for cfg in sweep_configs(m, k, small=small):
+    for cfg in sweep_configs(m, k, small=small, silu=bool(kw.get("silu_mul"))):
         try:
             us = timed(lambda w, c=cfg, x=x: skinny_linear(x, w, config=c, **kw))
         except Exception as e:  # a config that does not compile (shared memory) is skipped

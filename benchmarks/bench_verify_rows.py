@@ -17,6 +17,9 @@ whatever its kernel, so each launch saved may count more than the kernel's speed
 * `fused_fma`: the same with the 2..8-row CUDA-core kernel (`_skinny_rows_kernel`);
 * `rope_apart`: `fused_tile` with the several-row q/k/v product's RoPE and cache write as a launch of their
   own (`fspec::rope_pos_kv_write`; the library before the several-row `qkv_rope_write`);
+* `rows_tile`: `fused_tile` with the several-row products on `_skinny_rows_tile_kernel` (the one-row
+  kernel's one-tile product, the weight tile loaded once for all the rows; 16 columns, eight warps) where
+  the tile fits, q/k/v with its RoPE epilogue too;
 * `swept` (with --swept FILE, a `bench_skinny_linear.py --fusions --sweep` result): `fused_tile` with each
   swept product's fastest config at the swept row count (the tile or the CUDA-core rows kernel), the input
   norm's BLOCK_K cap lifted for them.
@@ -103,10 +106,21 @@ def restore() -> None:
     qrw.default_config, qrw.NORM_MAX_BLOCK_K = ORIGINAL[1], ORIGINAL[3]
 
 
+ROWS_TILE = sk.SkinnyConfig(block_n=16, block_k=512, num_warps=8, num_stages=1, fma=True, one_tile=True)
+
+
+def rows_tile_config(n, k, *, one_row=False):
+    """`default_config` with several rows on `_skinny_rows_tile_kernel` where its tile fits (two tiles: a
+    SiLU * up product's too), else the library's."""
+    if one_row or not sk.rows_tile_fits(ROWS_TILE, k, silu_mul=True):
+        return ORIGINAL[1](n, k, one_row=one_row)
+    return ROWS_TILE
+
+
 def set_variant(name: str, swept: dict | None = None) -> None:
     layers.use_fused_layer = one_row_only if name == "unfused" else fused_any_rows
     layers.use_qkv_rope = one_row_qkv_rope if name in ("unfused", "rope_apart") else ORIGINAL[2]
-    config = fma_rows_config if name == "fused_fma" else ORIGINAL[1]
+    config = {"fused_fma": fma_rows_config, "rows_tile": rows_tile_config}.get(name, ORIGINAL[1])
     cap = ORIGINAL[3]
     if name == "swept":
         table = dict(swept or {})

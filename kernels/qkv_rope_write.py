@@ -20,7 +20,8 @@ a pair never leaves the program that computed it. At several rows the separate w
 ~1500 µs batch-1 round of SmolLM2-135M on the H100 (30 launches; BENCHMARKS.md, "Where the B = 1 round goes").
 Kernels: one row `_skinny_gemv_kernel`; several rows the several-row products' kernel (`rows_config`): the
 tensor-core tile `_skinny_linear_kernel`, or `_skinny_rows_kernel` on the CUDA cores where a head's largest
-power-of-two factor is below the tile's 16 columns (up to FMA_MAX_ROWS rows). x's dtype equal to the cache's
+power-of-two factor is below the tile's 16 columns (up to FMA_MAX_ROWS rows), or `_skinny_rows_tile_kernel`
+where the several-row default is an `fma` + `one_tile` config that fits. x's dtype equal to the cache's
 and w's.
 """
 
@@ -45,12 +46,14 @@ from .skinny_linear import (
     _skinny_gemv_kernel,
     _skinny_linear_kernel,
     _skinny_rows_kernel,
+    _skinny_rows_tile_kernel,
     check_args,
     default_config,
     gemv_block_k,
     norm_block,
     rows_block_k,
     rows_norm_block,
+    rows_tile_fits,
     skinny_linear_ref,
 )
 
@@ -69,7 +72,7 @@ def rows_config(out: int, k: int, head_dim: int, *, norm: bool) -> SkinnyConfig:
     BLOCK_N at most the head dim's largest power-of-two factor (a program's pairs stay in one head); below
     16 columns the CUDA-core rows kernel (`fma`) at the one-row tiles."""
     cfg = default_config(out, k)
-    if norm:
+    if norm and not cfg.fma:  # (the CUDA-core kernels keep x's tile as vectors)
         cfg = dataclasses.replace(cfg, block_k=min(cfg.block_k, NORM_MAX_BLOCK_K))
     block_n = min(cfg.block_n, head_dim & -head_dim)
     if block_n >= 16:
@@ -172,7 +175,14 @@ def qkv_rope_write(
         x, w, y, norm, y, m, rows, k, float(eps), x.stride(0), w.stride(0), y.stride(0), 0,
         positions, inv, slot_mapping, kc, vc, q_cols, kv_cols,
     )  # fmt: skip
-    if cfg.fma:
+    if cfg.fma and cfg.one_tile and rows_tile_fits(cfg, k):
+        _skinny_rows_tile_kernel[(rows // cfg.block_n,)](
+            x, w, y, norm, y, rows, k, float(eps), x.stride(0), w.stride(0), y.stride(0), 0,
+            positions, inv, slot_mapping, kc, vc, q_cols, kv_cols,
+            ROWS=m, BLOCK_N=cfg.block_n, BLOCK_K=max(16, triton.next_power_of_2(k)),
+            NORM=norm_weight is not None, **rope, **launch, **pdl.options(x),
+        )  # fmt: skip
+    elif cfg.fma:
         _skinny_rows_kernel[(rows // cfg.block_n,)](
             *args, M_POW2=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=rows_block_k(cfg, m, k),
             NORM=norm_weight is not None,

@@ -17,7 +17,9 @@ shape; the padding rows are masked loads, no memory traffic). Small BLOCK_N (16)
 weight over 128 programs; a large BLOCK_K (512) keeps 16 KB of w per pipeline stage in flight per program,
 which is what a memory-bound stream needs per SM. One row (batch-1 decode and draft steps) goes to
 `_skinny_gemv_kernel` on the CUDA cores instead (no 16-row tensor-core tile); its optional split reduction
-(`SkinnyConfig.split_k`, combined in the same launch) won no shape of the H200 sweep and stays off.
+(`SkinnyConfig.split_k`, combined in the same launch) won no shape of the H200 sweep and stays off. A few
+rows can take the CUDA cores too, with an explicit config: `_skinny_rows_tile_kernel` (the one-tile product,
+the weight tile loaded once for every row) and `_skinny_rows_kernel` (a [rows, BLOCK_N, BLOCK_K] product).
 Launch parameters depend on static shapes only (CUDA-graph safe). Under the
 Triton interpreter everything is cast to float32 after loading (its bf16 arithmetic is not IEEE).
 
@@ -68,7 +70,9 @@ class SkinnyConfig:
     `one_tile` (with `fma`) makes its tile the whole reduction (BLOCK_K = K's next power of two, every
     weight load issued at once) where that fits in registers (GEMV_ONE_TILE_ELEMS_PER_THREAD), else it
     keeps the loop; `split_k` (with `fma`, a power of two) cuts a one-row reduction into that many programs
-    per column block, combined in the same launch (see `_skinny_gemv_kernel`)."""
+    per column block, combined in the same launch (see `_skinny_gemv_kernel`). `fma` with `one_tile` (no
+    split) at 2..MAX_ROWS rows runs `_skinny_rows_tile_kernel` where its tile fits (`rows_tile_fits`);
+    `fma` alone at 2..FMA_MAX_ROWS rows `_skinny_rows_kernel`."""
 
     block_n: int = 16
     block_k: int = 512
@@ -457,6 +461,85 @@ def _skinny_rows_kernel(
 
 
 @triton.jit
+def _skinny_rows_tile_kernel(
+    x_ptr,  # [M, K] rows of the input, K-stride 1
+    w_ptr,  # [N, K] weight, K-stride 1 ([2N, K]: gate rows, then up rows, when SILU)
+    y_ptr,  # [M, N] out, N-stride 1
+    norm_ptr,  # [K] (NORM): RMSNorm weight applied to x first
+    res_ptr,  # [M, N] (RESIDUAL): added to the product, N-stride 1
+    N,  # output features (SILU: of silu(gate) * up)
+    K,  # input features (<= BLOCK_K)
+    eps,  # (NORM) RMSNorm epsilon
+    stride_xm,  # elements between rows of x
+    stride_wn,  # elements between rows of w
+    stride_ym,  # elements between rows of y
+    stride_rm,  # (RESIDUAL) elements between rows of the residual
+    positions_ptr,  # (ROPE_HEAD_DIM) [M] int: each row's position (negative: padding, rotated as position 0)
+    inv_freq_ptr,  # (ROPE_HEAD_DIM) [D/2] float32
+    slot_ptr,  # (ROPE_HEAD_DIM) [M] int64: each row's cache slot; negative: nothing written
+    k_cache_ptr,  # (ROPE_HEAD_DIM) [num_blocks, block_size, Nkv, D] this layer's K cache (written)
+    v_cache_ptr,  # (ROPE_HEAD_DIM) this layer's V cache (written)
+    q_cols,  # (ROPE_HEAD_DIM) N * D
+    kv_cols,  # (ROPE_HEAD_DIM) Nkv * D
+    ROWS: tl.constexpr,  # M, unrolled
+    BLOCK_N: tl.constexpr,  # output columns per program, a power of two
+    BLOCK_K: tl.constexpr,  # K's next power of two: the whole reduction is one tile
+    NORM: tl.constexpr = False,
+    SILU: tl.constexpr = False,
+    RESIDUAL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+    ROPE_HEAD_DIM: tl.constexpr = 0,  # D > 0: a fused q/k/v product; RoPE and the cache write as epilogue
+    TABLE_DTYPE: tl.constexpr = tl.float32,
+):
+    """`_skinny_gemv_kernel`'s one-tile product for a few rows (2..MAX_ROWS: a batch-1 round's K + 1
+    verification rows, its first draft step) on the CUDA cores: a program loads its [BLOCK_N, K] weight tile
+    once, every load issued before the PDL wait, and then reduces each row of x against it in turn (x, the
+    norm weight and the rows' RMS come from L2): no 16-row tensor-core tile, no pipeline over K, no
+    [rows, BLOCK_N, BLOCK_K] product in registers (`_skinny_rows_kernel` keeps one, which shrinks its tiles).
+    Each row's epilogue is the one-row kernel's (`_gemv_epilogue`, or `_rope_kv_epilogue` at the row's
+    position and slot), with the same roundings. Why: at SmolLM2's width the tile kernel's six-row products
+    cost 5.0-8.1 us against 2.7-5.4 for the one-row kernel on the same weights (H100,
+    results/skinny_fused_smollm2_h100.json); launched with an explicit `fma` + `one_tile` config where the
+    tile fits (`rows_tile_fits`)."""
+    pid_n = tl.program_id(0)
+    n = _columns(pid_n, BLOCK_N, ROPE_HEAD_DIM)
+    n_ok = n < N
+    kk = tl.arange(0, BLOCK_K)
+    k_ok = kk < K
+    w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
+    w_ok = n_ok[:, None] & k_ok[None, :]
+    w = tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0)  # weights are constant: before the wait
+    u = w
+    if SILU:
+        u_rows = w_rows + N.to(tl.int64) * stride_wn  # the up half's rows n
+        u = tl.load(u_rows + kk[None, :], mask=w_ok, other=0.0)
+    pdl_enter(PDL)
+    g = kk  # (NORM) the norm weight
+    if NORM:
+        g = tl.load(norm_ptr + kk, mask=k_ok, other=0.0)
+    for r in tl.static_range(ROWS):
+        x = tl.load(x_ptr + r * stride_xm + kk, mask=k_ok, other=0.0)
+        rstd = 0.0
+        if NORM:  # the whole row is in the tile: its RMS without a second pass
+            xs = x.to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=0) / K + eps)
+        xv = _normed(x, g, rstd, NORM).to(tl.float32)
+        part = tl.sum(w.to(tl.float32) * xv[None, :], axis=1)  # [BLOCK_N] float32
+        part_up = part
+        if SILU:
+            part_up = tl.sum(u.to(tl.float32) * xv[None, :], axis=1)
+        if ROPE_HEAD_DIM > 0:  # (no SiLU, no residual: the launcher's contract)
+            _rope_kv_epilogue(
+                part, n, pid_n, y_ptr + r * stride_ym, positions_ptr + r, inv_freq_ptr, slot_ptr + r,
+                k_cache_ptr, v_cache_ptr, q_cols, kv_cols, BLOCK_N, ROPE_HEAD_DIM, TABLE_DTYPE,
+            )  # fmt: skip
+        else:
+            _gemv_epilogue(
+                part, part_up, n, n_ok, y_ptr + r * stride_ym, res_ptr + r * stride_rm, SILU, RESIDUAL
+            )
+
+
+@triton.jit
 def _gemv_epilogue(part, part_up, n, n_ok, y_ptr, res_ptr, SILU: tl.constexpr, RESIDUAL: tl.constexpr):
     """y[n] from the float32 sums: rounded to y's dtype, then SiLU * up and the residual with the unfused
     ops' roundings."""
@@ -684,6 +767,14 @@ def gemv_block_k(cfg: SkinnyConfig, k: int, *, silu_mul: bool = False) -> tuple[
     return block_k, False, -(-depth // block_k) * block_k
 
 
+def rows_tile_fits(cfg: SkinnyConfig, k: int, *, silu_mul: bool = False) -> bool:
+    """Whether `_skinny_rows_tile_kernel` holds a [block_n, K's next power of two] weight tile (two with
+    SiLU * up) within GEMV_ONE_TILE_ELEMS_PER_THREAD per thread, the one-row one-tile kernel's bound."""
+    whole = max(16, triton.next_power_of_2(k))
+    tiles = 2 if silu_mul else 1
+    return cfg.block_n * whole * tiles <= GEMV_ONE_TILE_ELEMS_PER_THREAD * 32 * cfg.num_warps
+
+
 def rows_block_k(cfg: SkinnyConfig, m: int, k: int, *, silu_mul: bool = False) -> int:
     """BLOCK_K of `_skinny_rows_kernel` for m rows: cfg.block_k (at most K's next power of two) shrunk until
     the [M_POW2, BLOCK_N, BLOCK_K] product fits ROWS_ELEMS_PER_THREAD per thread (twice with SiLU * up)."""
@@ -738,6 +829,14 @@ def skinny_linear(
     interpreted = isinstance(_skinny_linear_kernel, InterpretedFunction)
     upcast = interpreted or x.dtype == torch.float32
     launch = {} if interpreted else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.fma and cfg.one_tile and cfg.split_k == 1 and m >= 2 and rows_tile_fits(cfg, k, silu_mul=silu_mul):
+        _skinny_rows_tile_kernel[(triton.cdiv(n, cfg.block_n),)](
+            x, w, y, norm, y if res is None else res, n, k, float(eps), x.stride(0), w.stride(0), y.stride(0),
+            0 if res is None else res.stride(0), y, y, y, y, y, 0, 0,
+            ROWS=m, BLOCK_N=cfg.block_n, BLOCK_K=max(16, triton.next_power_of_2(k)),
+            NORM=norm_weight is not None, SILU=silu_mul, RESIDUAL=res is not None, **launch, **pdl.options(x),
+        )  # fmt: skip
+        return y
     if cfg.fma and 2 <= m <= FMA_MAX_ROWS:
         block_k = rows_block_k(cfg, m, k, silu_mul=silu_mul)
         _skinny_rows_kernel[(triton.cdiv(n, cfg.block_n),)](

@@ -172,20 +172,28 @@ def test_dependent_timing_runs_the_dependency_before_every_call_and_subtracts_it
     assert order[count:] == ["before", "call"] * 8  # the dependency's own time is measured once
 
 
-def test_skinny_sweep_grid_adds_the_rows_kernel_for_two_to_eight_rows(monkeypatch):
-    """sweep_configs: for 2..FMA_MAX_ROWS rows the CUDA-core rows kernel's configs join the tile grid, each
-    (block_n, warps, effective BLOCK_K) once; one row gets the one-row kernel's instead, 16 rows neither."""
+def test_skinny_sweep_grid_adds_the_cuda_core_kernels_for_several_rows(monkeypatch):
+    """sweep_configs: for 2..MAX_ROWS rows the rows tile kernel's configs join the tile grid where they fit,
+    and for 2..FMA_MAX_ROWS rows the CUDA-core rows kernel's, each (block_n, warps, effective BLOCK_K) once;
+    one row gets the one-row kernel's instead."""
     import importlib.util
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location("bsl", ROOT / "benchmarks" / "bench_skinny_linear.py")
     bsl = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bsl)
-    tiles = [c for c in bsl.sweep_configs(16, 576, small=True)]
-    assert tiles and not any(c.fma for c in tiles)
+    sixteen = bsl.sweep_configs(16, 576, small=True)
+    tiles = [c for c in sixteen if not c.fma]
+    assert tiles and [c for c in sixteen if c.fma] == [c for c in sixteen if c.one_tile]
+    # the rows tile kernel at 2..16 rows where its [block_n, 1024] tile fits 128 values per thread: not 32
+    # columns at 4 warps; with SiLU * up's two tiles neither 16 at 4 nor 32 at 8
+    got = {(c.block_n, c.num_warps) for c in sixteen if c.one_tile}
+    assert got == {(16, 4), (16, 8), (16, 16), (32, 8), (32, 16)}
+    silu = bsl.sweep_configs(6, 576, small=True, silu=True)
+    assert {(c.block_n, c.num_warps) for c in silu if c.one_tile} == {(16, 8), (16, 16), (32, 16)}
     six = bsl.sweep_configs(6, 576, small=True)
-    fma = [c for c in six if c.fma]
-    assert [c for c in six if not c.fma] == tiles and fma
+    fma = [c for c in six if c.fma and not c.one_tile]
+    assert [c for c in six if not c.fma or c.one_tile] == sixteen and fma
     keys = [(c.block_n, c.num_warps, bsl.rows_block_k(c, 6, 576)) for c in fma]
     assert len(set(keys)) == len(keys) == len(fma)
     assert {c.num_warps for c in fma} == {2, 4, 8} and {c.block_n for c in fma} == {16, 32}
@@ -233,6 +241,10 @@ def test_verify_rows_swept_variant_takes_each_products_fastest_several_row_confi
         assert qrw.rows_config(960, 576, 64, norm=True) == table[(960, 576)]
         bvr.set_variant("rope_apart")
         assert layers.use_qkv_rope is not original[1] and sk.default_config is original[0]
+        bvr.set_variant("rows_tile")  # several rows on the rows tile kernel where it fits, q/k/v's RoPE too
+        assert sk.default_config(960, 576) == qrw.rows_config(960, 576, 64, norm=True) == bvr.ROWS_TILE
+        assert sk.default_config(960, 576, one_row=True) == original[0](960, 576, one_row=True)
+        assert sk.default_config(4096, 4096) == original[0](4096, 4096)  # a deep reduction: the library's
     finally:
         bvr.restore()
     assert (sk.default_config, layers.use_qkv_rope, sk.NORM_MAX_BLOCK_K, layers.use_fused_layer) == original

@@ -31,3 +31,23 @@ def in_fresh_process(module_file: str, module_globals: dict, body: str) -> None:
     )
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, f"{body} failed in a fresh process:\n{run.stdout}\n{run.stderr[-6000:]}"
+
+
+def ptxas_spills(ptx: str) -> str | None:
+    """None when triton's bundled ptxas reports no spill stores or loads for `ptx` (sm_90a), else its report.
+    ptxas's own account, not a search for local stores in the SASS: a kernel with RoPE also keeps cos / sin's
+    argument reduction for large arguments in a local array, which is no spill."""
+    import tempfile
+
+    import triton
+
+    ptxas = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
+        f.write(ptx)
+        f.flush()
+        info = subprocess.run(
+            [str(ptxas), "--gpu-name", "sm_90a", "-v", f.name, "-o", "/dev/null"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+    report = info.stdout + info.stderr
+    return None if "0 bytes spill stores, 0 bytes spill loads" in report else report

@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from fresh_process import in_fresh_process
+from fresh_process import in_fresh_process, ptxas_spills
 
 import fspec
 from fspec.core.cache import KVCache
@@ -21,7 +21,7 @@ from fspec.kernels import attention_ops  # noqa: F401  (registers torch.ops.fspe
 from fspec.kernels.qkv_rope_write import qkv_rope_write, qkv_rope_write_ref
 from fspec.kernels.rope_cos_sin import inv_freq as make_inv_freq
 from fspec.kernels.rope_kv_write import rope_pos_kv_write
-from fspec.kernels.skinny_linear import skinny_linear
+from fspec.kernels.skinny_linear import SkinnyConfig, skinny_linear
 from fspec.models import layers as L
 from fspec.models import llama
 
@@ -86,12 +86,27 @@ ROWS_SHAPES = [(3, 2, 16, 40, 2), (4, 1, 32, 37, 5), (2, 2, 16, 100, 16), (3, 2,
 
 
 @pytest.mark.parametrize(("n", "nkv", "d", "k", "m"), ROWS_SHAPES)
-@pytest.mark.parametrize("norm", [True, False])
-def test_several_rows_equal_the_two_launches_and_the_reference(n, nkv, d, k, m, norm):
+@pytest.mark.parametrize(("norm", "rows_tile"), [(True, False), (False, False), (True, True), (False, True)])
+def test_several_rows_equal_the_two_launches_and_the_reference(n, nkv, d, k, m, norm, rows_tile, monkeypatch):
     """float32, M rows at their own positions and slots, the second a padding row (position -1, slot -1):
     output and caches within float32 rounding of `skinny_linear` then `rope_pos_kv_write` and of the
     reference; each live row's k_rot and v are in its slot of layer 1 exactly as the output gives them, and
-    no other byte of either cache changes."""
+    no other byte of either cache changes. On the default several-row kernels, and on the rows tile kernel
+    (an `fma` + `one_tile` several-row config; its BLOCK_N the head dim's power-of-two factor, up to 16)."""
+    from fspec.kernels import qkv_rope_write as qrw
+    from fspec.kernels import skinny_linear as sl
+
+    if rows_tile:
+        cfg = SkinnyConfig(block_n=min(16, d & -d), block_k=512, num_warps=8, fma=True, one_tile=True)
+        monkeypatch.setattr(qrw, "rows_config", lambda *a, **kw: cfg)
+        launched = []
+        kernel = sl._skinny_rows_tile_kernel
+
+        class Spy:
+            def __getitem__(self, grid):
+                return lambda *args, **kw: launched.append(kw["ROWS"]) or kernel[grid](*args, **kw)
+
+        monkeypatch.setattr(qrw, "_skinny_rows_tile_kernel", Spy())
     gen = torch.Generator().manual_seed(n * d + m)
     x = torch.randn(m, k, generator=gen)
     w = torch.randn((n + 2 * nkv) * d, k, generator=gen) * k**-0.5
@@ -105,6 +120,8 @@ def test_several_rows_equal_the_two_launches_and_the_reference(n, nkv, d, k, m, 
     got_k, got_v = kc.clone(), vc.clone()
     got = qkv_rope_write(x, w, **kw, k_cache=got_k, v_cache=got_v, slot_mapping=slots)
     assert got.shape == (m, (n + 2 * nkv) * d) and got.dtype == x.dtype
+    if rows_tile:
+        assert launched == [m]
     two_k, two_v = kc.clone(), vc.clone()
     y = skinny_linear(x, w, norm_weight=g)
     q, kk, v = (t.reshape(m, -1, d) for t in y.split([n * d, nkv * d, nkv * d], dim=-1))
@@ -381,9 +398,6 @@ def _compile_for_sm90_body():
     """The one-row kernel with the RoPE epilogue at a 1B layer's (D = 64), an 8B head's (D = 128) and a 1B
     EAGLE-3 head's q/k/v configs, with the input norm and without: no register spills (ptxas's report)."""
     import inspect
-    import subprocess
-    import tempfile
-    from pathlib import Path
 
     import triton
     import triton.language as tl
@@ -392,7 +406,6 @@ def _compile_for_sm90_body():
 
     from fspec.kernels.skinny_linear import _skinny_gemv_kernel, default_config, gemv_block_k, norm_block
 
-    nvdisasm = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / "nvdisasm"
     names = list(inspect.signature(_skinny_gemv_kernel.fn).parameters)
     types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "norm_ptr": "*bf16", "res_ptr": "*bf16",
              "part_ptr": "*fp32", "counter_ptr": "*i32", "eps": "fp32", "positions_ptr": "*i64",
@@ -409,17 +422,7 @@ def _compile_for_sm90_body():
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
         # ptxas's own account: no spills (the 32-byte stack frame is cos / sin's argument reduction for
         # large arguments, a local array, as in _rope_kv_write_kernel)
-        with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
-            f.write(compiled.asm["ptx"])
-            f.flush()
-            info = subprocess.run(
-                [str(nvdisasm.parent / "ptxas"), "--gpu-name", "sm_90a", "-v", f.name, "-o", "/dev/null"],
-                capture_output=True, text=True, check=True,
-            )  # fmt: skip
-        report = info.stdout + info.stderr
-        assert "0 bytes spill stores, 0 bytes spill loads" in report, (
-            f"spills ({rows} x {k}, D = {d}): {report}"
-        )
+        assert ptxas_spills(compiled.asm["ptx"]) is None, f"spills ({rows} x {k}, D = {d}, {consts})"
     # several rows (kernels/qkv_rope_write.py `rows_config`; models at most FUSED_ROWS_MAX_HIDDEN wide): the
     # tile kernel, 16 padded rows, at SmolLM2-135M's q/k/v (9 + 2 x 3 heads of 64, K = 576, input norm), its
     # EAGLE-3 head's (K = 1152, no norm) and a 896-wide model's (14 + 2 x 2 heads), no spills
@@ -437,15 +440,7 @@ def _compile_for_sm90_body():
         src = ASTSource(fn=_skinny_linear_kernel, signature=sig, constexprs=consts)
         options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-        with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
-            f.write(compiled.asm["ptx"])
-            f.flush()
-            info = subprocess.run(
-                [str(nvdisasm.parent / "ptxas"), "--gpu-name", "sm_90a", "-v", f.name, "-o", "/dev/null"],
-                capture_output=True, text=True, check=True,
-            )  # fmt: skip
-        report = info.stdout + info.stderr
-        assert "0 bytes spill stores, 0 bytes spill loads" in report, f"spills, rows ({rows} x {k}): {report}"
+        assert ptxas_spills(compiled.asm["ptx"]) is None, f"spills ({rows} x {k}, D = {d}, {consts})"
 
 
 def test_kernel_compiles_for_sm90():

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from fresh_process import in_fresh_process
+from fresh_process import in_fresh_process, ptxas_spills
 
 from fspec.kernels import ops  # noqa: F401  (registers torch.ops.fspec)
 from fspec.kernels.skinny_linear import (
@@ -274,6 +274,32 @@ def _compile_for_sm90_body():
             f.flush()
             run = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True)
         assert "STL" not in run.stdout, f"the rows kernel spills registers ({consts}, {cfg.num_warps} warps)"
+    # the rows tile kernel (an explicit `fma` + `one_tile` config, 2..16 rows unrolled) at SmolLM2-135M's four
+    # fused products (q/k/v also with the RoPE epilogue) and its EAGLE-3 head's q/k/v, 6 and 16 rows, eight
+    # warps: the whole reduction in one tile without spills (ptxas's account: with RoPE the stack frame also
+    # holds cos / sin's argument reduction for large arguments, a local array, which is no spill)
+    from fspec.kernels.skinny_linear import _skinny_rows_tile_kernel, rows_tile_fits
+
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "norm_ptr": "*bf16", "res_ptr": "*bf16"}
+    sig.update(N="i32", K="i32", eps="fp32", stride_xm="i32", stride_wn="i32", stride_ym="i32")
+    sig.update(stride_rm="i32", positions_ptr="*i64", inv_freq_ptr="*fp32", slot_ptr="*i64")
+    sig.update(k_cache_ptr="*bf16", v_cache_ptr="*bf16", q_cols="i32", kv_cols="i32")
+    names = ("ROWS", "BLOCK_N", "BLOCK_K", "NORM", "SILU", "RESIDUAL", "PDL", "ROPE_HEAD_DIM", "TABLE_DTYPE")
+    sig.update({name: "constexpr" for name in names})
+    one = SkinnyConfig(block_n=16, block_k=512, num_warps=8, fma=True, one_tile=True)
+    for k, norm, silu, residual, rope in (
+        (576, 1, 0, 0, 0), (576, 1, 0, 0, 64), (576, 0, 0, 1, 0), (576, 1, 1, 0, 0), (1536, 0, 0, 1, 0),
+        (1152, 0, 0, 0, 64),
+    ):  # fmt: skip
+        assert rows_tile_fits(one, k, silu_mul=bool(silu))
+        for m in (6, 16):
+            consts = {"ROWS": m, "BLOCK_N": 16, "BLOCK_K": triton.next_power_of_2(k), "NORM": bool(norm)}
+            consts.update(SILU=bool(silu), RESIDUAL=bool(residual), PDL=True, ROPE_HEAD_DIM=rope)
+            consts.update(TABLE_DTYPE=tl.bfloat16)
+            attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 8, 9, 10)}
+            src = ASTSource(fn=_skinny_rows_tile_kernel, signature=sig, constexprs=consts, attrs=attrs)
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+            assert ptxas_spills(compiled.asm["ptx"]) is None, f"rows tile spills ({consts})"
 
 
 def test_kernel_compiles_for_sm90():
@@ -283,8 +309,10 @@ def test_kernel_compiles_for_sm90():
 def _gpu_matches_reference_body():
     """On CUDA at the decode shapes of a 1B-shaped target (bf16): the compiled kernel equals the float32
     reference within one bf16 rounding of the output, for 1, 6 and 16 rows, default and non-default tiles
-    and the one-row CUDA-core kernel (a loop, one tile, the reduction split over 4 programs);
-    and a layer's one-row projection routed through it equals F.linear's the same way."""
+    and the one-row CUDA-core kernel (a loop, one tile, the reduction split over 4 programs; the one-tile
+    config at several rows: the rows tile kernel where it fits); a layer's one-row projection routed through
+    it equals F.linear's the same way; the fusions at a 1B layer's shapes and, on the rows tile kernel, at
+    SmolLM2's (eager and in a CUDA graph)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     for n, k in ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (100, 72)):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k**-0.5
@@ -319,18 +347,50 @@ def _gpu_matches_reference_body():
         out = n // 2 if "silu" in kw else n
         for m in (1, 6):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-            args = {"silu_mul": "silu" in kw}
-            if "norm" in kw:
-                norm = torch.rand(k, device="cuda", generator=gen).bfloat16() + 0.5
-                args.update(norm_weight=norm, eps=1e-5)
-            if "residual" in kw:
-                args.update(residual=torch.randn(m, out, device="cuda", dtype=torch.bfloat16, generator=gen))
+            args = _gpu_fusion_args(kw, m, k, out, gen)
             want = skinny_linear_ref(x, w, **args).float()
             one = SkinnyConfig(block_n=16, block_k=512, num_warps=8, num_stages=1, fma=True, one_tile=True)
             split = SkinnyConfig(block_n=16, block_k=256, num_warps=8, num_stages=1, fma=True, split_k=4)
             for cfg in (None, SkinnyConfig(block_n=16, block_k=512, num_stages=1, fma=True), one, split):
                 got = skinny_linear(x, w, config=cfg, **args).float()
                 torch.testing.assert_close(got, want, rtol=2**-6, atol=2**-6)
+    # the rows tile kernel (`one` at several rows) at SmolLM2-135M's fused products, 2, 6 and 16 rows, eagerly
+    # and replayed in a CUDA graph with new rows of x: the reference within two bf16 roundings, and the tile
+    # kernel's result within the same
+    for n, k, kw in (
+        (960, 576, "norm"),
+        (576, 576, "residual"),
+        (3072, 576, "norm+silu"),
+        (576, 1536, "residual"),
+    ):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k**-0.5
+        out = n // 2 if "silu" in kw else n
+        for m in (2, 6, 16):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            args = _gpu_fusion_args(kw, m, k, out, gen)
+            got = skinny_linear(x, w, config=one, **args).float()
+            torch.testing.assert_close(got, skinny_linear_ref(x, w, **args).float(), rtol=2**-6, atol=2**-6)
+            torch.testing.assert_close(got, skinny_linear(x, w, **args).float(), rtol=2**-6, atol=2**-6)
+            graph, static = torch.cuda.CUDAGraph(), torch.empty(m, out, device="cuda", dtype=torch.bfloat16)
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                static.copy_(skinny_linear(x, w, config=one, **args))
+            x.copy_(torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen))
+            graph.replay()
+            want = skinny_linear_ref(x, w, **args).float()
+            torch.testing.assert_close(static.float(), want, rtol=2**-6, atol=2**-6)
+
+
+def _gpu_fusion_args(fusions: str, m: int, k: int, out: int, gen: torch.Generator) -> dict:
+    """skinny_linear's keyword arguments for `fusions` ("norm", "silu", "residual" joined by "+"), bf16 on
+    CUDA: a norm weight in [0.5, 1.5) and eps 1e-5, SiLU * up, an [m, out] residual."""
+    args = {"silu_mul": "silu" in fusions}
+    if "norm" in fusions:
+        norm = torch.rand(k, device="cuda", generator=gen).bfloat16() + 0.5
+        args.update(norm_weight=norm, eps=1e-5)
+    if "residual" in fusions:
+        args.update(residual=torch.randn(m, out, device="cuda", dtype=torch.bfloat16, generator=gen))
+    return args
 
 
 @pytest.mark.gpu
@@ -473,6 +533,43 @@ def test_one_row_kernel_gets_a_tile_that_fits_in_registers(monkeypatch):
     split = SkinnyConfig(block_n=16, block_k=256, num_warps=8, fma=True, split_k=4)
     skinny_linear(x, w, config=split)
     assert launched[-1] == ((16, 4), 16, 256)  # grid: column blocks x splits
+
+
+def test_several_rows_with_an_explicit_one_tile_config_take_the_rows_tile_kernel(monkeypatch):
+    """An `fma` + `one_tile` config for 2..MAX_ROWS rows launches `_skinny_rows_tile_kernel` (all the rows
+    unrolled, BLOCK_K = K's next power of two) where the weight tile fits (`rows_tile_fits`: the one-row
+    one-tile kernel's register bound, two tiles with SiLU * up); otherwise, with a split reduction, or with
+    no config, the other several-row kernels."""
+    from fspec.kernels import skinny_linear as sl
+
+    launched = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append((self.name, grid, kw.get("ROWS"), kw["BLOCK_K"]))
+
+    for name in ("_skinny_rows_tile_kernel", "_skinny_rows_kernel", "_skinny_linear_kernel"):
+        monkeypatch.setattr(sl, name, Recorder(name))
+    one = SkinnyConfig(block_n=16, block_k=512, num_warps=8, fma=True, one_tile=True)
+    w = torch.randn(960, 576)
+    for m in (2, 6, 16):
+        skinny_linear(torch.randn(m, 576), w, config=one)
+        assert launched[-1] == ("_skinny_rows_tile_kernel", (60,), m, 1024)
+    assert sl.rows_tile_fits(one, 2048) and not sl.rows_tile_fits(one, 2049)
+    assert sl.rows_tile_fits(one, 1024, silu_mul=True) and not sl.rows_tile_fits(one, 1025, silu_mul=True)
+    skinny_linear(torch.randn(6, 576), torch.randn(3072, 576), config=one, silu_mul=True)
+    assert launched[-1] == ("_skinny_rows_tile_kernel", (96,), 6, 1024)
+    skinny_linear(torch.randn(6, 2049), torch.randn(64, 2049), config=one)  # does not fit: the rows kernel
+    assert launched[-1][0] == "_skinny_rows_kernel"
+    skinny_linear(torch.randn(12, 2049), torch.randn(64, 2049), config=one)  # nor 12 rows: the tile kernel
+    assert launched[-1][0] == "_skinny_linear_kernel"
+    skinny_linear(torch.randn(6, 576), w, config=dataclasses.replace(one, split_k=2))
+    assert launched[-1][0] == "_skinny_rows_kernel"
+    skinny_linear(torch.randn(6, 576), w)
+    assert launched[-1][0] == "_skinny_linear_kernel"
 
 
 def test_one_row_rms_pass_reads_x_in_one_load_where_registers_allow_and_loops_beyond(monkeypatch):
