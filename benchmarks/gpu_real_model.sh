@@ -37,6 +37,10 @@
 #   ttt       benchmarks/bench_ttt_step.py --real-model: the TTT step through the draft step ($OUT/ttt_step.json)
 #   verify    benchmarks/bench_verify_rows.py: the B = 1 round with several-row layers unfused / fused
 #             ($OUT/verify_rows.json; "verify:ARGS" passes options, "+" for spaces)
+#   sweep     benchmarks/bench_skinny_linear.py --shapes smollm2 --fusions --sweep --dependent at 6 rows (no GGUF
+#             needed): every config compiled first by four processes in parallel (one shape each, timings
+#             thrown away), then timed in one process ($OUT/skinny_fused_smollm2.json, also kept as
+#             /root/skinny_fused_smollm2.json for "verify:...+swept+--swept+/root/skinny_fused_smollm2.json")
 #   ttt-old   bench_ttt_step.py --cases smollm2 of this tree, then of commit b9097a0's tree (the layer loop
 #             beside its draft step; carry it as .old: `git archive b9097a0 fspec kernels benchmarks
 #             ':!fspec/assets' | tar -x -C .old`), one run ($OUT/ttt_new.json, $OUT/ttt_old.json)
@@ -109,6 +113,15 @@ for stage in "$@"; do
       args=${stage#verify}; args=${args#:}
       timeout 560 python3 benchmarks/bench_verify_rows.py --out "$OUT/verify_rows.json" ${args//+/ } 2>&1 \
         | tee "$OUT/bench_verify_rows.log" | grep -v -i warn | tail -10 ;;
+    sweep)
+      for shape in q/k/v o gate/up down; do
+        timeout 150 python3 benchmarks/bench_skinny_linear.py --shapes smollm2 --fusions --rows 6 --sweep \
+          --dependent --only "SmolLM2 $shape" --out "/tmp/warm_${shape//\//_}.json" > /dev/null 2>&1 &
+      done
+      wait
+      timeout 260 python3 benchmarks/bench_skinny_linear.py --shapes smollm2 --fusions --rows 6 --sweep \
+        --dependent --out "$OUT/skinny_fused_smollm2.json" 2>&1 | tail -4
+      cp "$OUT/skinny_fused_smollm2.json" /root/ ;;
     ttt-old)
       timeout 120 python3 benchmarks/bench_ttt_step.py --cases smollm2 --reps 6 --out "$OUT/ttt_new.json" 2>&1 | tail -1
       [ -e .old/fspec/kernels ] || ln -sfn ../kernels .old/fspec/kernels
