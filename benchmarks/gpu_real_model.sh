@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The real model on the GPU host: `bash benchmarks/gpu_real_model.sh STAGE...` with $OUT set, run in order.
 # The host has no network, and a call carries at most 64 MiB with the working tree: the GGUF (98 MB) travels
-# in pieces, one call each while the host stays warm. Two calls suffice when the first carries only the tree's
+# in pieces, one call each while the host stays warm (benchmarks/gpu_prepare.sh makes the pieces, the wheels
+# and the prompt data on a machine with network). Two calls suffice when the first carries only the tree's
 # code (fspec/assets, notebooks and benchmarks/results moved out of the tree for it: about 2.5 MB) and the
 # second the shipped head back in the tree: `head -c 60000000 FILE > .gguf/e/partA` and
 # `tail -c +60000001 FILE > .gguf/f/partB`; the first call `part:e`, the second `part:f install setup ...`
