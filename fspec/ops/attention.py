@@ -207,9 +207,10 @@ def _paged_qkv_rope(
     `fspec::rope_pos_kv_write`: target-only decoding +2% on the H200, runs t, u of table `switches`): out
     [T, N, D] in x's dtype; None where that path does not apply (rows the kernel does not take,
     kernels/qkv_rope_write.py `supports`; the cache's dtype not x's): the caller then projects and attends
-    as usual. The attention loads its old K/V rows before its
-    PDL wait (`early_kv`: the launch right before wrote only q and the new rows) and lets the o projection
-    after it start before its own wait (`early_release`), as `_paged_kernels` does."""
+    as usual. A request has at most min(T, max_query_len) query rows (one row: one, whatever the bound). The
+    attention loads its old K/V rows before its PDL wait (`early_kv`: the launch right before wrote only q
+    and the new rows) and lets the o projection after it start before its own wait (`early_release`), as
+    `_paged_kernels` does."""
     d, nkv = cache.k.shape[-1], cache.k.shape[-2]
     if not qkv_rope_supports(x.shape[0], d) or cache.k.dtype != x.dtype:
         return None
@@ -221,7 +222,7 @@ def _paged_qkv_rope(
     q = qkv[:, : qkv.shape[1] - 2 * nkv * d].view(t, -1, d)
     return kops.paged_attention(
         q, cache.k, cache.v, meta.block_table, meta.seq_lens, meta.positions,
-        meta.query_start_loc, scale=d**-0.5, num_query=t if max_query_len is None else max_query_len,
+        meta.query_start_loc, scale=d**-0.5, num_query=t if max_query_len is None else min(t, max_query_len),
         layer=layer, early_kv=True, early_release=True,
     )  # fmt: skip
 
@@ -559,7 +560,7 @@ def bind(
             max_context=max_context,
         )[0]
 
-    if fused and rope is not None:  # a one-row layer may hand over x and its q/k/v weight instead
+    if fused and rope is not None:  # a layer may hand over its rows and its q/k/v weight instead
         rope_params = tuple(rope[1:])
         attend.qkv_rope = functools.partial(
             _paged_qkv_rope, meta=meta, cache=cache, rope_params=rope_params, max_query_len=max_query_len

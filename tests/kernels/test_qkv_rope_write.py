@@ -355,6 +355,35 @@ def test_a_layer_hands_its_one_row_to_qkv_rope_with_or_without_rows(monkeypatch)
     assert not L.use_qkv_rope(x, p["qkv"], wide) and L.use_qkv_rope(x, p["qkv"], cfg)
 
 
+def test_paged_qkv_rope_bounds_the_attention_by_the_rows_it_has(monkeypatch):
+    """`attend.qkv_rope`'s attention is told each request has at most min(T, max_query_len) query rows: one
+    row stays one whatever bind's bound (the one-row attention tile), several rows take the bound; rows the
+    kernel does not take (17, or 9 at a head dim of 8) and a cache of another dtype hand back None."""
+    from fspec.ops import attention as A
+
+    seen = []
+    monkeypatch.setattr(A.kops, "qkv_rope_write", lambda x, w, *a, **k: torch.zeros(x.shape[0], w.shape[0]))
+    monkeypatch.setattr(A.kops, "paged_attention", lambda q, *a, **k: seen.append(k["num_query"]) or q)
+    cache = KVCache.create(_tiny(16), num_blocks=4, block_size=4)
+    meta = fspec.decode_metadata(torch.tensor([5]), torch.tensor([[0, 1]], dtype=torch.int32), block_size=4)
+    w = torch.zeros((4 + 2 * 2) * 16, 32)
+    rope = (ROPE[0], ROPE[1])
+    for rows, bound, want in ((1, 6, 1), (1, None, 1), (3, None, 3), (6, 4, 4), (6, 8, 6), (16, 16, 16)):
+        x = torch.zeros(rows, 32)
+        got = A._paged_qkv_rope(x, w, None, 1e-6, 0, torch.float32, meta=meta, cache=cache, rope_params=rope,
+                                max_query_len=bound)  # fmt: skip
+        assert got.shape == (rows, 4, 16) and seen[-1] == want
+    count = len(seen)
+    assert A._paged_qkv_rope(torch.zeros(17, 32), w, None, 1e-6, 0, torch.float32, meta=meta, cache=cache,
+                             rope_params=rope) is None  # fmt: skip
+    assert A._paged_qkv_rope(torch.zeros(2, 32).double(), w.double(), None, 1e-6, 0, torch.float32, meta=meta,
+                             cache=cache, rope_params=rope) is None  # fmt: skip
+    narrow = KVCache.create(_tiny(8), num_blocks=4, block_size=4)
+    assert A._paged_qkv_rope(torch.zeros(9, 32), torch.zeros(64, 32), None, 1e-6, 0, torch.float32, meta=meta,
+                             cache=narrow, rope_params=rope) is None  # fmt: skip
+    assert len(seen) == count
+
+
 def test_compiled_decode_step_through_the_fused_projection(monkeypatch):
     """torch.compile(fullgraph) of a paged batch-1 decode step routed through `fspec::qkv_rope_write` (as on
     CUDA): equal to eager (logits and cache), the graph calls the op once per layer and no
