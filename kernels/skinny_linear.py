@@ -568,6 +568,21 @@ def _columns(pid_n, BLOCK_N: tl.constexpr, ROPE_HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _rotated(y, partner, pos, inv_freq_ptr, pid_n, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+             TABLE_DTYPE: tl.constexpr):  # fmt: skip
+    """RoPE of the float32 values y [..., BLOCK_N] (columns in pair order, `_columns`; partner: each column's
+    other half of its pair) at positions pos (a scalar, or [R, 1] for R rows): first half x1 * cos - x2 *
+    sin, second half x2 * cos + x1 * sin (rotate_half(x) = (-x2, x1)), in float32 with cos / sin rounded to
+    TABLE_DTYPE (the arithmetic of `_rope_kv_write_kernel`, FROM_POSITIONS)."""
+    i = tl.arange(0, BLOCK_N)
+    j = (pid_n % (HEAD_DIM // BLOCK_N)) * (BLOCK_N // 2) + i // 2  # each pair's frequency index
+    freqs = pos * tl.load(inv_freq_ptr + j)
+    cos = tl.cos(freqs).to(TABLE_DTYPE).to(tl.float32)
+    sin = tl.sin(freqs).to(TABLE_DTYPE).to(tl.float32)
+    return y * cos + tl.where(i % 2 == 0, -partner, partner) * sin
+
+
+@triton.jit
 def _rope_kv_rows_epilogue(
     acc,
     m,
@@ -592,12 +607,8 @@ def _rope_kv_rows_epilogue(
     y = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
     i = tl.arange(0, BLOCK_N)
     partner = tl.gather(y, tl.broadcast_to((i ^ 1)[None, :], y.shape), 1)
-    j = (pid_n % (HEAD_DIM // BLOCK_N)) * (BLOCK_N // 2) + i // 2  # each pair's frequency index
     pos = tl.maximum(tl.load(positions_ptr + m, mask=m_ok, other=0), 0).to(tl.float32)
-    freqs = pos[:, None] * tl.load(inv_freq_ptr + j)[None, :]
-    cos = tl.cos(freqs).to(TABLE_DTYPE).to(tl.float32)
-    sin = tl.sin(freqs).to(TABLE_DTYPE).to(tl.float32)
-    rotated = y * cos + tl.where((i % 2 == 0)[None, :], -partner, partner) * sin
+    rotated = _rotated(y, partner, pos[:, None], inv_freq_ptr, pid_n, BLOCK_N, HEAD_DIM, TABLE_DTYPE)
     v_col = n >= q_cols + kv_cols
     is_v = v_col[None, :]
     out = tl.where(is_v, y, rotated).to(y_ptr.dtype.element_ty)
@@ -634,13 +645,8 @@ def _rope_kv_epilogue(
     y = part.to(y_ptr.dtype.element_ty).to(tl.float32)
     i = tl.arange(0, BLOCK_N)  # column i holds half i % 2 of pair i // 2: its partner is column i ^ 1
     partner = tl.gather(y, i ^ 1, 0)  # (a reshape-split-join here went through local memory on sm_90)
-    j = (pid_n % (HEAD_DIM // BLOCK_N)) * (BLOCK_N // 2) + i // 2  # the pair's frequency index
     pos = tl.maximum(tl.load(positions_ptr), 0).to(tl.float32)
-    freqs = pos * tl.load(inv_freq_ptr + j)
-    cos = tl.cos(freqs).to(TABLE_DTYPE).to(tl.float32)
-    sin = tl.sin(freqs).to(TABLE_DTYPE).to(tl.float32)
-    # first half x1 * cos - x2 * sin, second half x2 * cos + x1 * sin (rotate_half(x) = (-x2, x1))
-    rotated = y * cos + (tl.where(i % 2 == 0, -partner, partner)) * sin
+    rotated = _rotated(y, partner, pos, inv_freq_ptr, pid_n, BLOCK_N, HEAD_DIM, TABLE_DTYPE)
     is_v = n >= q_cols + kv_cols
     out = tl.where(is_v, y, rotated).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + n, out)
