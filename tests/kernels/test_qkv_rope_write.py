@@ -494,21 +494,25 @@ def _gpu_rows_body():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     for n, nkv, d, k, m in ((9, 3, 64, 576, 6), (9, 3, 64, 576, 16), (14, 2, 64, 896, 6)):
-        _gpu_rows_case(n, nkv, d, k, m)
+        _gpu_case(n, nkv, d, k, m, norm=True, theta=100000.0)
 
 
-def _gpu_rows_case(n: int, nkv: int, d: int, k: int, m: int) -> None:
+def _gpu_case(n: int, nkv: int, d: int, k: int, m: int, *, norm: bool, theta: float) -> None:
+    """One shape on the GPU (bf16, m rows at positions from 1000 and slots from 500; with more than two rows
+    the third is padding): `qkv_rope_write` against `skinny_linear` then `rope_pos_kv_write`, eagerly and in
+    a CUDA graph replayed with new positions and slots (both caches compared whole each time)."""
     dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(n + m)
+    gen = torch.Generator(device=dev).manual_seed(n + m + d)
     x = torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16)
     w = torch.randn((n + 2 * nkv) * d, k, device=dev, generator=gen, dtype=torch.bfloat16) * k**-0.5
-    g = torch.rand(k, device=dev, generator=gen, dtype=torch.bfloat16) + 0.5
+    g = torch.rand(k, device=dev, generator=gen, dtype=torch.bfloat16) + 0.5 if norm else None
     kc = torch.randn(3, 64, 16, nkv, d, device=dev, generator=gen, dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
-    inv = make_inv_freq(d, ROPE[0], (100000.0, 8.0, 1.0, 4.0, 8192.0), dev)
+    inv = make_inv_freq(d, ROPE[0], (theta, 8.0, 1.0, 4.0, 8192.0), dev)
     pos = torch.arange(1000, 1000 + m, device=dev)
     slot = torch.arange(500, 500 + m, device=dev)
-    pos[2], slot[2] = -1, -1
+    if m > 2:
+        pos[2], slot[2] = -1, -1
     kw = {"norm_weight": g, "positions": pos, "inv_freq": inv, "table_dtype": torch.bfloat16}
 
     def two():
@@ -531,7 +535,8 @@ def _gpu_rows_case(n: int, nkv: int, d: int, k: int, m: int) -> None:
         static.copy_(qkv_rope_write(x, w, **kw, k_cache=got_k, v_cache=got_v, slot_mapping=slot, layer=2))
     pos.add_(77)
     slot.copy_(torch.arange(3, 3 + m, device=dev))
-    slot[2] = -1
+    if m > 2:
+        slot[2] = -1
     got_k.copy_(kc)
     got_v.copy_(vc)
     graph.replay()
@@ -543,43 +548,11 @@ def _gpu_rows_case(n: int, nkv: int, d: int, k: int, m: int) -> None:
 
 
 def _gpu_body():
-    """On the H200, bf16 at a 1B layer's shapes (32 q heads, 8 KV heads of 64, K = 2048, input norm) and an
-    8B EAGLE-3 head's (32 / 8 of 128, K = 8192): output and caches equal `skinny_linear` then
+    """On the GPU, bf16 at a 1B layer's shapes (32 q heads, 8 KV heads of 64, K = 2048, input norm) and an
+    8B EAGLE-3 head's (32 / 8 of 128, K = 8192), one row: output and caches equal `skinny_linear` then
     `rope_pos_kv_write` (same roundings; bit for bit where the compiler contracts both the same way, else
     within one bf16 rounding), eagerly and in a CUDA graph replayed with a new position and slot."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    dev = torch.device("cuda")
-    for n, nkv, d, k, norm in ((32, 8, 64, 2048, True), (32, 8, 128, 8192, False)):
-        gen = torch.Generator(device=dev).manual_seed(n + d)
-        x = torch.randn(1, k, device=dev, generator=gen, dtype=torch.bfloat16)
-        w = torch.randn((n + 2 * nkv) * d, k, device=dev, generator=gen, dtype=torch.bfloat16) * k**-0.5
-        g = torch.rand(k, device=dev, generator=gen, dtype=torch.bfloat16) + 0.5 if norm else None
-        kc = torch.randn(3, 64, 16, nkv, d, device=dev, generator=gen, dtype=torch.bfloat16)
-        vc = torch.randn_like(kc)
-        inv = make_inv_freq(d, ROPE[0], (500000.0, 8.0, 1.0, 4.0, 8192.0), dev)
-        pos, slot = torch.tensor([1234], device=dev), torch.tensor([517], device=dev)
-        kw = {"norm_weight": g, "positions": pos, "inv_freq": inv, "table_dtype": torch.bfloat16}
-        got_k, got_v = kc.clone(), vc.clone()
-        got = qkv_rope_write(x, w, **kw, k_cache=got_k, v_cache=got_v, slot_mapping=slot, layer=2)
-        two_k, two_v = kc.clone(), vc.clone()
-        y = skinny_linear(x, w, norm_weight=g)
-        q, kk, v = (t.reshape(1, -1, d) for t in y.split([n * d, nkv * d, nkv * d], dim=-1))
-        q_rot = rope_pos_kv_write(q, kk, v, pos, inv, torch.bfloat16, two_k, two_v, slot, layer=2)
-        torch.testing.assert_close(got[:, : n * d], q_rot.reshape(1, -1), rtol=8e-3, atol=8e-3)
-        assert torch.equal(got[:, (n + nkv) * d :], y[:, (n + nkv) * d :])
-        torch.testing.assert_close(got_k, two_k, rtol=8e-3, atol=8e-3)
-        assert torch.equal(got_v, two_v)
-        graph, static = torch.cuda.CUDAGraph(), torch.empty_like(got)
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            static.copy_(qkv_rope_write(x, w, **kw, k_cache=got_k, v_cache=got_v, slot_mapping=slot, layer=2))
-        pos.fill_(77)
-        slot.fill_(3)
-        graph.replay()
-        two_k2 = two_k.clone()
-        q_rot = rope_pos_kv_write(q, kk, v, pos, inv, torch.bfloat16, two_k2, two_v, slot, layer=2)
-        torch.cuda.synchronize()
-        torch.testing.assert_close(static[:, : n * d], q_rot.reshape(1, -1), rtol=8e-3, atol=8e-3)
-        torch.testing.assert_close(got_k[2, 0, 3], two_k2[2, 0, 3], rtol=8e-3, atol=8e-3)
-        assert torch.equal(got_v[2, 0, 3], two_v[2, 0, 3])
+    _gpu_case(32, 8, 64, 2048, 1, norm=True, theta=500000.0)
+    _gpu_case(32, 8, 128, 8192, 1, norm=False, theta=500000.0)
