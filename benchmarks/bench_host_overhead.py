@@ -19,7 +19,10 @@ launches `launch_finish` replaced), `launch_block_compiled` the first of them th
 launcher alone (CUDA only; the difference is what `JITFunction.run` adds per launch), `launcher` the whole
 launcher (kernels/gumbel.py), `call` through the typed function fspec.kernels.ops.gumbel_sample_into (what
 fspec's code runs), `op` through torch.ops.fspec (the dispatcher), `validate` the public function's input
-checks alone (one device sync), `public` the public function (validation + launcher).
+checks alone (one device sync), `public` the public function (validation + launcher), and, where
+`benchmarks/gpu_prepare.sh` extracted it (benchmarks/peers.py), `vllm` one eager call of vLLM's Gumbel
+sampler in the same run (temperature applied, processed logits written: the call a speculative round of
+vLLM makes).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import argparse  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import peers  # noqa: E402
 import results_io as RIO  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -94,7 +98,7 @@ def compiled_launch(launch, t: torch.Tensor):
     return run
 
 
-def pieces(b: int, v: int, device: str, gen: torch.Generator) -> dict:
+def pieces(b: int, v: int, device: str, gen: torch.Generator, vllm=None) -> dict:
     """name -> zero-argument callable, for one (B, V)."""
     logits = torch.randn(b, v, device=device, generator=gen)
     temp = torch.full((b,), 0.8, device=device)
@@ -114,18 +118,22 @@ def pieces(b: int, v: int, device: str, gen: torch.Generator) -> dict:
     def launch_block():
         gumbel._gumbel_block_kernel[(b, nb)](
             logits, logits.stride(0), temp, seed, pos, block_key, block_token, block_max, block_sum,
-            block_hot, v, nb, SALT=0, WITH_STATS=True, BLOCK=block, FAST_LOG=fast_log, **launch,
+            block_hot, tokens, tokens, v, nb, SALT=0, WITH_STATS=True, BLOCK=block, FAST_LOG=fast_log,
+            **launch,
         )  # fmt: skip
 
     def launch_finish():
         gumbel._gumbel_finish_kernel[(b, nb)](
             logits, logits.stride(0), temp, block_key, block_token, block_max, block_sum, block_hot, tokens,
-            tokens_out, probs_out, col, next_col, tokens, tokens, v, nb, K, MAP=False, NEXT_COL=True,
+            tokens_out, probs_out, col, next_col, tokens, tokens, tokens, tokens, v, nb, K, MAP=False,
+            NEXT_COL=True,
             NB_POW2=triton.next_power_of_2(nb), BLOCK=block, **launch,
         )  # fmt: skip
 
     into = dict(out_tokens=tokens_out, out_probs=probs_out, col=col)
     direct = {}
+    if vllm is not None:
+        direct["vllm"] = peers.vllm_gumbel_call(vllm, logits, temp, seed, pos)
     if device != "cpu":
         try:
             direct["launch_block_compiled"] = compiled_launch(launch_block, logits)
@@ -152,7 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=400, help="timed calls per piece")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, interpreter, no timing claims")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/host_overhead.json"))
+    p.add_argument(
+        "--vllm", type=Path, default=peers.VLLM_GUMBEL, help="vLLM's gumbel.py (absent: no vllm row)"
+    )
     args = p.parse_args(argv)
+    vllm = peers.vllm_gumbel(args.vllm)
+    print(f"vLLM's Gumbel sampler: {args.vllm if vllm is not None else 'not prepared (no vllm piece)'}")
     smoke = args.cpu_smoke
     if not smoke and not torch.cuda.is_available():
         raise SystemExit("bench_host_overhead: needs a CUDA device (or --cpu-smoke)")
@@ -163,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for b, v in SMOKE_SHAPES if smoke else SHAPES:
         row = {"B": b, "V": v}
-        timed = pieces(b, v, device, gen)
+        timed = pieces(b, v, device, gen, vllm)
         for name, fn in timed.items():
             row[f"{name}_us"], row[f"{name}_drained_us"] = host_us(fn, calls, sync)
         rows.append(row)
@@ -175,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpu (Triton interpreter)" if smoke else torch.cuda.get_device_name(),
         ),
         "calls": calls,
+        "vllm_gumbel": str(args.vllm) if vllm is not None else None,
         "rows": rows,
     }
     RIO.write(args.out, doc)

