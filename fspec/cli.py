@@ -401,6 +401,11 @@ def _distill_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser
         default=None,
         help="EAGLE-3: the most frequent N tokens (None: the whole vocabulary)",
     )
+    a(
+        "--tie-lm-head",
+        action="store_true",
+        help="EAGLE-3: the output layer is the target's lm_head rows of its vocabulary (frozen, not saved)",
+    )
     a("--init", default=None, help="start from this head checkpoint")
     a("--resume", default=None, help="continue this checkpoint directory (train_state.pt) bit-exactly")
     a("--steps", type=int, default=1000, help="optimizer steps")

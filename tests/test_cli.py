@@ -340,7 +340,10 @@ def test_distill_data_takes_a_text_file_or_a_directory(toy_dirs, tmp_path, capsy
     assert main(argv + ["--draft-vocab-size", "64"]) == 0
     assert f"--data: {len(want)} tokens" in capsys.readouterr().err
     head = fspec.load_draft(tmp_path / "head", target=target)
-    assert head.cfg.draft_vocab_size == 64
+    assert head.cfg.draft_vocab_size == 64 and "lm_head" not in head.shared
+    assert main(argv + ["--draft-vocab-size", "64", "--tie-lm-head", "--out", str(tmp_path / "tied")]) == 0
+    tied = fspec.load_draft(tmp_path / "tied", target=target)
+    assert "lm_head" in tied.shared and tied.cfg.draft_vocab_size == 64
     assert main(["distill", "--target", t, "--out", "x", "--data", str(tmp_path / "none")]) == 2
     assert "fspec: error: --data: expected a text file or a directory of them" in capsys.readouterr().err
     assert main(argv + ["--tokens", "t.npy"]) == 2

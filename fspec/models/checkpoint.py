@@ -20,8 +20,10 @@ cnets.py `Model`):
   ``input_layernorm.weight``, ``post_attention_layernorm.weight``, ``shared_head.norm.weight``.
 The embedding (``embed_tokens.weight``) and, for EAGLE-1/MTP, the lm_head (``lm_head.weight`` /
 ``shared_head.head.weight``) are the target's and are not saved; a checkpoint that carries its own copy loads
-it as the head's own. config.json records the kind under "fspec_draft"; without it (published heads) the kind
-is read from the architecture or the weight names.
+it as the head's own. An EAGLE-3 head made with `init_draft(tie_lm_head=True)` saves no ``lm_head.weight``
+either: config.json records ``"tie_lm_head": true`` and `load_draft` rebuilds it from the target's lm_head.
+config.json records the kind under "fspec_draft"; without it (published heads) the kind is read from the
+architecture or the weight names.
 
 What differs per kind (key names, the config.json fields, how a published head is recognised) is the kind's
 `HeadKind` (`fspec.models.heads.base`); this module branches on no kind name.
@@ -78,8 +80,9 @@ class Target:
 
 @dataclasses.dataclass(frozen=True)
 class Draft:
-    """A draft head. Attributes: cfg (DraftConfig), params (dict pytree), shared (names of params that are the
-    target's own Parameter objects: not saved, re-linked on load)."""
+    """A draft head. Attributes: cfg (DraftConfig), params (dict pytree), shared (names of params taken from
+    the target: its own Parameter objects, or a tied EAGLE-3 lm_head's rows of the target's lm_head; frozen in
+    training, not saved, re-linked or rebuilt on load)."""
 
     cfg: DraftConfig
     params: dict
@@ -401,6 +404,7 @@ def init_draft(
     draft_ids: torch.Tensor | None = None,
     target_layer_ids: tuple[int, ...] | None = None,
     intermediate_size: int | None = None,
+    tie_lm_head: bool = False,
 ) -> Draft:
     """A fresh one-layer head of `kind` for `target`, with the target's layer shapes and RoPE.
 
@@ -410,9 +414,21 @@ def init_draft(
 
     draft_vocab_size (EAGLE-3 only; default V) with draft_ids, the target ids of the draft vocabulary
     (default 0..Vd-1). max_model_len defaults to the target's max_position_embeddings.
+
+    tie_lm_head (EAGLE-3 only; the head as wide as its target): the output layer is the target's lm_head
+    rows of the draft vocabulary instead of a trained copy the head owns: frozen in training, not saved (the
+    checkpoint records the tie and `load_draft` rebuilds it from the target), so a draft vocabulary of any
+    size costs no checkpoint bytes.
     """
     _check_target(target)
+    if not isinstance(tie_lm_head, bool):
+        raise ValueError(f"tie_lm_head: expected True or False, got {tie_lm_head!r}")
     hk = lookup(kind)
+    if tie_lm_head and hk.tied_lm_head is None:
+        raise ValueError(
+            f"tie_lm_head: expected False for kind={kind!r} (it drafts through the target's lm_head "
+            f"already), got True"
+        )
     tc = target.cfg
     head = dataclasses.replace(
         tc,
@@ -438,7 +454,16 @@ def init_draft(
     kwargs = {"draft_ids": draft_ids} if hk.reduced_vocab else {}
     params = hk.init(cfg, target.params, seed=seed, **kwargs)
     hk.check_params(cfg, params, "")
-    return Draft(cfg=cfg, params=params, shared=_shared_names(params, target))
+    shared = _shared_names(params, target)
+    if tie_lm_head:
+        params["lm_head"] = hk.tied_lm_head(cfg, params, target.params)
+        shared = (*(n for n in shared if n != "lm_head"), "lm_head")
+    return Draft(cfg=cfg, params=params, shared=shared)
+
+
+def _tied(draft: Draft) -> bool:
+    """Whether the head's lm_head is tied to the target's (`init_draft(tie_lm_head=True)`)."""
+    return "lm_head" in draft.shared and head_kind(draft.cfg).tied_lm_head is not None
 
 
 def save_draft(draft: Draft, path) -> None:
@@ -467,6 +492,8 @@ def save_draft(draft: Draft, path) -> None:
         "max_model_len": cfg.max_model_len,
         "greedy_drafts": cfg.greedy_drafts,
     }
+    if _tied(draft):
+        config["fspec_draft"]["tie_lm_head"] = True  # no lm_head.weight: load_draft rebuilds it
     (path / "config.json").write_text(json.dumps(config, indent=2))
 
 
@@ -550,6 +577,9 @@ def load_draft(
     hk.check_params(cfg, {n: tensors[k] for n, k in key_of.items() if k in tensors}, f"{path}: ")
     # A shareable weight the file does not carry is the target's own Parameter (already in the template).
     shared = tuple(n for n in _shared_names(template, target) if key_of[n] not in tensors)
+    tied = _recorded_tie(rec, hk, key_of, tensors, path)
+    if tied:
+        shared = (*(n for n in shared if n != "lm_head"), "lm_head")
     own = {k: p for k, p in keys.items() if p[0] not in shared}
     params = _fill(
         template,
@@ -559,9 +589,28 @@ def load_draft(
         dtype=dtype or target.params["embed"].dtype,
         device=_device(target),
     )
+    if tied:
+        params["lm_head"] = hk.tied_lm_head(cfg, params, target.params)
     if fuse:
         L.fuse_projections_(params)
     return Draft(cfg=cfg, params=params, shared=shared)
+
+
+def _recorded_tie(rec: dict, hk: HeadKind, key_of: dict, tensors: dict, path: Path) -> bool:
+    """config.fspec_draft.tie_lm_head (default False), checked against the kind and the file's tensors."""
+    tie = rec.get("tie_lm_head", False)
+    if not isinstance(tie, bool):
+        raise ValueError(f"{path}: config.fspec_draft.tie_lm_head: expected true or false, got {tie!r}")
+    if tie and hk.tied_lm_head is None:
+        raise ValueError(
+            f"{path}: config.fspec_draft.tie_lm_head: expected false for a {hk.name!r} head, got true"
+        )
+    if tie and key_of.get("lm_head") in tensors:
+        raise ValueError(
+            f"{path}: {key_of['lm_head']!r}: expected no such key (config.fspec_draft.tie_lm_head is true: "
+            f"the output layer is the target's), got one"
+        )
+    return tie
 
 
 def _recorded(config: dict, path: Path) -> dict:

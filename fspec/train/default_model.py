@@ -123,6 +123,10 @@ class Recipe:
         gen_minutes: no prompt is admitted after this long (`_complete`: the prompts left unanswered are
             logged); gen_compile: the run compiled (CUDA only; the log records the tokens/s, compiles
             included).
+        tie_lm_head: the head's output layer is the target's lm_head rows of its draft vocabulary, frozen and
+            not shipped (`init_draft(tie_lm_head=True)`), so draft_vocab_size costs no checkpoint bytes;
+            False: a trained copy the head owns (EAGLE-3's layout, which vLLM reads).
+        intermediate_size: the head layer's MLP width (0: the target's).
         draft_vocab_size, ttt_steps, step_weight, batch_size, seq_len, lr, warmup_steps, steps,
             minutes: the head and its distillation (a step count > 0 wins over the minutes; with
             `build(train_dir=...)` each run trains `minutes` and the run that reaches `steps` finishes).
@@ -153,6 +157,8 @@ class Recipe:
     gen_minutes: float = 3.5
     gen_compile: bool = True
     draft_vocab_size: int = 8192
+    tie_lm_head: bool = False
+    intermediate_size: int = 0
     ttt_steps: int = 5
     step_weight: float = 0.8
     feed: str = "data"
@@ -478,6 +484,8 @@ def build(
             draft_vocab_size=recipe.draft_vocab_size,
             seed=seed,
             num_speculative_steps=recipe.eval_k,
+            tie_lm_head=recipe.tie_lm_head,
+            intermediate_size=recipe.intermediate_size or None,
         )
     else:  # the layout `new_draft` gives (unfused projections, the target's dtype), from the file's weights
         draft = load_draft(init, target=target, fuse=False, num_speculative_steps=recipe.eval_k)
@@ -486,7 +494,13 @@ def build(
                 f"init: expected an {HEAD_KIND} head of draft_vocab_size {recipe.draft_vocab_size} (the "
                 f"recipe's), got a {draft.cfg.kind} head of {draft.cfg.draft_vocab_size} in {str(init)!r}"
             )
-        log["init"] = {"from": str(init), "draft_vocab_size": draft.cfg.draft_vocab_size}
+        tied = "lm_head" in draft.shared
+        if tied != recipe.tie_lm_head:
+            raise ValueError(
+                f"init: expected a head with tie_lm_head={recipe.tie_lm_head} (the recipe's), got one with "
+                f"tie_lm_head={tied} in {str(init)!r}"
+            )
+        log["init"] = {"from": str(init), "draft_vocab_size": draft.cfg.draft_vocab_size, "tied": tied}
     # (d) distillation
     settings = dict(
         ttt_steps=recipe.ttt_steps,

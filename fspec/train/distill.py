@@ -656,7 +656,12 @@ def _train(args) -> int:
         if tokens is None:  # the draft vocabulary comes from the stored sequences
             tokens = torch.from_numpy(np.load(Path(args.offline) / "input_ids.npy"))
         draft = new_draft(
-            target, kind=args.kind, tokens=tokens, draft_vocab_size=args.draft_vocab_size, seed=args.seed
+            target,
+            kind=args.kind,
+            tokens=tokens,
+            draft_vocab_size=args.draft_vocab_size,
+            seed=args.seed,
+            tie_lm_head=args.tie_lm_head,
         )
     if args.offline:
         batches = offline_batches(args.offline, target, draft, cfg=cfg, rank=rank, world=world)
@@ -707,6 +712,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_common(tr)
     tr.add_argument("--offline", help="a store written by `precompute` (instead of running the target)")
     tr.add_argument("--draft-vocab-size", type=int, default=None, help="EAGLE-3: most frequent N tokens")
+    tr.add_argument("--tie-lm-head", action="store_true", help="EAGLE-3: the target's lm_head rows, frozen")
     tr.add_argument("--init", help="start from this head checkpoint")
     tr.add_argument("--resume", help="continue this checkpoint directory (train_state.pt) bit-exactly")
     tr.add_argument("--steps", type=int, default=1000)

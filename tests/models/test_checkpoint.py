@@ -281,3 +281,68 @@ def test_eagle3_head_with_chosen_layers_and_width_round_trips_and_runs(tmp_path)
         fspec.generate(target, past, [[1, 2, 3]], max_new_tokens=2)
     with pytest.raises(ValueError, match="^target_layer_ids: expected None for kind='mtp'"):
         ck.init_draft(target, kind="mtp", target_layer_ids=(0, 1, 2))
+
+
+def test_eagle3_head_tied_to_the_target_lm_head_saves_no_output_layer_and_rebuilds_it(tmp_path):
+    """init_draft(tie_lm_head=True): the output layer is the target's lm_head rows of the draft vocabulary
+    (the target's own tensor for the whole vocabulary in order), listed in `shared` (frozen in training);
+    save_draft writes no lm_head.weight and records the tie; load_draft rebuilds the rows from the target in
+    the head's dtype; speculation stays exact."""
+    target = tiny_target()
+    ids = torch.tensor([0, 2, 3, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 52])
+    draft = ck.init_draft(target, kind="eagle3", seed=4, draft_vocab_size=16, draft_ids=ids, tie_lm_head=True)
+    assert "lm_head" in draft.shared and "embed" in draft.shared
+    assert torch.equal(draft.params["lm_head"], llama.lm_head(target.params)[ids])
+    untied = ck.init_draft(target, kind="eagle3", seed=4, draft_vocab_size=16, draft_ids=ids)
+    assert "lm_head" not in untied.shared and leaves_equal(
+        {k: v for k, v in draft.params.items() if k != "lm_head"},
+        {k: v for k, v in untied.params.items() if k != "lm_head"},
+    )
+    ck.save_draft(draft, tmp_path)
+    assert set(load_file(tmp_path / "model.safetensors")) == PUBLISHED_KEYS["eagle3"] - {"lm_head.weight"}
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["fspec_draft"]["tie_lm_head"] is True
+    loaded = ck.load_draft(tmp_path, target=target, fuse=False)
+    assert loaded.cfg == draft.cfg and loaded.shared == draft.shared
+    assert leaves_equal(loaded.params, draft.params)
+    half = ck.load_draft(tmp_path, target=target, dtype=torch.bfloat16)
+    assert half.params["lm_head"].dtype == torch.bfloat16
+    assert torch.equal(half.params["lm_head"], llama.lm_head(target.params)[ids].to(torch.bfloat16))
+    out = fspec.generate(target, loaded, [[1, 2, 3]], max_new_tokens=6, num_speculative_steps=2)
+    assert out.tokens == fspec.generate(target, None, [[1, 2, 3]], max_new_tokens=6).tokens
+    whole = ck.init_draft(target, kind="eagle3", tie_lm_head=True)  # Vd = V, ids 0..V-1: no copy at all
+    assert whole.params["lm_head"] is llama.lm_head(target.params)
+    ck.save_draft(untied, tmp_path / "untied")
+    assert "tie_lm_head" not in json.loads((tmp_path / "untied" / "config.json").read_text())["fspec_draft"]
+
+
+def test_tie_lm_head_names_the_argument_where_a_head_cannot_tie(tmp_path):
+    """A kind that drafts through the target's lm_head already, a non-bool, a head narrower than its target,
+    and checkpoints whose record contradicts their tensors: ValueError naming tie_lm_head."""
+    target = tiny_target()
+    with pytest.raises(ValueError, match="^tie_lm_head: expected False for kind='eagle'"):
+        ck.init_draft(target, kind="eagle", tie_lm_head=True)
+    with pytest.raises(ValueError, match="^tie_lm_head: expected True or False, got 1"):
+        ck.init_draft(target, kind="eagle3", tie_lm_head=1)
+    draft = ck.init_draft(target, kind="eagle3", draft_vocab_size=20, tie_lm_head=True)
+    narrow = dataclasses.replace(
+        draft.cfg, model=dataclasses.replace(draft.cfg.model, hidden_size=8), target_hidden_size=16
+    )
+    from fspec.models.heads import eagle3
+
+    with pytest.raises(
+        ValueError, match=r"^tie_lm_head: expected a head as wide as its target \(H = Ht = 16\)"
+    ):
+        eagle3.tied_lm_head(narrow, draft.params, target.params)
+    ck.save_draft(draft, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(
+        json.dumps({**config, "fspec_draft": {**config["fspec_draft"], "tie_lm_head": "yes"}})
+    )
+    with pytest.raises(ValueError, match="fspec_draft.tie_lm_head: expected true or false, got 'yes'"):
+        ck.load_draft(tmp_path, target=target)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file({**tensors, "lm_head.weight": torch.zeros(20, 16)}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="'lm_head.weight': expected no such key"):
+        ck.load_draft(tmp_path, target=target)

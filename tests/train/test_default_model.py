@@ -279,6 +279,14 @@ def test_the_build_trains_with_the_recipes_feed_loss_mask_and_drafted_vocabulary
         assert torch.equal(got[:, :-1], want)
     else:
         assert not drafted <= vocab and "loss_mask" not in seen["batch"]
+    # tie_lm_head and intermediate_size reach the head the distillation trains
+    recipe = dataclasses.replace(recipe, tie_lm_head=True, intermediate_size=40)
+    with pytest.raises(Stop):
+        default_model.build(tmp_path / "tied", recipe=recipe, device="cpu", stream_file=file)
+    draft = seen["draft"]
+    ids = fspec.draft_to_target(torch.arange(recipe.draft_vocab_size), draft.params["d2t"])
+    assert "lm_head" in draft.shared and draft.cfg.model.intermediate_size == 40
+    assert torch.equal(draft.params["lm_head"], fspec.models.llama.lm_head(target.params)[ids])
 
 
 def test_a_build_can_start_from_a_saved_head(tmp_path: Path, monkeypatch):
@@ -319,6 +327,10 @@ def test_a_build_can_start_from_a_saved_head(tmp_path: Path, monkeypatch):
     assert len(got[0]) == len(wanted[0]) and all(torch.equal(a, b) for a, b in zip(got[0], wanted[0]))
     with pytest.raises(ValueError, match="init: expected an eagle3 head of draft_vocab_size 256"):
         default_model.main([*args, "--out", str(tmp_path / "x"), "--set", "draft_vocab_size=256"])
+    with pytest.raises(
+        ValueError, match="init: expected a head with tie_lm_head=True .*got one with tie_lm_head=False"
+    ):
+        default_model.main([*args, "--out", str(tmp_path / "x"), "--set", "tie_lm_head=true"])
     with pytest.raises(FileNotFoundError, match="init: expected a head directory"):
         default_model.main(["--tiny", "--device", "cpu", "--init", str(tmp_path / "none")])
 

@@ -297,6 +297,34 @@ def test_resume_continues_bit_exactly(tmp_path: Path):
     torch.testing.assert_close(resumed.params["lm_head"], straight.params["lm_head"], atol=1e-6, rtol=0)
 
 
+def test_a_tied_head_trains_everything_but_its_output_layer(tmp_path: Path):
+    """An EAGLE-3 head tied to the target's lm_head (`tie_lm_head=True`): distillation moves its own weights
+    and lowers the loss, its output layer stays the target's rows; the checkpoint carries no lm_head and
+    loads back with the same rows; a resumed run equals the straight one."""
+    target = tiny_target()
+    draft = D.new_draft(
+        target, kind="eagle3", tokens=token_stream(), draft_vocab_size=61, seed=1, tie_lm_head=True
+    )
+    rows = draft.params["lm_head"].clone()
+    ids = torch.arange(61) + draft.params["d2t"]
+    assert torch.equal(rows, llama.lm_head(target.params)[ids])
+    cfg = small_cfg(steps=6)
+    batches = D.online_batches(target, draft, token_stream(), cfg=cfg)
+    trained, hist = D.distill_head(draft, batches, cfg=cfg, out=tmp_path / "a", progress=False)
+    assert "lm_head" not in torch.load(tmp_path / "a" / D.STATE_FILE)["trainable"]
+    assert torch.equal(trained.params["lm_head"], rows) and "lm_head" in trained.shared
+    assert not torch.equal(trained.params["fc"], draft.params["fc"])
+    assert hist[-1]["loss"] < hist[0]["loss"]
+    loaded = fspec.load_draft(tmp_path / "a", target=target)
+    assert torch.equal(loaded.params["lm_head"], rows) and loaded.shared == trained.shared
+    torch.testing.assert_close(loaded.params["fc"], trained.params["fc"])
+    D.distill_head(draft, batches, cfg=cfg, out=tmp_path / "b", until=3, progress=False)
+    resumed, _ = D.distill_head(
+        draft, batches, cfg=cfg, out=tmp_path / "b", resume=tmp_path / "b", progress=False
+    )
+    torch.testing.assert_close(resumed.params["fc"], trained.params["fc"], atol=1e-6, rtol=0)
+
+
 def test_torchrun_two_gloo_processes_equal_one_process(tmp_path: Path):
     """`torchrun --nproc_per_node=2 -m fspec.train.distill train` (gloo) ends where one process does, 3
     steps on."""

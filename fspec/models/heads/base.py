@@ -89,6 +89,10 @@ class HeadKind:
         recognized_by: what `recognizes` looks for, for the error when no kind recognises a checkpoint.
         recognize_order: kinds are tried in increasing order (then registration order): a kind whose marks
             are also another kind's (EAGLE-1's fc.weight is EAGLE-3's too) comes later.
+        tied_lm_head: ``(cfg, params, target_params) -> [Vd, H]``, the output layer of a head of this kind
+            whose lm_head is tied to the target's (`init_draft(tie_lm_head=True)`: frozen, not saved, rebuilt
+            from the target on load); ValueError naming tie_lm_head where the head cannot tie. None: the kind
+            has no own lm_head to tie (EAGLE-1 and MTP use the target's).
     """
 
     name: str
@@ -112,6 +116,7 @@ class HeadKind:
     recognizes: Callable[[dict, dict], bool] | None = None
     recognized_by: str = ""
     recognize_order: int = 0
+    tied_lm_head: Callable[[DraftConfig, dict, dict], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

@@ -158,6 +158,25 @@ def init(
     return params
 
 
+def tied_lm_head(cfg: DraftConfig, params: dict, target_params: dict) -> torch.Tensor:
+    """[Vd, H] the target's lm_head rows of the draft vocabulary (draft id t -> target id t + d2t[t]) in the
+    head's dtype: the output layer of a tied head (frozen; EAGLE-1 and EAGLE-2 draft through the target's own
+    head). The target's own tensor where the draft vocabulary is the whole vocabulary in order. ValueError
+    naming tie_lm_head unless H equals the target's hidden size (the rows multiply the head's H)."""
+    if cfg.model.hidden_size != cfg.target_hidden_size:
+        raise ValueError(
+            f"tie_lm_head: expected a head as wide as its target (H = Ht = {cfg.target_hidden_size}), "
+            f"got H = {cfg.model.hidden_size}"
+        )
+    head = llama.lm_head(target_params)
+    d2t, dtype = params["d2t"], params["fc"].dtype
+    whole = d2t.numel() == head.shape[0] and not bool(d2t.any())
+    if whole and head.dtype == dtype:
+        return head
+    ids = torch.arange(d2t.numel(), device=d2t.device) + d2t.long()
+    return L.param(head.detach().index_select(0, ids.to(head.device)).to(dtype=dtype, device=d2t.device))
+
+
 def project_target_hidden(
     params: dict, target_hidden: llama.TargetHidden, *, cfg: DraftConfig
 ) -> torch.Tensor:
@@ -289,5 +308,6 @@ KIND = register(
         check_params=_check_params,
         recognizes=_recognizes,
         recognized_by="an Eagle3 architecture, 'draft_vocab_size' or 'midlayer.*' keys",
+        tied_lm_head=tied_lm_head,
     )
 )
