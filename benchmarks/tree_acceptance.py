@@ -20,9 +20,11 @@ A round's verification runs 1 + N rows; the several-row kernels take up to 16 (s
 row's cost where launches bound a round (BENCHMARKS.md, SmolLM2's several-row products).
 
 Rows: per held-out set, `tau_chain` (the head's own K-chain) and `tau_tree[N]`, tokens per round over the
-rounds whose K drafts lie inside the answers (answers run K tokens past --new-tokens for them). The chain
-simulated over the whole answers must run exactly the engine's rounds (`rounds_engine`, B = 1 calls), or the
-script stops: that checks the ranks against what the engine drafted. fp32 target and head on the CPU.
+rounds whose drafts (to the trees' depth) lie inside the answers (the answers run that many tokens past
+--new-tokens for them). The chain
+simulated over the whole answers must run the engine's rounds with the engine's acceptances
+(`check_chain`; `rounds_engine`, B = 1 calls), or the script stops: that checks the ranks against what the
+engine drafted. fp32 target and head on the CPU.
 """
 
 from __future__ import annotations
@@ -47,18 +49,41 @@ from fspec.train import ttt  # noqa: E402
 NO_RANK = 1 << 30
 
 
-def answers(target, draft, texts: list[str], new_tokens: int, k: int) -> tuple[list[list[int]], list, int]:
-    """(the templated prompts' ids, the target's greedy answers, the engine's rounds summed over prompts):
-    one user turn each, one `generate` call per prompt (B = 1: its rounds are that request's)."""
-    prompts, outs, rounds = [], [], 0
+def answers(target, draft, texts: list[str], new_tokens: int, k: int) -> tuple[list[list[int]], list, list]:
+    """(the templated prompts' ids, the target's greedy answers, per prompt the engine's per-position
+    acceptance rates over its rounds): one user turn each, one `generate` call per prompt (B = 1)."""
+    prompts, outs, rates = [], [], []
     for text in texts:
         chat = render_chat(target, [{"role": "user", "content": text}])
         ids = target.tokenizer.encode(chat, add_special_tokens=False).ids
         res = fspec.generate(target, draft, [ids], max_new_tokens=new_tokens, num_speculative_steps=k)
         prompts.append(ids)
         outs.append(res.tokens[0])
-        rounds += res.stats["rounds"]
-    return prompts, outs, rounds
+        rates.append(res.stats["acceptance_rate_per_position"])
+    return prompts, outs, rates
+
+
+def chain_of(k: int) -> set[tuple[int, ...]]:
+    """The K-chain as a tree: the paths (0,), (0, 0), ... of depth <= k."""
+    return {(0,) * d for d in range(1, k + 1)}
+
+
+def check_chain(rank_rows: list[torch.Tensor], rates: list, k: int, new_tokens: int) -> int:
+    """The engine's rounds, checked against the chain simulated over the ranks: per answer the same rounds
+    and, at every depth, the same number of rounds that accepted past it; except in the last round of an
+    answer cut at new_tokens, where the engine also verified drafts past the cut (one round more or fewer
+    per depth). SystemExit naming the answer otherwise: the ranks are not what the engine drafted from."""
+    chain = chain_of(k)
+    total = 0
+    for i, (r, rate) in enumerate(zip(rank_rows, rates)):
+        acc = simulate(r, chain, whole=True)
+        slack = 1 if r.shape[0] == new_tokens else 0
+        for j in range(k):
+            engine, sim = rate[j] * len(acc), sum(a > j for a in acc)
+            if abs(engine - round(engine)) > 1e-6 or abs(round(engine) - sim) > slack:
+                raise SystemExit(f"answer {i}, depth {j}: {engine:.3f} rounds took it, {sim} by the ranks")
+        total += len(acc)
+    return total
 
 
 def ranks(target, draft, prompt: list[int], answer: list[int], k: int) -> torch.Tensor:
@@ -109,12 +134,12 @@ def choose_tree(rows: list[torch.Tensor], budget: int, k: int) -> set[tuple[int,
     return set(best)
 
 
-def simulate(r: torch.Tensor, tree: set[tuple[int, ...]], *, whole: bool = False) -> tuple[int, int]:
-    """(rounds, tokens) of greedy speculation with `tree` over one answer's rank rows: each round emits its
-    accepted drafts plus the target's token and starts at the row after them. Only rounds whose K drafts lie
-    inside the answer count (past its end a draft's fate is unknown); whole: every round to the answer's end,
-    each cut at it (the engine's rounds, for the check against them)."""
-    a, rounds, tokens = 0, 0, 0  # row a: the round whose current token is answer[a] (answer[0]: prefill's)
+def simulate(r: torch.Tensor, tree: set[tuple[int, ...]], *, whole: bool = False) -> list[int]:
+    """The accepted drafts of each round of greedy speculation with `tree` over one answer's rank rows: a
+    round accepts the longest held prefix of its rank path, emits it plus the target's token and the next
+    round starts after them. Only rounds whose K drafts lie inside the answer count (past its end a draft's
+    fate is unknown); whole: every round to the answer's end (the engine's rounds, for `check_chain`)."""
+    a, out = 0, []  # row a: the round whose current token is answer[a] (answer[0]: the prefill's)
     n, k = r.shape
     while a < n - 1 and (whole or a + k < n - 1):
         accepted = 0
@@ -122,18 +147,15 @@ def simulate(r: torch.Tensor, tree: set[tuple[int, ...]], *, whole: bool = False
             if path not in tree:
                 break
             accepted = len(path)
-        emit = min(accepted + 1, n - 1 - a)
-        rounds, tokens, a = rounds + 1, tokens + emit, a + emit
-    return rounds, tokens
+        out.append(accepted)
+        a += min(accepted + 1, n - 1 - a)
+    return out
 
 
 def tau(rank_rows: list[torch.Tensor], tree: set[tuple[int, ...]]) -> float:
-    """Tokens per round over every answer's simulated rounds."""
-    rounds = tokens = 0
-    for r in rank_rows:
-        n_rounds, n_tokens = simulate(r, tree)
-        rounds, tokens = rounds + n_rounds, tokens + n_tokens
-    return tokens / max(rounds, 1)
+    """Tokens per round (accepted drafts + the target's token) over every answer's counted rounds."""
+    acc = [a for r in rank_rows for a in simulate(r, tree)]
+    return (sum(acc) + len(acc)) / max(len(acc), 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=12, help="held-out prompts per set")
     p.add_argument("--tree-prompts", type=int, default=24, help="training prompts that choose the trees")
     p.add_argument("--new-tokens", type=int, default=96)
-    p.add_argument("--k", type=int, default=5, help="the chain's K and the trees' depth")
+    p.add_argument("--k", type=int, default=5, help="the chain's K")
+    p.add_argument("--depth", type=int, default=0, help="the trees' depth (0: K; at least K)")
     p.add_argument("--budgets", type=int, nargs="+", default=[5, 8, 11, 15], help="tree sizes N (draft rows)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--head", default=None, help="another head directory for the default target")
@@ -154,16 +177,18 @@ def main(argv: list[str] | None = None) -> int:
     if not head_kind(draft.cfg).reduced_vocab:
         raise SystemExit("tree_acceptance: expects an EAGLE-3 head (its d2t maps the ranks)")
     k = args.k
+    depth = max(args.depth, k)
     t0 = time.perf_counter()
     texts = P.train_prompts(n_code=args.tree_prompts // 2, n_chat=args.tree_prompts - args.tree_prompts // 2)
-    prompts, outs, _ = answers(target, draft, texts, args.new_tokens + k, k)
-    choosing = [ranks(target, draft, q, a, k) for q, a in zip(prompts, outs) if len(a) > 1]
-    trees = {n: choose_tree([row for r in choosing for row in r], n, k) for n in args.budgets}
-    chain = {tuple([0] * d) for d in range(1, k + 1)}
+    prompts, outs, _ = answers(target, draft, texts, args.new_tokens + depth, k)
+    choosing = [ranks(target, draft, q, a, depth) for q, a in zip(prompts, outs) if len(a) > 1]
+    trees = {n: choose_tree([row for r in choosing for row in r], n, depth) for n in args.budgets}
+    chain = chain_of(k)
     print(f"trees chosen on {len(choosing)} training answers in {time.perf_counter() - t0:.0f} s", flush=True)
     doc = results_io.header("tree_acceptance.py", argv, "cpu")
     doc.update(
         k=k,
+        depth=depth,
         new_tokens=args.new_tokens,
         tree_prompts=len(choosing),
         trees={str(n): sorted(trees[n]) for n in args.budgets},
@@ -172,11 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in P.HELDOUT:
         t1 = time.perf_counter()
         texts = P.heldout(name)[: args.prompts]
-        prompts, outs, engine_rounds = answers(target, draft, texts, args.new_tokens + k, k)
-        rank_rows = [ranks(target, draft, q, a, k) for q, a in zip(prompts, outs)]
-        sim_rounds = sum(simulate(r, chain, whole=True)[0] for r in rank_rows)
-        if sim_rounds != engine_rounds:  # the ranks are not what the engine drafted from
-            raise SystemExit(f"{name}: chain simulated {sim_rounds} rounds, the engine ran {engine_rounds}")
+        prompts, outs, rates = answers(target, draft, texts, args.new_tokens + depth, k)
+        rank_rows = [ranks(target, draft, q, a, depth) for q, a in zip(prompts, outs)]
+        engine_rounds = check_chain(rank_rows, rates, k, args.new_tokens + depth)
         row = {
             "case": {"set": name, "prompts": len(prompts)},
             "tokens": sum(map(len, outs)),

@@ -516,21 +516,29 @@ def test_tree_simulation_accepts_the_longest_held_rank_path_and_chooses_the_most
     ta = _tree_module()
     x = ta.NO_RANK
     r = torch.tensor([[0, 0, 1], [1, 0, x], [0, 2, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0], [x, 0, 0], [0, 0, 0]])
-    chain = {(0,), (0, 0), (0, 0, 0)}
+    chain = ta.chain_of(3)
+    assert chain == {(0,), (0, 0), (0, 0, 0)}
     assert ta.paths_of(r[1]) == [(1,), (1, 0)] and ta.paths_of(r[6]) == []
     # chain: row 0 accepts 2 (rank 1 at depth 2 is not held) -> 3 tokens, next row 3 accepts 3 -> 4 tokens,
     # next row 7 is the last: no round starts there (nothing left to emit)
-    assert ta.simulate(r, chain, whole=True) == ta.simulate(r, chain) == (2, 7)
-    # six rows: row 3's drafts would reach row 6, past the answer: not counted, but run (cut) when whole
-    assert ta.simulate(r[:6], chain) == (1, 3) and ta.simulate(r[:6], chain, whole=True) == (2, 5)
+    assert ta.simulate(r, chain, whole=True) == ta.simulate(r, chain) == [2, 3]
+    # six rows: row 3's drafts would reach row 6, past the answer: not counted, but run when whole
+    assert ta.simulate(r[:6], chain) == [2] and ta.simulate(r[:6], chain, whole=True) == [2, 3]
     tree = chain | {(1,), (1, 0), (0, 0, 1)}
-    assert ta.simulate(r, tree, whole=True) == (2, 7)  # row 0 now takes (0, 0, 1): 4 tokens, then row 4
-    assert ta.simulate(r[:1].repeat(5, 1), tree) == (1, 4)
+    assert ta.simulate(r, tree, whole=True) == [3, 3]  # row 0 now takes (0, 0, 1): 4 tokens, then row 4
+    assert ta.simulate(r[:1].repeat(5, 1), tree) == [3]
     rows = [torch.tensor(v) for v in ([0, 0, x], [0, 1, x], [0, 1, 0], [1, x, x], [2, 0, x])]
     assert ta.choose_tree(rows, 1, 3) == {(0,)}
     assert ta.choose_tree(rows, 3, 3) == {(0,), (0, 1), (1,)}  # ties: the shorter path first
     assert ta.choose_tree(rows, 3, 1) == {(0,), (1,), (2,)}  # depth <= k
     assert ta.tau([r], chain) == 3.5 and ta.tau([r], set()) == 1.0
+    # the check against the engine: rates over the same rounds; one round of slack per depth at the cut
+    assert ta.check_chain([r], [[1.0, 1.0, 0.5]], 3, new_tokens=99) == 2
+    with pytest.raises(SystemExit, match="answer 0, depth 2: 2.000 rounds took it, 1 by the ranks"):
+        ta.check_chain([r], [[1.0, 1.0, 1.0]], 3, new_tokens=99)
+    assert ta.check_chain([r], [[1.0, 1.0, 1.0]], 3, new_tokens=8) == 2  # r is cut at 8 tokens
+    with pytest.raises(SystemExit, match="depth 0: 1.333 rounds"):  # another number of rounds
+        ta.check_chain([r], [[2 / 3, 1 / 3, 0.0]], 3, new_tokens=99)
 
 
 @pytest.mark.slow
@@ -543,3 +551,18 @@ def test_tree_acceptance_smoke_checks_its_ranks_against_the_engine(tmp_path):
     for r in d["rows"]:
         assert r["rounds_engine"] > 0 and 1 <= r["tau_chain"] <= 6
         assert r["tau_tree"]["9"] >= r["tau_tree"]["5"] >= 1
+
+
+@pytest.mark.slow
+def test_head_output_layer_smoke_measures_the_distance_and_runs_each_swapped_head(tmp_path):
+    """head_output_layer.py: the trained rows' distance to the target's (a cosine in [-1, 1], energy shares
+    increasing in the rank), then τ for the shipped head and each swapped-in vocabulary on every set."""
+    args = "--prompts 1 --new-tokens 8 --vocab 8192 9000".split()
+    d = _run("head_output_layer.py", *args, out=tmp_path / "hol.json")
+    dist = d["distance"]
+    assert dist["relative_distance"] > 0 and -1 <= dist["mean_row_cosine"] <= 1
+    shares = list(dist["delta_energy_in_top"].values())
+    assert shares == sorted(shares) and 0 < shares[0] <= shares[-1] <= 1
+    assert [r["case"]["draft_vocab_size"] for r in d["rows"]] == [8192, 8192, 9000]
+    for r in d["rows"]:
+        assert set(r["tau"]) == {"code", "chat", "health"} and all(1 <= t <= 6 for t in r["tau"].values())

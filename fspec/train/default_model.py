@@ -399,9 +399,12 @@ def build(
     stream and recipe resumes from it, exactly where the last stopped, until recipe.steps (required > 0: the
     learning-rate schedule spans them), then saves and evaluates the head as a one-run build would.
     init: a head directory (a build's `out`, the shipped head) to start the distillation from instead of a
-    fresh head: its weights and its draft vocabulary (recipe.draft_vocab_size must be its size), with a fresh
-    optimizer and learning-rate schedule. Training longer moved τ where more data had not (docs/train.md);
-    a state in train_dir lives as long as its machine, a head directory as long as its files."""
+    fresh head: its weights and its draft vocabulary, with a fresh optimizer and learning-rate schedule; where
+    the recipe asks for another vocabulary (draft_vocab_size, tie_lm_head), the recipe's fresh head with
+    the saved one's weights carried over (`distill.carry_weights`: its trained output rows where the two
+    vocabularies meet). Its MLP width must be the recipe's. Training longer moved τ where more data had not
+    (docs/train.md); a state in train_dir lives as long as its machine, a head directory as long as its
+    files."""
     if stream_only and stream_file is None:
         raise ValueError("stream_file: expected a file to write the stream to with stream_only, got None")
     if train_dir is not None and recipe.steps <= 0:
@@ -476,7 +479,25 @@ def build(
         mask = val_mask = None
     log["loss_positions"] = stream.numel() if mask is None else int(mask.sum())
     print(f"stream: {stream.numel()} tokens, {log['loss_positions']} targets; {log['answers']}", flush=True)
-    if init is None:
+    saved = None
+    if init is not None:  # the layout `new_draft` gives (unfused projections, the target's dtype)
+        saved = load_draft(init, target=target, fuse=False, num_speculative_steps=recipe.eval_k)
+        if saved.cfg.kind != HEAD_KIND:
+            raise ValueError(f"init: expected an {HEAD_KIND} head, got a {saved.cfg.kind} head in {init}")
+        width = recipe.intermediate_size or target.cfg.intermediate_size
+        if saved.cfg.model.intermediate_size != width:
+            raise ValueError(
+                f"init: expected a head of intermediate_size {width} (the recipe's), got "
+                f"{saved.cfg.model.intermediate_size} in {init}"
+            )
+    tied = saved is not None and "lm_head" in saved.shared
+    if (
+        saved is not None
+        and saved.cfg.draft_vocab_size == recipe.draft_vocab_size
+        and tied == recipe.tie_lm_head
+    ):
+        draft = saved
+    else:
         draft = D.new_draft(
             target,
             kind=HEAD_KIND,
@@ -487,20 +508,16 @@ def build(
             tie_lm_head=recipe.tie_lm_head,
             intermediate_size=recipe.intermediate_size or None,
         )
-    else:  # the layout `new_draft` gives (unfused projections, the target's dtype), from the file's weights
-        draft = load_draft(init, target=target, fuse=False, num_speculative_steps=recipe.eval_k)
-        if draft.cfg.kind != HEAD_KIND or draft.cfg.draft_vocab_size != recipe.draft_vocab_size:
-            raise ValueError(
-                f"init: expected an {HEAD_KIND} head of draft_vocab_size {recipe.draft_vocab_size} (the "
-                f"recipe's), got a {draft.cfg.kind} head of {draft.cfg.draft_vocab_size} in {str(init)!r}"
-            )
-        tied = "lm_head" in draft.shared
-        if tied != recipe.tie_lm_head:
-            raise ValueError(
-                f"init: expected a head with tie_lm_head={recipe.tie_lm_head} (the recipe's), got one with "
-                f"tie_lm_head={tied} in {str(init)!r}"
-            )
-        log["init"] = {"from": str(init), "draft_vocab_size": draft.cfg.draft_vocab_size, "tied": tied}
+        if saved is not None:  # another vocabulary (its size, or tied against owned rows): the fresh head
+            # with the saved one's weights (`carry_weights`: its trained rows where the vocabularies meet)
+            draft = D.carry_weights(saved, draft)
+    if saved is not None:
+        log["init"] = {
+            "from": str(init),
+            "draft_vocab_size": saved.cfg.draft_vocab_size,
+            "tied": tied,
+            "vocabulary_changed": draft is not saved,
+        }
     # (d) distillation
     settings = dict(
         ttt_steps=recipe.ttt_steps,

@@ -99,6 +99,45 @@ def new_draft(
     return init_draft(target, kind=kind, draft_vocab_size=draft_vocab_size, **kw)
 
 
+VOCAB_PARAMS = ("lm_head", "d2t", "t2d")  # what a head's draft vocabulary decides (EAGLE-3)
+
+
+def carry_weights(src: Draft, dst: Draft) -> Draft:
+    """`dst` (a fresh head, its draft vocabulary and output layer already chosen) with `src`'s trained
+    weights wherever the two heads are alike: every param but the output layer and the vocabulary maps, and,
+    unless dst's lm_head is the target's (tied), src's trained output rows for the target ids both draft
+    vocabularies hold (dst's other rows stay as dst has them). A build that changes a trained head's
+    vocabulary starts there instead of from scratch. ValueError naming `src` unless both are heads of one
+    kind with equal configs but for the vocabulary, and equal shapes."""
+    if not isinstance(src, Draft) or not isinstance(dst, Draft):
+        raise ValueError(f"src, dst: expected two Drafts, got {type(src).__name__}, {type(dst).__name__}")
+    vocab_free = dict(
+        draft_vocab_size=0, num_speculative_steps=1, greedy_drafts=False, max_model_len=1, block_size=1
+    )
+    a, b = (dataclasses.replace(d.cfg, **vocab_free) for d in (src, dst))
+    if a != b:
+        raise ValueError(f"src: expected a head configured as dst but for its vocabulary, got {src.cfg}")
+    params = dict(dst.params)
+    for name, value in src.params.items():
+        if name in VOCAB_PARAMS or name in dst.shared:
+            continue
+        shapes = [tuple(t.shape) for t in tree.tree_leaves(value)]
+        if shapes != [tuple(t.shape) for t in tree.tree_leaves(dst.params[name])]:
+            raise ValueError(f"src: param {name!r} expected dst's shapes, got {shapes[:4]}")
+        params[name] = tree.tree_map(lambda s, d: L.param(s.detach().to(d).clone()), value, dst.params[name])
+    if "lm_head" in src.params and "lm_head" not in dst.shared and "lm_head" not in src.shared:
+        src_ids, dst_ids = vocab_ids(src).cpu(), vocab_ids(dst).cpu()
+        at = torch.full((dst.cfg.model.vocab_size,), -1, dtype=torch.int64)
+        at[dst_ids] = torch.arange(dst_ids.numel())
+        rows_dst = at[src_ids]
+        keep = rows_dst >= 0
+        rows = params["lm_head"].detach().clone()
+        src_rows = src.params["lm_head"].detach().index_select(0, keep.nonzero().squeeze(1).to(rows.device))
+        rows[rows_dst[keep].to(rows.device)] = src_rows.to(rows)
+        params["lm_head"] = L.param(rows)
+    return dataclasses.replace(dst, params=params)
+
+
 def step_generator(seed: int, step: int) -> torch.Generator:
     """The generator of step `step`'s global batch."""
     return torch.Generator().manual_seed(seed * 2**32 + step)  # distinct for every (seed, step < 2^32)

@@ -292,7 +292,8 @@ def test_the_build_trains_with_the_recipes_feed_loss_mask_and_drafted_vocabulary
 def test_a_build_can_start_from_a_saved_head(tmp_path: Path, monkeypatch):
     """`--init DIR`: the distillation starts from that head's weights and draft vocabulary (what a longer
     build over several machines resumes from once a train_dir's state is gone; the build stops there, at the
-    first call of the distillation); a head of another draft vocabulary size, or a directory without a
+    first call of the distillation); a head of another draft vocabulary size or output layer starts the
+    recipe's fresh head with its weights carried over; another MLP width, or a directory without a
     head, is refused. The stream is written here, so nothing is generated."""
     target = fspec.load_target(default_model.gguf_path(), dtype=torch.float32, device="cpu")
     vd = default_model.TINY.draft_vocab_size
@@ -325,12 +326,24 @@ def test_a_build_can_start_from_a_saved_head(tmp_path: Path, monkeypatch):
     got, wanted = (fspec.tree.tree_flatten(t) for t in (seen["params"], want.params))
     assert got[1] == wanted[1]  # the same tree: names and nesting
     assert len(got[0]) == len(wanted[0]) and all(torch.equal(a, b) for a, b in zip(got[0], wanted[0]))
-    with pytest.raises(ValueError, match="init: expected an eagle3 head of draft_vocab_size 256"):
+    # another vocabulary: the recipe's fresh head with the saved head's weights and trained rows carried over
+    with pytest.raises(Started):
         default_model.main([*args, "--out", str(tmp_path / "x"), "--set", "draft_vocab_size=256"])
-    with pytest.raises(
-        ValueError, match="init: expected a head with tie_lm_head=True .*got one with tie_lm_head=False"
-    ):
+    got = seen["params"]
+    assert got["d2t"].numel() == 256 and torch.equal(got["fc"], want.params["fc"])
+    saved_ids = (torch.arange(vd) + want.params["d2t"]).tolist()
+    new_ids = (torch.arange(256) + got["d2t"]).tolist()
+    assert 0 < len(set(new_ids) & set(saved_ids)) < 256
+    for row, t in enumerate(new_ids):
+        if t in saved_ids:
+            assert torch.equal(got["lm_head"][row], want.params["lm_head"][saved_ids.index(t)])
+    with pytest.raises(Started):  # tied: the target's rows of the fresh head's vocabulary
         default_model.main([*args, "--out", str(tmp_path / "x"), "--set", "tie_lm_head=true"])
+    got = seen["params"]
+    assert torch.equal(got["lm_head"], target.params["embed"][torch.arange(vd) + got["d2t"]])
+    assert torch.equal(got["fc"], want.params["fc"])
+    with pytest.raises(ValueError, match="init: expected a head of intermediate_size 40 .*got 1536"):
+        default_model.main([*args, "--out", str(tmp_path / "x"), "--set", "intermediate_size=40"])
     with pytest.raises(FileNotFoundError, match="init: expected a head directory"):
         default_model.main(["--tiny", "--device", "cpu", "--init", str(tmp_path / "none")])
 

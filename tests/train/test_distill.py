@@ -325,6 +325,41 @@ def test_a_tied_head_trains_everything_but_its_output_layer(tmp_path: Path):
     torch.testing.assert_close(resumed.params["fc"], trained.params["fc"], atol=1e-6, rtol=0)
 
 
+def test_carry_weights_moves_a_trained_head_to_another_vocabulary():
+    """carry_weights(src, dst): dst keeps its vocabulary maps; every other param is src's; dst's output rows
+    for the ids both vocabularies hold are src's trained rows, the others dst's own (the target's rows); a
+    tied dst keeps the target's rows; heads configured otherwise are refused, naming src."""
+    target = tiny_target()
+    src = tiny_draft(target)  # 61 of the 97 ids
+    with torch.no_grad():
+        for leaf in fspec.tree.tree_leaves({k: v for k, v in src.params.items() if k not in src.shared}):
+            if leaf.is_floating_point():
+                leaf.add_(torch.randn(leaf.shape, generator=torch.Generator().manual_seed(leaf.numel())))
+    dst = D.new_draft(target, kind="eagle3", tokens=token_stream(seed=5), draft_vocab_size=80, seed=9)
+    out = D.carry_weights(src, dst)
+    assert out.cfg == dst.cfg and out.shared == dst.shared
+    for name in ("d2t", "t2d"):
+        assert torch.equal(out.params[name], dst.params[name])
+    for name in ("fc", "norm"):
+        assert torch.equal(out.params[name], src.params[name])
+    assert all(torch.equal(out.params["layer"][n], src.params["layer"][n]) for n in src.params["layer"])
+    src_ids, dst_ids = ttt.vocab_ids(src).tolist(), ttt.vocab_ids(dst).tolist()
+    both = set(src_ids) & set(dst_ids)
+    assert 0 < len(both) < 80
+    for row, t in enumerate(dst_ids):
+        want = src.params["lm_head"][src_ids.index(t)] if t in both else dst.params["lm_head"][row]
+        assert torch.equal(out.params["lm_head"][row], want), t
+    tied = D.new_draft(target, kind="eagle3", tokens=token_stream(), draft_vocab_size=80, tie_lm_head=True)
+    assert torch.equal(D.carry_weights(src, tied).params["lm_head"], tied.params["lm_head"])
+    wide = D.new_draft(
+        target, kind="eagle3", tokens=token_stream(), draft_vocab_size=80, intermediate_size=96
+    )
+    with pytest.raises(ValueError, match="^src: expected a head configured as dst but for its vocabulary"):
+        D.carry_weights(src, wide)
+    with pytest.raises(ValueError, match="^src, dst: expected two Drafts"):
+        D.carry_weights(src.params, dst)
+
+
 def test_torchrun_two_gloo_processes_equal_one_process(tmp_path: Path):
     """`torchrun --nproc_per_node=2 -m fspec.train.distill train` (gloo) ends where one process does, 3
     steps on."""
