@@ -19,7 +19,8 @@ matched at least as often as its extensions — then scored on each held-out set
 A round's verification runs 1 + N rows; the several-row kernels take up to 16 (so N <= 15), at about one
 row's cost where launches bound a round (BENCHMARKS.md, SmolLM2's several-row products).
 
-Rows: per held-out set, `tau_chain` (the head's own K-chain) and `tau_tree[N]`, tokens per round over the
+Rows: per held-out set, `tau_chain` (the head's own K-chain), `tau_tree[N]` and `tau_chain_k[j]` (chains of
+every length j up to the trees' depth: the head drafting j steps), tokens per round over the
 rounds whose drafts (to the trees' depth) lie inside the answers (the answers run that many tokens past
 --new-tokens for them). The chain
 simulated over the whole answers must run the engine's rounds with the engine's acceptances
@@ -206,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds_engine": engine_rounds,
             "tau_chain": round(tau(rank_rows, chain), 4),
             "tau_tree": {str(n): round(tau(rank_rows, trees[n]), 4) for n in args.budgets},
+            "tau_chain_k": {str(j): round(tau(rank_rows, chain_of(j)), 4) for j in range(1, depth + 1)},
             "seconds": round(time.perf_counter() - t1, 1),
         }
         doc["rows"].append(row)

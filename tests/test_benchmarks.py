@@ -551,6 +551,8 @@ def test_tree_acceptance_smoke_checks_its_ranks_against_the_engine(tmp_path):
     for r in d["rows"]:
         assert r["rounds_engine"] > 0 and 1 <= r["tau_chain"] <= 6
         assert r["tau_tree"]["9"] >= r["tau_tree"]["5"] >= 1
+        chains = [r["tau_chain_k"][str(j)] for j in range(1, 6)]
+        assert chains[4] == r["tau_chain"] and all(1 <= t <= j + 1 for j, t in enumerate(chains, 1))
 
 
 @pytest.mark.slow
