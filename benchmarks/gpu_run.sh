@@ -12,7 +12,8 @@
 #                target-only; TORCHINDUCTOR_* variables in the environment apply; a later --out names another file)
 #   linear       benchmarks/bench_skinny_linear.py (fspec::skinny_linear vs cuBLAS; --sweep for configs)
 #   host         benchmarks/bench_host_overhead.py (host µs of each piece of an eager sampling call; run it
-#                alone: a compile in another process inflates every figure)
+#                alone: a compile in another process inflates every figure; carry .peers, which
+#                gpu_prepare.sh makes, to time vLLM's eager Gumbel call in the same run)
 #   scaling      benchmarks/bench_distill_scaling.py (two GPUs)
 #   memcheck     compute-sanitizer memcheck over the kernel GPU tests (caching allocator off; graph tests
 #                excluded: capture cannot allocate with the allocator off)
