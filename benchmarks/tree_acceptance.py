@@ -42,10 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_io  # noqa: E402
 
 import fspec  # noqa: E402
-from fspec.models.checkpoint import render_chat  # noqa: E402
 from fspec.models.heads import head_kind  # noqa: E402
 from fspec.train import prompts as P  # noqa: E402
 from fspec.train import ttt  # noqa: E402
+from fspec.train.default_model import chat_ids  # noqa: E402
 
 NO_RANK = 1 << 30
 
@@ -53,12 +53,10 @@ NO_RANK = 1 << 30
 def answers(target, draft, texts: list[str], new_tokens: int, k: int) -> tuple[list[list[int]], list, list]:
     """(the templated prompts' ids, the target's greedy answers, per prompt the engine's per-position
     acceptance rates over its rounds): one user turn each, one `generate` call per prompt (B = 1)."""
-    prompts, outs, rates = [], [], []
-    for text in texts:
-        chat = render_chat(target, [{"role": "user", "content": text}])
-        ids = target.tokenizer.encode(chat, add_special_tokens=False).ids
+    prompts = chat_ids(target, texts, max_tokens=target.cfg.max_position_embeddings)  # the recipe's own
+    outs, rates = [], []
+    for ids in prompts:
         res = fspec.generate(target, draft, [ids], max_new_tokens=new_tokens, num_speculative_steps=k)
-        prompts.append(ids)
         outs.append(res.tokens[0])
         rates.append(res.stats["acceptance_rate_per_position"])
     return prompts, outs, rates
